@@ -1,0 +1,137 @@
+"""The parallel layout of a run: how many ways data, pipeline and tensor parallelism split the world.
+
+One frozen dataclass validates the sizes once, maps a global rank to its coordinates on the named
+mesh axes and builds the ``DeviceMesh`` on demand. Axis order (outermost first) is ``("pp", "dp", "tp")``
+as in torchtitan: tensor-parallel peers are adjacent ranks (they talk the most), pipeline stages are
+the farthest apart.
+
+Example::
+
+    >>> t = Topology.resolve(world_size=4, pipeline_parallel_size=2)
+    >>> t
+    Topology(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=1)
+    >>> t.coordinates(3)
+    {'pp': 1, 'dp': 1, 'tp': 0}
+    >>> t.group_ranks("pp", rank=1)   # the ranks of rank 1's pipeline, stage order
+    [1, 3]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+Size = Union[int, Literal["auto"]]
+
+AXES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class Topology:
+    data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}={value!r}` must be a positive integer (or 'auto' where allowed).")
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        data_parallel_size: Size = "auto",
+        pipeline_parallel_size: Size = 1,
+        tensor_parallel_size: Size = 1,
+        model_axis: str | None = None,
+    ) -> "Topology":
+        """Fill in ``"auto"`` sizes and check that the product is the world size.
+
+        ``model_axis`` ("pp" or "tp") names the model dimension that takes every device left over when
+        it is ``"auto"``; ``data_parallel_size="auto"`` is then world size / (pp × tp).
+        """
+        sizes = {"dp": data_parallel_size, "pp": pipeline_parallel_size, "tp": tensor_parallel_size}
+        for axis, value in sizes.items():
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"`{_NAMES[axis]}={value!r}` must be a positive integer or 'auto'.")
+        for axis in ("pp", "tp"):
+            if sizes[axis] == "auto":
+                if axis != model_axis:
+                    sizes[axis] = 1
+                    continue
+                fixed = (sizes["dp"] if sizes["dp"] != "auto" else 1) * (
+                    sizes["tp" if axis == "pp" else "pp"] if sizes["tp" if axis == "pp" else "pp"] != "auto" else 1
+                )
+                sizes[axis] = max(world_size // fixed, 1)
+        if sizes["dp"] == "auto":
+            sizes["dp"] = max(world_size // (sizes["pp"] * sizes["tp"]), 1)
+        topo = cls(sizes["dp"], sizes["pp"], sizes["tp"])
+        if topo.world_size != world_size:
+            raise ValueError(
+                f"The sizes `data_parallel_size={topo.data_parallel_size}`, `pipeline_parallel_size="
+                f"{topo.pipeline_parallel_size}` and `tensor_parallel_size={topo.tensor_parallel_size}` multiplied "
+                f"({topo.world_size}) should equal the world size ({world_size}). Change the sizes or the number "
+                f"of devices (Trainer(devices=..., num_nodes=...))."
+            )
+        return topo
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
+
+    def size(self, axis: str) -> int:
+        return {"pp": self.pipeline_parallel_size, "dp": self.data_parallel_size, "tp": self.tensor_parallel_size}[
+            _check_axis(axis)
+        ]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.size(a) for a in AXES)  # type: ignore[return-value]
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks.")
+        coords = {}
+        for axis in reversed(AXES):
+            coords[axis] = rank % self.size(axis)
+            rank //= self.size(axis)
+        return {a: coords[a] for a in AXES}
+
+    def rank_of(self, **coords: int) -> int:
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.size(axis) + coords.get(axis, 0)
+        return rank
+
+    def group_ranks(self, axis: str, rank: int) -> list[int]:
+        """The ranks that differ from ``rank`` only along ``axis``, in axis order."""
+        coords = self.coordinates(rank)
+        return [self.rank_of(**{**coords, _check_axis(axis): i}) for i in range(self.size(axis))]
+
+    def all_groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis`` (each rank in exactly one); the order ``new_group`` must see on all ranks."""
+        seen, groups = set(), []
+        for rank in range(self.world_size):
+            group = self.group_ranks(axis, rank)
+            if group[0] not in seen:
+                seen.add(group[0])
+                groups.append(group)
+        return groups
+
+    def build_mesh(self, device_type: str):
+        """The ``DeviceMesh`` over the world with axes named ``pp``, ``dp``, ``tp`` (process group must exist)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+
+
+_NAMES = {"dp": "data_parallel_size", "pp": "pipeline_parallel_size", "tp": "tensor_parallel_size"}
+
+
+def _check_axis(axis: str) -> str:
+    if axis not in AXES:
+        raise ValueError(f"Unknown mesh axis {axis!r}; the axes are {AXES}.")
+    return axis

@@ -1,0 +1,124 @@
+"""Shared machinery of the strategy tests: run a Lightning fit on real ranks and record what happened,
+run the same fit in one process as the reference, and compare the two.
+
+A distributed fit runs under Lightning's own launcher with ``start_method="fork"``: the pytest process
+never joins a process group, every rank (rank 0 included) is a child. Results come back through files
+written by :class:`Recorder` (a child's objects never reach the caller).
+
+Data order: in a distributed fit Lightning replaces the training sampler by
+``DistributedSampler(shuffle=True, seed=0)``. :func:`reference_loader` builds the one-replica version of
+that sampler, whose step-``i`` batch of ``B`` samples is exactly the union of the ranks' step-``i``
+batches of ``B / dp`` samples, so one process sees the same global batches as the parallel run.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Callable
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+TIMEOUT_S = 240  # per distributed test; hangs are the usual failure
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().float().cpu().clone()
+
+
+def _scalar(x) -> float | None:
+    if isinstance(x, dict):
+        x = x.get("loss")
+    if isinstance(x, torch.Tensor):
+        return float(_full(x))
+    return None if x is None else float(x)
+
+
+class Recorder(pl.Callback):
+    """Per rank: the loss of every training batch, the gradients seen before every optimizer step,
+    the final parameters and the callback metrics, saved to ``<out_dir>/rank<r>.pt`` at the end of fit.
+
+    Names are the module's own parameter names; a rank that holds no gradient for a parameter (a
+    pipeline stage that does not own it) records none. DTensors are gathered to full tensors.
+    """
+
+    def __init__(self, out_dir: str, grads: bool = True):
+        self.out_dir, self.grads = out_dir, grads
+        self.losses: list[float | None] = []
+        self.grad_steps: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(_scalar(outputs))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.grads:
+            self.grad_steps.append(
+                {n: _full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
+            )
+
+    def on_fit_end(self, trainer, pl_module):
+        params = {n: _full(p) for n, p in pl_module.named_parameters()}
+        metrics = {k: float(_full(v)) for k, v in trainer.callback_metrics.items()}
+        os.makedirs(self.out_dir, exist_ok=True)
+        torch.save(
+            {"rank": trainer.global_rank, "losses": self.losses, "grads": self.grad_steps, "params": params,
+             "metrics": metrics, "global_step": trainer.global_step},
+            os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
+        )
+
+
+def trainer_kwargs(**overrides) -> dict:
+    """Quiet, deterministic CPU trainer settings for tests (override any)."""
+    kw = dict(accelerator="cpu", deterministic=True, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+              limit_val_batches=0)
+    kw.update(overrides)
+    return kw
+
+
+def fit_and_record(module: pl.LightningModule, train_loader: DataLoader, out_dir: str, *, strategy="auto",
+                   devices=1, max_steps: int = 3, callbacks=(), val_loader=None, **overrides) -> list[dict]:
+    """Run ``trainer.fit`` and return every rank's record, rank order."""
+    for old in glob.glob(os.path.join(out_dir, "rank*.pt")):
+        os.remove(old)
+    trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, max_steps=max_steps,
+                                          callbacks=[Recorder(out_dir), *callbacks], **overrides))
+    trainer.fit(module, train_loader, val_loader)
+    files = sorted(glob.glob(os.path.join(out_dir, "rank*.pt")), key=lambda f: int(f.rsplit("rank", 1)[1][:-3]))
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+def reference_loader(dataset: Dataset, batch_size: int) -> DataLoader:
+    """One process, the same global batches as Lightning's distributed sampler gives N ranks (see top)."""
+    return DataLoader(dataset, batch_size=batch_size,
+                      sampler=DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
+
+
+def assert_close_records(ref: dict, got: dict, *, atol: float = 1e-5, rtol: float = 1e-5,
+                         losses: bool = True, require_all_grads: bool = True) -> None:
+    """Compare one rank's record with the reference: every loss, every gradient it holds, every parameter."""
+    if losses:
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=atol, rtol=rtol)
+    assert len(got["grads"]) == len(ref["grads"]), (len(got["grads"]), len(ref["grads"]))
+    for step, (g, r) in enumerate(zip(got["grads"], ref["grads"])):
+        assert g, f"step {step}: this rank recorded no gradient"
+        if require_all_grads:
+            assert set(g) == set(r), f"step {step}: gradients differ in names: {set(g) ^ set(r)}"
+        for name, grad in g.items():
+            torch.testing.assert_close(grad, r[name], atol=atol, rtol=rtol, msg=lambda m: f"step {step} {name}: {m}")
+    for name, p in got["params"].items():
+        torch.testing.assert_close(p, ref["params"][name], atol=atol, rtol=rtol, msg=lambda m: f"param {name}: {m}")
+
+
+def union_of_grad_names(records: list[dict]) -> set[str]:
+    return {n for rec in records for step in rec["grads"] for n in step}
+
+
+def seeded(factory: Callable[[], pl.LightningModule], seed: int = 0) -> pl.LightningModule:
+    torch.manual_seed(seed)
+    return factory()
