@@ -1,0 +1,56 @@
+"""The advisor: predict per-device memory and communication of every layout, and choose one.
+
+Example::
+
+    from lightning_par.advisor import advise_module
+    advice = advise_module(GPT(), example_batch, devices=8, device_memory=80 * 2**30)
+    print(advice.table())
+"""
+from __future__ import annotations
+
+from lightning_par.advisor.choose import Advice, Candidate, advise, candidate_layouts
+from lightning_par.advisor.memory import Estimate, Layout, estimate, korthikanti_bytes_per_layer
+from lightning_par.advisor.profile import ModuleProfile, measure
+
+__all__ = ["Advice", "Candidate", "Estimate", "Layout", "ModuleProfile", "advise", "advise_module",
+           "candidate_layouts", "estimate", "korthikanti_bytes_per_layer", "measure", "profile_lightning_module"]
+
+
+def profile_lightning_module(module, batch, blocks=None) -> ModuleProfile:
+    """Profile a LightningModule by running its own ``training_step`` once on ``batch`` (one micro-batch).
+
+    ``blocks`` is the repeated block container (found automatically when None, as the pipeline does).
+    Logging calls inside ``training_step`` are silenced for the probe.
+    """
+    import torch
+
+    from lightning_par.pipeline.discovery import find_blocks
+
+    _, container = find_blocks(module, blocks)
+    size = next(t for t in _leaves(batch) if isinstance(t, torch.Tensor)).shape[0]
+    log, module.log = module.log, (lambda *args, **kwargs: None)
+    was_training = module.training
+    module.train()
+    try:
+        def step():
+            out = module.training_step(batch, 0)
+            return out["loss"] if isinstance(out, dict) else out
+        return measure(module, container, step, size)
+    finally:
+        module.log = log
+        module.train(was_training)
+
+
+def advise_module(module, batch, devices: int, device_memory: int, batch_size: int | None = None, **kwargs) -> Advice:
+    """Profile ``module`` on ``batch`` and advise for a global batch of ``batch_size`` (default: ``batch``'s size)."""
+    import torch
+
+    profile = profile_lightning_module(module, batch)
+    size = batch_size or next(t for t in _leaves(batch) if isinstance(t, torch.Tensor)).shape[0]
+    return advise(profile, devices, device_memory, size, **kwargs)
+
+
+def _leaves(batch):
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(batch)[0]

@@ -1,0 +1,145 @@
+"""What the advisor knows about a module: parameter counts by region and activation bytes, measured.
+
+Activations are measured, not guessed: one forward + backward of the real module on a micro-batch,
+counting every tensor autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
+attributed to the block that was running when it was saved. Parameters and tensors saved twice are
+counted once (by storage). The result scales linearly with the micro-batch, which is what the memory
+model assumes.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModuleProfile:
+    """Per-sample activation bytes and parameter counts of one module, measured on a micro-batch."""
+
+    total_params: int                # unique parameters (tied weights once)
+    block_params: tuple[int, ...]    # parameters of each block of the repeated stack, in order
+    first_params: int                # parameters used before the blocks (embeddings)
+    last_params: int                 # parameters used after the blocks (final norm, head) not already first
+    tied_params: int                 # parameters shared by the first and the last part (a tied lm head)
+    shardable_block_params: int      # parameters of the nn.Linear layers inside the blocks (tensor-parallel)
+    block_activation_bytes: tuple[int, ...]  # bytes saved for backward per sample, per block
+    first_activation_bytes: int      # bytes saved per sample before the blocks (embeddings)
+    last_activation_bytes: int       # bytes saved per sample after the blocks (final norm, logits, loss)
+    hidden_size: int                 # last dim of a block's input
+    seq_len: int                     # second dim of a block's input (1 if 2-D)
+    num_heads: int | None            # from the first block (n_head / num_heads / num_attention_heads)
+    dtype_bytes: int                 # bytes per element of the measured activations' dominant dtype
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_params)
+
+    @property
+    def activation_bytes_per_sample(self) -> int:
+        return sum(self.block_activation_bytes) + self.first_activation_bytes + self.last_activation_bytes
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return (t.untyped_storage().data_ptr(), t.device.type)
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
+        return (id(t), t.device.type)
+
+
+def _num_heads(block: nn.Module) -> int | None:
+    for m in block.modules():
+        for name in ("n_head", "num_heads", "num_attention_heads", "n_heads"):
+            value = getattr(m, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        config = getattr(m, "config", None)
+        value = getattr(config, "num_attention_heads", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, batch_size: int) -> ModuleProfile:
+    """Profile ``module`` by calling ``run_step()`` once: it must run forward on a micro-batch of
+    ``batch_size`` samples and return the loss (the advisor calls ``backward`` on it).
+
+    ``blocks`` is the repeated block container inside ``module`` (the one a pipeline would split).
+    """
+    block_list = list(blocks)
+    block_ids = {id(p) for b in block_list for p in b.parameters()}
+    param_storages = {_storage_key(p) for p in module.parameters()}
+    region = {"current": None}
+    seen: set = set()
+    saved = [0] * len(block_list)
+    outside = [0, 0]  # before, after the blocks
+    first_ids: set[int] = set()
+    last_ids: set[int] = set()
+    phase = {"after": False}
+    input_shape: list[torch.Size] = []
+    bytes_by_width: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in param_storages and key not in seen:
+            seen.add(key)
+            nbytes = t.untyped_storage().nbytes() if hasattr(t, "untyped_storage") else t.numel() * t.element_size()
+            bytes_by_width[t.element_size()] = bytes_by_width.get(t.element_size(), 0) + nbytes
+            if region["current"] is None:
+                outside[int(phase["after"])] += nbytes
+            else:
+                saved[region["current"]] += nbytes
+        return t
+
+    def leaf_hook(mod, args):
+        if region["current"] is None:
+            target = last_ids if phase["after"] else first_ids
+            target.update(id(p) for p in mod.parameters(recurse=False))
+
+    def enter(i):
+        def hook(mod, args):
+            region["current"] = i
+            if i == 0 and args and isinstance(args[0], torch.Tensor):
+                input_shape.append(args[0].shape)
+        return hook
+
+    def leave(i):
+        def hook(mod, args, out):
+            region["current"] = None
+            if i == len(block_list) - 1:
+                phase["after"] = True
+        return hook
+
+    with ExitStack() as stack:
+        for i, b in enumerate(block_list):
+            stack.callback(b.register_forward_pre_hook(enter(i)).remove)
+            stack.callback(b.register_forward_hook(leave(i)).remove)
+        for m in module.modules():
+            if not any(True for _ in m.children()) and not any(id(p) in block_ids for p in m.parameters()):
+                stack.callback(m.register_forward_pre_hook(leaf_hook).remove)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        loss = run_step()
+        loss.backward()
+    module.zero_grad(set_to_none=True)
+
+    unique = {id(p): p for p in module.parameters()}
+    tied = first_ids & last_ids
+    shape = input_shape[0] if input_shape else torch.Size([batch_size, 1, 1])
+    linear = {id(p): p for b in block_list for m in b.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+    return ModuleProfile(
+        total_params=sum(p.numel() for p in unique.values()),
+        block_params=tuple(sum(p.numel() for p in b.parameters()) for b in block_list),
+        first_params=sum(unique[i].numel() for i in first_ids),
+        last_params=sum(unique[i].numel() for i in last_ids - first_ids),
+        tied_params=sum(unique[i].numel() for i in tied),
+        shardable_block_params=sum(p.numel() for p in linear.values()),
+        block_activation_bytes=tuple(s // batch_size for s in saved),
+        first_activation_bytes=outside[0] // batch_size,
+        last_activation_bytes=outside[1] // batch_size,
+        hidden_size=int(shape[-1]),
+        seq_len=int(shape[1]) if len(shape) >= 3 else 1,
+        num_heads=_num_heads(block_list[0]) if block_list else None,
+        dtype_bytes=max(bytes_by_width, key=bytes_by_width.get) if bytes_by_width else 4,
+    )

@@ -1,0 +1,109 @@
+"""Advisor arithmetic on known cases, and the measured activation probe."""
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_par.advisor import (Layout, ModuleProfile, advise, estimate, korthikanti_bytes_per_layer,
+                                   profile_lightning_module)
+from lightning_par.advisor.memory import stage_blocks, tp_activation_factor
+from lightning_par.models import GPT
+
+MiB = 1024**2
+
+
+def toy_profile(**overrides) -> ModuleProfile:
+    """4 blocks of 1000 params (all shardable), 100 embedding params, no activations unless given."""
+    base = dict(total_params=4100, block_params=(1000,) * 4, first_params=100, last_params=0, tied_params=0,
+                shardable_block_params=4000, block_activation_bytes=(0,) * 4, first_activation_bytes=0,
+                last_activation_bytes=0, hidden_size=8, seq_len=4, num_heads=4, dtype_bytes=4)
+    base.update(overrides)
+    return ModuleProfile(**base)
+
+
+def test_mixed_precision_adam_costs_16_bytes_per_parameter_and_zero1_shards_the_optimizer():
+    prof = toy_profile()
+    psi = prof.total_params
+    dp = estimate(prof, Layout(data_parallel_size=4), batch_size=8, precision="bf16-mixed", optimizer="adamw")
+    assert dp.param_bytes + dp.grad_bytes + dp.optimizer_bytes == 16 * psi
+    z1 = estimate(prof, Layout(data_parallel_size=4, zero_stage=1), batch_size=8, precision="bf16-mixed")
+    assert z1.optimizer_bytes == 8 * psi // 4
+    assert estimate(prof, Layout(), 8, optimizer="sgd").optimizer_bytes == 0
+
+
+def test_data_parallel_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_gradients():
+    prof = toy_profile()
+    for n in (2, 4):
+        e = estimate(prof, Layout(data_parallel_size=n), batch_size=8)
+        assert e.comm_bytes == int(2 * (n - 1) / n * 4 * prof.total_params)
+    assert estimate(prof, Layout(), 8).comm_bytes == 0
+
+
+def test_pipeline_splits_block_parameters_and_1f1b_holds_p_over_m_of_gpipe_activations():
+    prof = toy_profile(block_activation_bytes=(100,) * 4)
+    gpipe = estimate(prof, Layout(pipeline_parallel_size=2, microbatches=8, schedule="gpipe"), batch_size=16)
+    ofob = estimate(prof, Layout(pipeline_parallel_size=2, microbatches=8, schedule="1f1b"), batch_size=16)
+    assert gpipe.param_bytes == 4 * (2000 + 100)  # busiest stage: 2 blocks + the embedding
+    assert ofob.activation_bytes / gpipe.activation_bytes == pytest.approx(2 / 8)
+    # 8 micro-batches of 2 samples, one boundary each way: b*s*h*4 bytes per message
+    assert gpipe.comm_bytes == 8 * 2 * 4 * 8 * 4
+
+
+def test_tensor_parallel_shards_linear_parameters_and_counts_four_all_reduces_per_layer():
+    prof = toy_profile()
+    tp = estimate(prof, Layout(tensor_parallel_size=2), batch_size=2)
+    assert tp.param_bytes == 4 * (4000 // 2 + 100)
+    assert tp.comm_bytes == int(4 * 4 * 2 * (2 - 1) / 2 * 2 * 4 * 8 * 4)  # layers × 4 × ring × b·s·h·bytes
+    assert tp_activation_factor(2, sequence_parallel=True) == pytest.approx(0.5)
+    assert tp_activation_factor(2, sequence_parallel=False) == pytest.approx(22 / 34)
+
+
+def test_korthikanti_formula():
+    # sbh(34 + 5as/h) without parallelism
+    assert korthikanti_bytes_per_layer(128, 2, 64, 4) == pytest.approx(128 * 2 * 64 * (34 + 5 * 4 * 128 / 64))
+
+
+def test_stage_blocks_are_contiguous_and_cover_everything():
+    assert stage_blocks(5, 2) == [range(0, 3), range(3, 5)]
+    with pytest.raises(ValueError, match="stages=3"):
+        stage_blocks(2, 3)
+
+
+def test_the_rule_data_parallel_when_it_fits_then_pipeline_then_tensor():
+    prof = toy_profile(block_activation_bytes=(1000,) * 4)
+    fits = advise(prof, devices=4, device_memory=10 * MiB, batch_size=8)
+    assert fits.choice.layout == Layout(data_parallel_size=4)
+    dp_bytes = estimate(prof, Layout(data_parallel_size=4), 8).total_bytes
+    zero_bytes = estimate(prof, Layout(data_parallel_size=4, zero_stage=1), 8).total_bytes
+    zero = advise(prof, devices=4, device_memory=dp_bytes - 1, batch_size=8)
+    assert zero.choice.layout == Layout(data_parallel_size=4, zero_stage=1)
+    pipe = advise(prof, devices=4, device_memory=zero_bytes - 1, batch_size=8)
+    assert pipe.choice.layout.pipeline_parallel_size == 2 and pipe.choice.layout.tensor_parallel_size == 1
+    assert "pipeline across layers" in pipe.why
+    # one enormous layer: no pipeline stage fits, tensor parallel must split it
+    big = toy_profile(block_params=(1000, 1000, 1000, 400_000), total_params=403_100,
+                      shardable_block_params=403_000)
+    choice = advise(big, devices=4, device_memory=4 * 410_000 + 2_000_000 // 4, batch_size=8).choice
+    assert choice is not None and choice.layout.tensor_parallel_size > 1
+    nothing = advise(big, devices=2, device_memory=1000, batch_size=8)
+    assert nothing.choice is None and "no layout fits" in nothing.why
+    assert "recommended" in nothing.table()
+
+
+def test_measured_profile_of_the_reference_gpt():
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    batch = (torch.randint(0, 32, (4, 16)), torch.randint(0, 32, (4, 16)))
+    prof = profile_lightning_module(gpt, batch)
+    assert prof.total_params == sum(p.numel() for p in gpt.parameters())
+    assert prof.block_params == tuple(sum(p.numel() for p in b.parameters()) for b in gpt.blocks)
+    assert prof.tied_params == gpt.tok_emb.weight.numel()
+    assert (prof.hidden_size, prof.seq_len, prof.num_heads) == (16, 16, 2)
+    # per-sample activations do not depend on the probe's batch
+    half = profile_lightning_module(gpt, tuple(t[:2] for t in batch))
+    assert half.block_activation_bytes == prof.block_activation_bytes
+    # a block saves at least its 4 linear inputs and 2 layer-norm inputs (s·h fp32 each) and at most a few
+    # dozen such tensors: the same order as Korthikanti's 34 bytes·sbh in 16-bit
+    sh4 = 16 * 16 * 4
+    assert 6 * sh4 <= prof.block_activation_bytes[0] <= 40 * sh4
+    assert dataclasses.replace(prof).n_blocks == 2
