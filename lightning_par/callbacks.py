@@ -23,6 +23,7 @@ end of ``fit`` (rank 0 prints it; per-rank rows are gathered from every rank).
 """
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Any
@@ -91,14 +92,18 @@ class ParallelMetrics(pl.Callback):
             communication are measured (slow: every op passes through Python); later steps are timed.
         peak_flops_per_device: peak FLOP/s of one device for MFU (None: Lightning's table on CUDA).
         summary: print the table at the end of fit on rank 0.
+        save_path: write the gathered per-rank rows there as JSON at the end of fit (rank 0), for
+            scripts that run the fit in child processes (fork/spawn launchers) and read the numbers back.
     """
 
-    def __init__(self, *, measure_step: int = 1, peak_flops_per_device: float | None = None, summary: bool = True):
+    def __init__(self, *, measure_step: int = 1, peak_flops_per_device: float | None = None, summary: bool = True,
+                 save_path: str | None = None):
         if measure_step < 0:
             raise ValueError(f"`measure_step={measure_step}` must be >= 0.")
         self.measure_step = measure_step
         self.peak_flops_per_device = peak_flops_per_device
         self.summary = summary
+        self.save_path = save_path
         self.step_times: list[float] = []
         self.samples_per_step = 0
         self.tokens_per_step = 0
@@ -203,8 +208,12 @@ class ParallelMetrics(pl.Callback):
             row["bubble"] = statistics.median(self.bubbles)
         rows = _gather(row, trainer)
         self.rows = rows
-        if self.summary and trainer.is_global_zero:
-            print(format_summary(rows))
+        if trainer.is_global_zero:
+            if self.summary:
+                print(format_summary(rows))
+            if self.save_path:
+                with open(self.save_path, "w") as f:
+                    json.dump(rows, f, indent=1)
 
 
 def _gather(row: dict, trainer) -> list[dict]:

@@ -16,13 +16,27 @@ __all__ = ["Advice", "Candidate", "Estimate", "Layout", "ModuleProfile", "advise
            "candidate_layouts", "estimate", "korthikanti_bytes_per_layer", "measure", "profile_lightning_module"]
 
 
-def profile_lightning_module(module, batch, blocks=None) -> ModuleProfile:
+def profile_lightning_module(module, batch, blocks=None, precision: str = "32-true") -> ModuleProfile:
     """Profile a LightningModule by running its own ``training_step`` once on ``batch`` (one micro-batch).
 
     ``blocks`` is the repeated block container (found automatically when None, as the pipeline does).
+    Under a mixed ``precision`` the probe runs in the same autocast as training, so the activations
+    have the sizes training will see; under ``bf16-true``/``16-true`` a copy of the module runs in that dtype.
     Logging calls inside ``training_step`` are silenced for the probe.
     """
+    import copy
+    from contextlib import nullcontext
+
     import torch
+
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16,
+             "16-true": torch.float16}.get(precision)
+    device = next(module.parameters()).device
+    context = nullcontext()
+    if precision.endswith("-mixed"):
+        context = torch.autocast(device.type, dtype=dtype)
+    elif dtype is not None:
+        module = copy.deepcopy(module).to(dtype)
 
     from lightning_par.pipeline.discovery import find_blocks
 
@@ -33,7 +47,8 @@ def profile_lightning_module(module, batch, blocks=None) -> ModuleProfile:
     module.train()
     try:
         def step():
-            out = module.training_step(batch, 0)
+            with context:
+                out = module.training_step(batch, 0)
             return out["loss"] if isinstance(out, dict) else out
         return measure(module, container, step, size)
     finally:
@@ -45,7 +60,7 @@ def advise_module(module, batch, devices: int, device_memory: int, batch_size: i
     """Profile ``module`` on ``batch`` and advise for a global batch of ``batch_size`` (default: ``batch``'s size)."""
     import torch
 
-    profile = profile_lightning_module(module, batch)
+    profile = profile_lightning_module(module, batch, precision=kwargs.get("precision", "32-true"))
     size = batch_size or next(t for t in _leaves(batch) if isinstance(t, torch.Tensor)).shape[0]
     return advise(profile, devices, device_memory, size, **kwargs)
 

@@ -126,7 +126,7 @@ def advise(profile: ModuleProfile, devices: int, device_memory: int, batch_size:
     for lay in layouts:
         e = ests[lay]
         verdict = (f"needs {_fmt(e.total_bytes).strip()} of {_fmt(device_memory).strip()}" if not fits(lay)
-                   else f"fits, {e.total_bytes / device_memory:.0%} of memory")
+                   else f"fits, {e.total_bytes / device_memory:.1%} of memory")
         if dp_only(lay):
             kind = "data parallel" + (" + sharded optimizer state" if lay.zero_stage else "")
         elif pipeline(lay):

@@ -107,3 +107,19 @@ def test_measured_profile_of_the_reference_gpt():
     sh4 = 16 * 16 * 4
     assert 6 * sh4 <= prof.block_activation_bytes[0] <= 40 * sh4
     assert dataclasses.replace(prof).n_blocks == 2
+
+
+def test_advise_cli_with_no_arguments_prints_a_recommendation(capsys):
+    from lightning_par.advise import main
+
+    main([])
+    out = capsys.readouterr().out
+    assert "recommended: DP" in out and "Korthikanti" in out
+
+
+def test_advise_cli_recommends_a_pipeline_when_memory_is_short(capsys):
+    from lightning_par.advise import main
+
+    main(["model.n_layer=4", "--devices", "2", "--device-memory-gb", str(12 / 1024), "--batch-size", "32"])
+    out = capsys.readouterr().out
+    assert "recommended: PP2" in out, out

@@ -1,0 +1,95 @@
+"""What every recipe shares: the report it writes, the hardware line, and fits measured with ParallelMetrics."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_par.callbacks import ParallelMetrics
+
+
+@dataclass
+class Report:
+    """A recipe's result: a title, what is reproduced and from where, tables, figures, and notes."""
+
+    title: str
+    command: str
+    published: str
+    tables: list[tuple[str, list[str], list[list]]] = field(default_factory=list)  # (caption, header, rows)
+    figures: list[tuple[str, str]] = field(default_factory=list)  # (caption, file name in the run folder)
+    notes: list[str] = field(default_factory=list)
+    data: dict = field(default_factory=dict)  # the raw numbers, saved as results.json
+
+    def markdown(self) -> str:
+        lines = [f"# {self.title}", "", f"    {self.command}", "", f"Hardware: {hardware()}", "",
+                 f"Published result reproduced: {self.published}", ""]
+        for caption, header, rows in self.tables:
+            lines += [f"## {caption}", "", "| " + " | ".join(header) + " |",
+                      "|" + "---|" * len(header)]
+            lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+            lines.append("")
+        for caption, name in self.figures:
+            lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
+        if self.notes:
+            lines += ["## Notes", ""] + [f"- {n}" for n in self.notes] + [""]
+        return "\n".join(lines)
+
+    def write(self, out_dir: Path) -> Path:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(self.data, indent=1, default=str))
+        path = out_dir / "report.md"
+        path.write_text(self.markdown())
+        return path
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def hardware() -> str:
+    if torch.cuda.is_available():
+        dev = f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
+    else:
+        dev = f"CPU only, {os.cpu_count()} cores ({platform.processor() or platform.machine()})"
+    return f"{dev}; torch {torch.__version__}, lightning {pl.__version__}, {platform.system()}"
+
+
+def accelerator(cfg) -> str:
+    acc = cfg.get("accelerator", "cpu")
+    return "gpu" if acc in ("gpu", "cuda") else acc
+
+
+def start_method(acc: str) -> str:
+    """fork is the fast start on CPU; CUDA cannot be used in a forked child, so spawn there."""
+    return "fork" if acc == "cpu" else "spawn"
+
+
+def measured_fit(make_module: Callable[[], pl.LightningModule], datamodule: pl.LightningDataModule, *, strategy,
+                 devices: int, max_steps: int, out_json: Path, accelerator: str = "cpu", precision="32-true",
+                 measure_step: int = 1, **trainer_kwargs) -> list[dict]:
+    """Fit and return ParallelMetrics' per-rank rows (read back from ``out_json``: ranks may be children)."""
+    out_json = Path(out_json)
+    out_json.unlink(missing_ok=True)
+    trainer = pl.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=max_steps,
+                         precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[ParallelMetrics(measure_step=measure_step, summary=False,
+                                                    save_path=str(out_json))], **trainer_kwargs)
+    trainer.fit(make_module(), datamodule=datamodule)
+    return json.loads(out_json.read_text())
+
+
+def savefig(fig, out_dir: Path, name: str) -> str:
+    fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return name

@@ -1,0 +1,41 @@
+"""Every recipe's --quick mode end to end: it writes report.md, its plots and results.json."""
+import json
+
+import pytest
+
+from harness import TIMEOUT_S
+from lightning_par.recipe import main as recipe
+from lightning_par.recipes import RECIPES
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("name", RECIPES)
+def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
+    path = recipe([name, "--quick", "--out", str(tmp_path)])
+    assert capsys.readouterr().out.strip().endswith("report.md")
+    text = path.read_text()
+    assert text.startswith("# ") and f"lightning-par-recipe {name}" in text and "Published result" in text
+    for line in text.splitlines():
+        if line.startswith("!["):
+            assert (tmp_path / line.split("(")[-1].rstrip(")")).stat().st_size > 1000
+    results = json.loads((tmp_path / "results.json").read_text())
+    if name == "decision":
+        # model states of mixed-precision Adam: 16 bytes per parameter (the ZeRO paper's 16Ψ)
+        assert all(row[-1] == "1.000" for row in results["model_states"])
+        assert len(results["grid"]) == 3 and all(len(line) == 2 for line in results["grid"])
+        # the smallest model fits everywhere: data parallel; the 13B one needs model parallelism or does not fit
+        assert results["grid"][0] == [0, 0] and all(k >= 2 for k in results["grid"][2])
+    if name == "scaling":
+        rows = {(r[0], r[1]): r for r in results["rows"]}
+        assert rows[(1, "single")][5] == 1.0
+        for strategy in ("lightning_par", "lightning_ddp"):
+            assert rows[(2, strategy)][2] > 0
+            assert rows[(2, strategy)][6] > 0  # gradients were communicated
+
+
+def test_unknown_recipe_setting_fails_naming_it(tmp_path):
+    from omegaconf.errors import ConfigKeyError
+
+    with pytest.raises(ConfigKeyError, match="nonsense"):
+        recipe(["decision", "nonsense=1", "--quick", "--out", str(tmp_path)])
