@@ -11,9 +11,10 @@ end of ``fit`` (rank 0 prints it; per-rank rows are gathered from every rank).
 - ``mfu``: 6 × parameters × tokens/s over the peak FLOP/s of all devices (``peak_flops_per_device``;
   on CUDA Lightning's table of known GPUs fills it in); not logged when the peak is unknown (CPU).
 - ``param/grad/optimizer_bytes``: what this rank holds (local shards of DTensors), after a step.
-  ``activation_bytes``: bytes autograd saved for backward during one training step on this rank (every
-  storage once; parameters excluded). Under a pipeline schedule it is the sum over the step's
-  micro-batches, an upper bound of what is alive at once; on CUDA ``peak_allocated_bytes`` is exact.
+  ``activation_bytes``: the most bytes of tensors saved for backward alive at once during one training
+  step on this rank (every storage once, parameters excluded; a tensor stops counting when autograd
+  frees it after its backward) — under a pipeline schedule, what the micro-batches in flight hold;
+  ``activation_saved_bytes``: all bytes saved during the step. On CUDA ``peak_allocated_bytes`` is exact.
 - ``comm_bytes``: wire bytes this rank sent in the measured step (``lightning_par.comm``; by op kind in
   ``comm_bytes_by_kind``, where Lightning's own small control broadcasts show apart from gradients), and
   ``comm_share``: the time spent inside communication calls in the measured step over the median timed
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -56,13 +58,18 @@ def state_bytes(module: torch.nn.Module, optimizers) -> dict[str, int]:
 
 
 class _SavedBytes:
-    """Context manager summing the bytes autograd saves for backward (each storage once, no parameters)."""
+    """Context manager over the tensors autograd saves for backward (each storage once, no parameters):
+    ``total`` bytes saved, and ``peak`` bytes alive at once (a saved tensor stops being alive when autograd
+    frees it after its backward, seen through a weakref finalizer)."""
 
     def __init__(self, module: torch.nn.Module):
         self.params = {p.untyped_storage().data_ptr() for p in module.parameters() if not hasattr(p, "to_local")}
-        self.seen: set[int] = set()
-        self.bytes = 0
+        self.live: dict[int, int] = {}
+        self.total = self.peak = self._live_bytes = 0
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _release(self, key: int) -> None:
+        self._live_bytes -= self.live.pop(key, 0)
 
     def _pack(self, t):
         try:
@@ -70,9 +77,12 @@ class _SavedBytes:
         except (RuntimeError, NotImplementedError):
             return t
         key = storage.data_ptr()
-        if key not in self.params and key not in self.seen:
-            self.seen.add(key)
-            self.bytes += storage.nbytes()
+        if key not in self.params and key not in self.live:
+            self.live[key] = storage.nbytes()
+            self.total += storage.nbytes()
+            self._live_bytes += storage.nbytes()
+            self.peak = max(self.peak, self._live_bytes)
+            weakref.finalize(t, self._release, key)
         return t
 
     def __enter__(self):
@@ -81,7 +91,6 @@ class _SavedBytes:
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
-        self.seen.clear()
 
 
 class ParallelMetrics(pl.Callback):
@@ -137,7 +146,8 @@ class ParallelMetrics(pl.Callback):
             self._stack = []
             self._counter.steps = 1
             self.measured.update(state_bytes(pl_module, trainer.optimizers))
-            self.measured["activation_bytes"] = saved.bytes
+            self.measured["activation_bytes"] = saved.peak
+            self.measured["activation_saved_bytes"] = saved.total
             self.measured["comm_bytes"] = self._counter.wire_bytes
             self.measured["comm_calls"] = sum(self._counter.calls.values())
             self._comm_seconds = self._counter.seconds
