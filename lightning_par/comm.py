@@ -9,7 +9,8 @@ is thread-local: on CPU the backward pass (and with it DDP's bucket all-reduces)
 thread, so it is seen; on CUDA the autograd engine uses device threads — count there with
 ``CommDebugMode`` or profile. ``payload`` is the bytes handed to the op; ``wire`` is what one rank sends
 under the textbook algorithm (ring all-reduce 2(N−1)/N × payload, all-gather (N−1) × input,
-reduce-scatter (N−1)/N × input, broadcast/send = payload). Every op passes through Python while the mode
+reduce-scatter (N−1)/N × input, broadcast/send = payload from the root or sender, nothing for a
+receiver). Every op passes through Python while the mode
 is on: count on a few steps, never on timed ones.
 """
 from __future__ import annotations
@@ -62,13 +63,27 @@ def _nbytes(obj) -> int:
     return 0
 
 
+def _process_group(arg):
+    """The ProcessGroup a c10d op received (the dispatcher hands it over boxed in a ScriptObject)."""
+    import torch.distributed as dist
+
+    if isinstance(arg, dist.ProcessGroup):
+        return arg
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            return dist.ProcessGroup.unbox(arg)
+        except (RuntimeError, TypeError):
+            return None
+    return None
+
+
 def _group_size(func, args) -> int:
     """World size of the op's process group (from its ProcessGroup argument or group name)."""
     import torch.distributed as dist
 
     for a in args:
-        if isinstance(a, dist.ProcessGroup):
-            return a.size()
+        if (pg := _process_group(a)) is not None:
+            return pg.size()
         if isinstance(a, str):
             try:
                 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -81,6 +96,13 @@ def _group_size(func, args) -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def _sends(name: str, args) -> bool:
+    """False when this rank is not the root of a c10d broadcast/reduce (it receives, sends nothing)."""
+    if name in ("broadcast_", "reduce_") and len(args) > 2 and (pg := _process_group(args[1])) is not None:
+        return pg.rank() == args[2]
+    return True
+
+
 @dataclass
 class CommCounter:
     """Calls, payload bytes and wire bytes per op kind; ``steps`` counts the steps they were summed over."""
@@ -91,11 +113,12 @@ class CommCounter:
     seconds: float = 0.0  # wall time inside the ops' calls (their blocking part)
     steps: int = 0
 
-    def add(self, kind: str, payload: int, world: int, backward: bool = False) -> None:
+    def add(self, kind: str, payload: int, world: int, backward: bool = False, sends: bool = True) -> None:
+        """``sends=False``: this rank only receives (a broadcast from another root)."""
         key = f"{kind}[bwd]" if backward else kind
         self.calls[key] += 1
         self.payload[key] += payload
-        self.wire[key] += wire_bytes(kind, payload, world)
+        self.wire[key] += wire_bytes(kind, payload, world) if sends else 0.0
 
     @property
     def wire_bytes(self) -> float:
@@ -140,7 +163,7 @@ def count_comm(counter: CommCounter | None = None):
             counter.seconds += time.perf_counter() - start
             kind, idx = _OPS[name]
             backward = torch._C._current_autograd_node() is not None
-            counter.add(kind, _nbytes(args[idx]), _group_size(func, args), backward)
+            counter.add(kind, _nbytes(args[idx]), _group_size(func, args), backward, _sends(name, args))
             return out
 
     with _Count():
