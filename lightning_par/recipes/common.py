@@ -87,6 +87,34 @@ def measured_fit(make_module: Callable[[], pl.LightningModule], datamodule: pl.L
     return json.loads(out_json.read_text())
 
 
+class LossLog(pl.Callback):
+    """Every rank's training loss per step, averaged over ranks and written as JSON by rank 0 at the end.
+
+    The mean over ranks is the global batch's loss for every layout lightning_par offers: data-parallel
+    replicas hold equal shares of the batch, and all ranks of one pipeline or tensor-parallel group
+    return the same (true) loss.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss.detach().float()) * trainer.accumulate_grad_batches)
+
+    def on_fit_end(self, trainer, pl_module):
+        import torch.distributed as dist
+
+        per_rank = [self.losses]
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, self.losses)
+        if trainer.is_global_zero:
+            mean = [sum(step) / len(step) for step in zip(*per_rank)]
+            Path(self.path).write_text(json.dumps({"mean": mean, "per_rank": per_rank}))
+
+
 def savefig(fig, out_dir: Path, name: str) -> str:
     fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
     import matplotlib.pyplot as plt
