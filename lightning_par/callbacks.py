@@ -72,11 +72,12 @@ class _SavedBytes:
         self._live_bytes -= self.live.pop(key, 0)
 
     def _pack(self, t):
+        local = getattr(t, "_local_tensor", t)  # a DTensor's shard (to_local() would record an autograd op)
         try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+            storage = local.untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensors without a real storage
             return t
-        key = storage.data_ptr()
         if key not in self.params and key not in self.live:
             self.live[key] = storage.nbytes()
             self.total += storage.nbytes()

@@ -43,6 +43,7 @@ class ModuleProfile:
 
 
 def _storage_key(t: torch.Tensor):
+    t = getattr(t, "_local_tensor", t)  # a DTensor's shard
     try:
         return (t.untyped_storage().data_ptr(), t.device.type)
     except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
@@ -85,7 +86,8 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         key = _storage_key(t)
         if key not in param_storages and key not in seen:
             seen.add(key)
-            nbytes = t.untyped_storage().nbytes() if hasattr(t, "untyped_storage") else t.numel() * t.element_size()
+            local = getattr(t, "_local_tensor", t)
+            nbytes = local.untyped_storage().nbytes()
             bytes_by_width[t.element_size()] = bytes_by_width.get(t.element_size(), 0) + nbytes
             if region["current"] is None:
                 outside[int(phase["after"])] += nbytes

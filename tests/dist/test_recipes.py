@@ -26,6 +26,23 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
         assert len(results["grid"]) == 3 and all(len(line) == 2 for line in results["grid"])
         # the smallest model fits everywhere: data parallel; the 13B one needs model parallelism or does not fit
         assert results["grid"][0] == [0, 0] and all(k >= 2 for k in results["grid"][2])
+    if name == "parity":
+        floor_gap = results["curves"]["single"][0] - results["floor"]
+        assert floor_gap > 0
+        for layout, curve in results["curves"].items():
+            # fp32 round-off over a few AdamW steps; a wrong split or a lost gradient is off by >1e-3
+            assert max(abs(a - b) for a, b in zip(curve, results["curves"]["single"])) < 1e-5, layout
+    if name == "memory":
+        for layout, res in results.items():
+            measured = max(sum(r[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"))
+                           for r in res["rows"])
+            predicted = sum(res["predicted"][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
+                                                          "activation_bytes"))
+            assert 0.85 <= predicted / measured <= 1.15, (layout, predicted, measured)  # the advisor within 15%
+    if name == "communication":
+        for layout, res in results.items():
+            # the formulas, plus only small control messages (loss broadcast, activation headers)
+            assert 0 <= res["measured"] - res["predicted"] < 0.06 * res["predicted"] + 1024, (layout, res)
     if name == "scaling":
         rows = {(r[0], r[1]): r for r in results["rows"]}
         assert rows[(1, "single")][5] == 1.0
