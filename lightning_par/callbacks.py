@@ -19,8 +19,8 @@ end of ``fit`` (rank 0 prints it; per-rank rows are gathered from every rank).
   ``comm_bytes_by_kind``, where Lightning's own small control broadcasts show apart from gradients), and
   ``comm_share``: the time spent inside communication calls in the measured step over the median timed
   step (a lower bound: the part of asynchronous bucket all-reduces that overlaps compute is not in it).
-- ``bubble``: when the strategy reports pipeline timing (``pipeline_timing()`` → busy and schedule
-  seconds of the last step), ``1 − busy / schedule``.
+- ``bubble``: when the strategy reports pipeline timing (``last_step_stats`` with the seconds the
+  stage computed, ``busy_s``, and the seconds its schedule took, ``schedule_s``), ``1 − busy / schedule``.
 """
 from __future__ import annotations
 
@@ -158,11 +158,9 @@ class ParallelMetrics(pl.Callback):
             self._log(trainer, {f"perf/{k}": v for k, v in self.measured.items() if not isinstance(v, dict)})
             self._last_end = None  # the measured step is slow: don't time it
             return
-        timing = getattr(trainer.strategy, "pipeline_timing", None)
-        if callable(timing) and (t := timing()):
-            busy, schedule = t
-            if schedule > 0:
-                self.bubbles.append(1.0 - busy / schedule)
+        stats = getattr(trainer.strategy, "last_step_stats", None)
+        if isinstance(stats, dict) and stats.get("schedule_s", 0) > 0 and "busy_s" in stats:
+            self.bubbles.append(1.0 - stats["busy_s"] / stats["schedule_s"])
         if self._last_end is not None:
             dt = now - self._last_end
             self.step_times.append(dt)

@@ -32,6 +32,12 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
         for layout, curve in results["curves"].items():
             # fp32 round-off over a few AdamW steps; a wrong split or a lost gradient is off by >1e-3
             assert max(abs(a - b) for a, b in zip(curve, results["curves"]["single"])) < 1e-5, layout
+    if name == "pipeline_bubble":
+        for res in results.values():
+            assert all(0 < b < 1 for b in res["per_rank_bubble"]) and len(res["per_rank_bubble"]) == res["p"]
+        for m in (2, 4):  # 1F1B holds at most min(p, m) of GPipe's m micro-batches of activations
+            ratio = results[f"p2-m{m}-1f1b"]["activation_bytes"] / results[f"p2-m{m}-gpipe"]["activation_bytes"]
+            assert ratio <= min(2, m) / m + 0.01, (m, ratio)
     if name == "memory":
         for layout, res in results.items():
             measured = max(sum(r[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"))
