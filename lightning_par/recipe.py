@@ -34,7 +34,8 @@ def load_config(name: str, quick: bool, overrides: list[str]):
     return cfg
 
 
-def main(argv: list[str] | None = None) -> Path:
+def run_recipe(argv: list[str] | None = None) -> Path:
+    """Parse ``argv`` like the command line, run the recipe, write its report; return the report's path."""
     p = argparse.ArgumentParser(prog="lightning-par-recipe", description=__doc__.split("\n\n")[0])
     p.add_argument("name", choices=RECIPES)
     p.add_argument("overrides", nargs="*", help="key=value overrides of the recipe's config.yaml")
@@ -50,6 +51,11 @@ def main(argv: list[str] | None = None) -> Path:
     path = report.write(out)
     print(path.resolve())
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script (returns nothing: a returned value would become the exit status)."""
+    run_recipe(argv)
 
 
 if __name__ == "__main__":

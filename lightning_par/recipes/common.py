@@ -62,9 +62,31 @@ def hardware() -> str:
     return f"{dev}; torch {torch.__version__}, lightning {pl.__version__}, {platform.system()}"
 
 
-def accelerator(cfg) -> str:
+def accelerator(cfg, cpu_threads: int = 1) -> str:
+    """The recipe's accelerator; on CPU each rank process is one "device" with ``cpu_threads`` threads
+    (set here, inherited by forked ranks)."""
     acc = cfg.get("accelerator", "cpu")
-    return "gpu" if acc in ("gpu", "cuda") else acc
+    acc = "gpu" if acc in ("gpu", "cuda") else acc
+    if acc == "cpu":
+        torch.set_num_threads(cpu_threads)
+    return acc
+
+
+def gpt_workload(model_cfg, batch_size: int, train_sequences: int, **module_kwargs):
+    """The synthetic corpus sized for ``model_cfg`` and a factory of the reference GPT, seeded the same
+    way every call (every layout starts from the same weights)."""
+    from lightning_par.data import SyntheticCorpus
+    from lightning_par.models import GPT
+
+    model_kw = dict(model_cfg)
+    data = SyntheticCorpus(vocab_size=model_kw["vocab_size"], seq_len=model_kw["block_size"], batch_size=batch_size,
+                           train_sequences=train_sequences, val_sequences=batch_size)
+
+    def make_module() -> pl.LightningModule:
+        torch.manual_seed(0)
+        return GPT(**model_kw, **module_kwargs)
+
+    return data, make_module
 
 
 def start_method(acc: str) -> str:

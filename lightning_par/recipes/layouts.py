@@ -14,9 +14,7 @@ import torch
 
 from lightning_par.advisor import Layout, estimate, profile_lightning_module
 from lightning_par.advisor.memory import Estimate
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
-from lightning_par.recipes.common import accelerator, measured_fit, start_method
+from lightning_par.recipes.common import accelerator, gpt_workload, measured_fit, start_method
 
 KINDS = ("single", "dp", "pp", "tp")
 
@@ -32,7 +30,7 @@ class Measured:
         return max(r.get(key, 0.0) for r in self.rows)
 
 
-def _strategy(kind: str, args: dict, acc: str):
+def strategy_for(kind: str, args: dict, acc: str):
     if kind == "single":
         return "auto"
     if kind == "dp":
@@ -46,7 +44,7 @@ def _strategy(kind: str, args: dict, acc: str):
     return cls(start_method=start_method(acc), **args)
 
 
-def _layout(kind: str, args: dict, devices: int) -> Layout:
+def layout_for(kind: str, args: dict, devices: int) -> Layout:
     if kind in ("single", "dp"):
         return Layout(data_parallel_size=devices, zero_stage=args.get("zero_stage", 0))
     if kind == "pp":
@@ -61,27 +59,19 @@ def _layout(kind: str, args: dict, devices: int) -> Layout:
 def measure_layouts(cfg, out_dir: Path) -> list[Measured]:
     """Fit ``cfg.model`` under every entry of ``cfg.layouts`` ({name: {kind, devices, args}})."""
     acc = accelerator(cfg)
-    if acc == "cpu":
-        torch.set_num_threads(1)
-    model_kw = dict(cfg.model)
-    data = SyntheticCorpus(vocab_size=model_kw["vocab_size"], seq_len=model_kw["block_size"],
-                           batch_size=cfg.batch_size, train_sequences=cfg.batch_size * 4 * (cfg.max_steps + 1),
-                           val_sequences=cfg.batch_size)
-
-    def make_module():
-        torch.manual_seed(0)
-        return GPT(**model_kw, warmup_steps=1)
+    data, make_module = gpt_workload(cfg.model, cfg.batch_size, cfg.batch_size * 4 * (cfg.max_steps + 1),
+                                     warmup_steps=1)
 
     results = []
     for name, entry in cfg.layouts.items():
         kind, devices, args = entry.kind, entry.devices, dict(entry.get("args", {}))
-        layout = _layout(kind, args, devices)
+        layout = layout_for(kind, args, devices)
         global_batch = cfg.batch_size * layout.data_parallel_size
         probe_n = global_batch // (layout.data_parallel_size * layout.microbatches)
         x, y = (torch.stack(t) for t in zip(*(data.train_set[i] for i in range(probe_n))))
         profile = profile_lightning_module(make_module(), (x, y), precision=cfg.precision)
         predicted = estimate(profile, layout, global_batch, cfg.precision, "adamw")
-        rows = measured_fit(make_module, data, strategy=_strategy(kind, args, acc), devices=devices,
+        rows = measured_fit(make_module, data, strategy=strategy_for(kind, args, acc), devices=devices,
                             max_steps=cfg.max_steps, out_json=out_dir / f"metrics-{name}.json", accelerator=acc,
                             precision=cfg.precision)
         results.append(Measured(name, layout, rows, predicted))

@@ -8,10 +8,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
-from lightning_par.recipes.common import LossLog, Report, accelerator, savefig
-from lightning_par.recipes.layouts import _layout, _strategy
+from lightning_par.recipes.common import LossLog, Report, accelerator, gpt_workload, savefig
+from lightning_par.recipes.layouts import layout_for, strategy_for
 
 
 def _fit(make_module, loader, strategy, devices, steps, acc, path: Path) -> list[float]:
@@ -24,16 +22,8 @@ def _fit(make_module, loader, strategy, devices, steps, acc, path: Path) -> list
 
 def run(cfg, out_dir: Path, command: str) -> Report:
     acc = accelerator(cfg)
-    if acc == "cpu":
-        torch.set_num_threads(1)
-    model_kw = dict(cfg.model)
-    data = SyntheticCorpus(vocab_size=model_kw["vocab_size"], seq_len=model_kw["block_size"],
-                           batch_size=cfg.global_batch, train_sequences=cfg.global_batch * (cfg.max_steps + 1),
-                           val_sequences=cfg.global_batch)
-
-    def make_module():
-        torch.manual_seed(0)
-        return GPT(**model_kw, warmup_steps=2, lr_decay_steps=cfg.max_steps)
+    data, make_module = gpt_workload(cfg.model, cfg.global_batch, cfg.global_batch * (cfg.max_steps + 1),
+                                     warmup_steps=2, lr_decay_steps=cfg.max_steps)
 
     # one device sees the same global batches as Lightning's distributed sampler gives the replicas
     single_loader = DataLoader(data.train_set, batch_size=cfg.global_batch,
@@ -41,9 +31,9 @@ def run(cfg, out_dir: Path, command: str) -> Report:
     curves = {"single": _fit(make_module, single_loader, "auto", 1, cfg.max_steps, acc, out_dir / "loss-single.json")}
     for name, entry in cfg.layouts.items():
         args = dict(entry.get("args", {}))
-        dp = _layout(entry.kind, args, entry.devices).data_parallel_size
+        dp = layout_for(entry.kind, args, entry.devices).data_parallel_size
         loader = DataLoader(data.train_set, batch_size=cfg.global_batch // dp)
-        curves[name] = _fit(make_module, loader, _strategy(entry.kind, args, acc), entry.devices, cfg.max_steps,
+        curves[name] = _fit(make_module, loader, strategy_for(entry.kind, args, acc), entry.devices, cfg.max_steps,
                             acc, out_dir / f"loss-{name}.json")
     ref = torch.tensor(curves["single"], dtype=torch.float64)
     rows = []

@@ -4,34 +4,22 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-import torch
 
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
 from lightning_par.pipeline.schedules import bubble_fraction
-from lightning_par.recipes.common import Report, accelerator, measured_fit, savefig
-from lightning_par.recipes.layouts import _strategy
+from lightning_par.recipes.common import Report, accelerator, gpt_workload, measured_fit, savefig
+from lightning_par.recipes.layouts import strategy_for
 
 
 def run(cfg, out_dir: Path, command: str) -> Report:
     acc = accelerator(cfg)
-    if acc == "cpu":
-        torch.set_num_threads(1)
-    model_kw = dict(cfg.model)
-    data = SyntheticCorpus(vocab_size=model_kw["vocab_size"], seq_len=model_kw["block_size"],
-                           batch_size=cfg.batch_size, train_sequences=cfg.batch_size * (cfg.max_steps + 2),
-                           val_sequences=cfg.batch_size)
-
-    def make_module():
-        torch.manual_seed(0)
-        return GPT(**model_kw, warmup_steps=1)
+    data, make_module = gpt_workload(cfg.model, cfg.batch_size, cfg.batch_size * (cfg.max_steps + 2), warmup_steps=1)
 
     results, rows = {}, []
     for p in cfg.stages:
         for m in cfg.microbatches:
             for schedule in cfg.schedules:
                 args = {"pipeline_parallel_size": p, "microbatches": m, "schedule": schedule, "balance": "uniform"}
-                ranks = measured_fit(make_module, data, strategy=_strategy("pp", args, acc), devices=p,
+                ranks = measured_fit(make_module, data, strategy=strategy_for("pp", args, acc), devices=p,
                                      max_steps=cfg.max_steps, out_json=out_dir / f"metrics-p{p}-m{m}-{schedule}.json",
                                      accelerator=acc)
                 bubbles = [r["bubble"] for r in ranks if "bubble" in r]

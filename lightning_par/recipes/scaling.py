@@ -3,16 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
-from lightning_par.recipes.common import Report, accelerator, measured_fit, savefig, start_method
+from lightning_par.recipes.common import Report, accelerator, gpt_workload, measured_fit, savefig, start_method
 from lightning_par.strategies.data_parallel import DataParallelStrategy
 
 
-def _strategy(name: str, devices: int, kwargs: dict, acc: str):
+def _scaling_strategy(name: str, devices: int, kwargs: dict, acc: str):
     if devices == 1:
         return "auto"
     if name == "lightning_par":
@@ -23,24 +20,17 @@ def _strategy(name: str, devices: int, kwargs: dict, acc: str):
 
 
 def run(cfg, out_dir: Path, command: str) -> Report:
-    acc = accelerator(cfg)
-    if acc == "cpu":
-        torch.set_num_threads(cfg.cpu_threads_per_rank)  # forked ranks inherit it
+    acc = accelerator(cfg, cfg.cpu_threads_per_rank)
+    data, make_module = gpt_workload(cfg.model, cfg.batch_size, cfg.batch_size * max(cfg.devices) * cfg.max_steps,
+                                     warmup_steps=1)
     model_kw = dict(cfg.model)
-    data = SyntheticCorpus(vocab_size=model_kw["vocab_size"], seq_len=model_kw["block_size"],
-                           batch_size=cfg.batch_size, train_sequences=cfg.batch_size * max(cfg.devices) * cfg.max_steps,
-                           val_sequences=cfg.batch_size)
-
-    def make_module():
-        torch.manual_seed(0)
-        return GPT(**model_kw, warmup_steps=1)
 
     configs = [(1, "single")] + [(n, name) for n in cfg.devices if n > 1 for name in cfg.strategies]
     best: dict[tuple[int, str], dict] = {}
     for r in range(cfg.rounds):
         for n, name in configs:
             kwargs = dict(cfg.strategies[name]) if name in cfg.strategies else {}
-            rows = measured_fit(make_module, data, strategy=_strategy(name, n, kwargs, acc), devices=n,
+            rows = measured_fit(make_module, data, strategy=_scaling_strategy(name, n, kwargs, acc), devices=n,
                                 max_steps=cfg.max_steps, out_json=out_dir / f"metrics-{name}-{n}-{r}.json",
                                 accelerator=acc)
             row = rows[0]

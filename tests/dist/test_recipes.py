@@ -4,7 +4,7 @@ import json
 import pytest
 
 from harness import TIMEOUT_S
-from lightning_par.recipe import main as recipe
+from lightning_par.recipe import run_recipe as recipe
 from lightning_par.recipes import RECIPES
 
 

@@ -1,0 +1,318 @@
+"""Every config in conf/ composes and instantiates; bad keys and types fail at composition, naming the key."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import get_class, get_object
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from omegaconf import OmegaConf
+
+from lightning_par import config as schemas
+from lightning_par import train
+from lightning_par.data import SyntheticCorpus
+from lightning_par.models import GPT
+from lightning_par.paths import conf_dir, recipes_dir
+from lightning_par.precision import precision_kwargs, resolve_accelerator
+
+CONF = conf_dir()
+GROUP_OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
+# the data a model option is meant to be composed with
+DATA_FOR_MODEL = {"gpt": "synthetic", "mlp": "classification"}
+MODEL_FOR_DATA = {"synthetic": "gpt", "text": "gpt", "classification": "mlp"}
+
+
+def _compose(*overrides: str):
+    schemas.register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        return compose("config", overrides=list(overrides))
+
+
+def _error_text(exc: BaseException) -> str:
+    """The message and its causes, as Hydra prints them to the user."""
+    parts = []
+    while exc is not None:
+        parts.append(str(exc))
+        exc = exc.__cause__
+    return "\n".join(parts)
+
+
+@pytest.fixture()
+def text_file(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(bytes(range(32, 127)) * 400)
+    return path
+
+
+def _overrides_for(group: str, option: str, text_file: Path) -> list[str]:
+    ov = [f"{group}={option}"]
+    if group == "model":
+        ov.append(f"data={DATA_FOR_MODEL[option]}")
+    if group == "data":
+        ov.append(f"model={MODEL_FOR_DATA[option]}")
+        if option == "text":
+            ov.append(f"data.path={text_file}")
+    if group == "strategy":
+        ov.append("data.train_sequences=64")
+    return ov
+
+
+def test_conf_groups_are_the_expected_ones():
+    groups = {g for g, _ in GROUP_OPTIONS}
+    assert groups == {"strategy", "model", "data", "trainer"}
+    assert {("strategy", "single"), ("strategy", "ddp"), ("model", "gpt"), ("model", "mlp"),
+            ("data", "synthetic"), ("data", "text"), ("data", "classification"),
+            ("trainer", "default")} <= set(GROUP_OPTIONS)
+
+
+@pytest.mark.parametrize("group, option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+def test_every_option_composes_typed_and_instantiates(group, option, text_file):
+    cfg = _compose(*_overrides_for(group, option, text_file))
+    node = cfg[group]
+    schema = OmegaConf.get_type(node)
+    assert dataclasses.is_dataclass(schema), f"conf/{group}/{option}.yaml must start from a schema"
+    assert schema is schemas.GROUPS[group][option]
+    schemas.check_keys(cfg)
+    # every YAML key is a schema field (a YAML key outside the schema would fail composition anyway)
+    assert set(OmegaConf.load(CONF / group / f"{option}.yaml")) - {"defaults", "trainer"} <= set(
+        f.name for f in dataclasses.fields(schema))
+
+    kw = train.build_trainer_kwargs(cfg, "unused-run-dir")
+    datamodule = train.build_datamodule(cfg.data)
+    model = train.build_model(cfg.model, datamodule)
+    assert isinstance(datamodule, pl.LightningDataModule) and isinstance(model, pl.LightningModule)
+    if "start_method" in cfg.strategy:
+        cfg.strategy.start_method = "fork"  # instantiate only: no process is launched
+    strategy = train.build_strategy(cfg.strategy)
+    if isinstance(strategy, str):
+        assert strategy == "auto" and option == "single"
+    else:
+        assert isinstance(strategy, pl.strategies.Strategy)
+    # the whole Trainer accepts what the app builds (nothing runs: no fit)
+    pl.Trainer(strategy=strategy, **{**kw, "accelerator": "cpu", "logger": False, "callbacks": []})
+
+
+def test_default_run_is_gpt_on_the_markov_corpus_with_ddp_on_two_devices():
+    cfg = _compose()
+    assert OmegaConf.get_type(cfg.strategy) is schemas.DataParallelStrategyConfig
+    assert OmegaConf.get_type(cfg.model) is schemas.GPTConfig
+    assert OmegaConf.get_type(cfg.data) is schemas.SyntheticCorpusConfig
+    assert cfg.trainer.devices == 2 and cfg.trainer.enable_progress_bar and cfg.trainer.precision == "32-true"
+    assert cfg.strategy.start_method == "popen"
+    model = train.build_model(cfg.model, train.build_datamodule(cfg.data))
+    assert model.hparams.vocab_size == cfg.data.vocab_size and model.hparams.block_size == cfg.data.seq_len
+
+
+def test_strategy_single_is_one_device_unless_overridden():
+    assert _compose("strategy=single").trainer.devices == 1
+    assert _compose("strategy=single", "trainer.devices=3").trainer.devices == 3
+    assert train.build_strategy(_compose("strategy=single").strategy) == "auto"
+
+
+# Lightning plumbing a strategy accepts but a config never sets (the Trainer passes them)
+PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+STRATEGY_CLASSES = [(name, s) for name, s in schemas.STRATEGY_SCHEMAS.items() if inspect.isclass(get_object(s._target_))]
+
+
+@pytest.mark.parametrize("option, schema", STRATEGY_CLASSES, ids=[n for n, _ in STRATEGY_CLASSES])
+def test_strategy_schema_mirrors_the_strategy_signature(option, schema):
+    """Every keyword argument of the strategy is settable from the command line, with the same default."""
+    params = {n: p.default for n, p in inspect.signature(get_object(schema._target_).__init__).parameters.items()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in PLUMBING}
+    fields = {f.name: f.default for f in dataclasses.fields(schema) if f.name != "_target_"}
+    assert fields == params
+
+
+@pytest.mark.parametrize("schema", [s for g in schemas.GROUPS.values() for s in g.values()
+                                    if "_target_" in {f.name for f in dataclasses.fields(s)}])
+def test_schema_fields_are_constructor_arguments(schema):
+    sig = inspect.signature(get_object(schema._target_))
+    accepted = set(sig.parameters)
+    fields = {f.name for f in dataclasses.fields(schema)} - {"_target_"}
+    assert fields <= accepted, f"{schema.__name__} has keys {fields - accepted} that {schema._target_} does not take"
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+
+
+# --------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("override, key, why", [
+    ("strategy.comm_hok=fp16", "comm_hok", "not in 'DataParallelStrategyConfig'"),
+    ("model.n_layr=2", "n_layr", "not in 'GPTConfig'"),
+    ("trainer.max_step=5", "max_step", "not in 'TrainerConfig'"),
+    ("trainer.max_steps=ten", "trainer.max_steps", "could not be converted to Integer"),
+    ("strategy.zero_stage=one", "strategy.zero_stage", "could not be converted to Integer"),
+    ("model.dropout=lots", "model.dropout", "could not be converted to Float"),
+    ("trainer.enable_progress_bar=maybe", "trainer.enable_progress_bar", "is not a valid bool"),
+])
+def test_misspelled_or_mistyped_key_fails_at_composition_naming_it(override, key, why):
+    with pytest.raises(ConfigCompositionException) as info:
+        _compose(override)
+    text = _error_text(info.value)
+    assert key in text and why in text
+
+
+def test_forced_unknown_key_is_refused_before_anything_runs():
+    cfg = _compose("+strategy.comm_hok=fp16")  # `+` forces a key into the schema's node
+    with pytest.raises(ValueError, match=r"`strategy.comm_hok` is not a setting of strategy .*valid keys: .*comm_hook, "):
+        schemas.check_keys(cfg)
+
+
+def test_missing_required_value_is_named():
+    cfg = _compose("data=text")
+    with pytest.raises(ValueError, match=r"data.path must be given .*`data.path=<value>`"):
+        schemas.check_keys(cfg)
+
+
+def test_model_size_that_the_data_cannot_supply_is_named():
+    cfg = _compose("model=gpt", "data=classification")
+    with pytest.raises(ValueError, match=r"model.vocab_size is null, .*SyntheticClassification has no `vocab_size`.*model.vocab_size=<int>"):
+        train.build_model(cfg.model, train.build_datamodule(cfg.data))
+
+
+@pytest.mark.parametrize("devices", [0, "two", 1.5])
+def test_bad_devices_are_refused(devices):
+    cfg = _compose()
+    cfg.trainer.devices = devices
+    with pytest.raises(ValueError, match=r"trainer.devices=.* must be a positive int"):
+        train.build_trainer_kwargs(cfg, "run")
+
+
+def test_multirun_under_the_popen_launcher_is_refused():
+    with pytest.raises(ValueError, match=r"multirun .*strategy.start_method=popen.*strategy.start_method=spawn"):
+        train.check_multirun(_compose(), multirun=True)
+    train.check_multirun(_compose(), multirun=False)
+    train.check_multirun(_compose("strategy.start_method=spawn"), multirun=True)
+    train.check_multirun(_compose("strategy=single"), multirun=True)
+
+
+def test_training_forever_is_refused():
+    cfg = _compose("trainer.max_steps=-1")
+    with pytest.raises(ValueError, match="train forever"):
+        train.build_trainer_kwargs(cfg, "run")
+
+
+# ---------------------------------------------------------------------------------------- precision
+
+
+def test_16_mixed_on_cpu_is_really_float16_with_a_scaler():
+    kw = precision_kwargs("16-mixed", "cpu")
+    assert "precision" not in kw
+    (plugin,) = kw["plugins"]
+    assert isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed"
+    assert isinstance(plugin.scaler, torch.amp.GradScaler)
+    with plugin.forward_context():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, **kw)
+    assert trainer.precision_plugin is plugin and trainer.precision == "16-mixed"
+
+
+def test_lightning_alone_would_have_given_bf16_on_cpu():
+    """The reason for the plugin: a plain `precision="16-mixed"` autocasts to bfloat16 on CPU."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, precision="16-mixed")
+    with trainer.precision_plugin.forward_context():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_other_precisions_pass_through(precision):
+    assert precision_kwargs(precision, "cpu") == {"precision": precision}
+    assert precision_kwargs("16-mixed", "cuda") == {"precision": "16-mixed"}
+
+
+def test_unknown_precision_names_the_choices():
+    with pytest.raises(ValueError, match=r"trainer.precision='fp8' .*32-true, bf16-mixed, 16-mixed, bf16-true"):
+        precision_kwargs("fp8", "cpu")
+
+
+def test_resolve_accelerator():
+    assert resolve_accelerator("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_accelerator("GPU") == "cuda" and resolve_accelerator("cpu") == "cpu"
+
+
+def test_trainer_kwargs_from_the_config(tmp_path):
+    cfg = _compose("trainer.precision=16-mixed", "trainer.accumulate_grad_batches=4", "trainer.accelerator=cpu")
+    kw = train.build_trainer_kwargs(cfg, tmp_path)
+    assert kw["accumulate_grad_batches"] == 4 and kw["devices"] == 2 and "precision" not in kw
+    assert isinstance(kw["plugins"][0], MixedPrecision)
+    assert isinstance(kw["logger"][0], CSVLogger) and kw["logger"][0].save_dir == str(tmp_path)
+    (ckpt,) = [c for c in kw["callbacks"] if isinstance(c, ModelCheckpoint)]
+    assert ckpt.dirpath == str(tmp_path / "checkpoints") and ckpt.save_last
+
+
+def test_devices_follow_torchrun_when_auto(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    cfg = _compose("trainer.devices=auto")
+    assert train.build_trainer_kwargs(cfg, "run")["devices"] == 3
+
+
+# -------------------------------------------------------------------------------------- paths, run dir
+
+
+def test_conf_and_recipes_are_found():
+    assert (conf_dir() / "config.yaml").is_file()
+    assert recipes_dir().is_dir()
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"TORCHELASTIC_RUN_ID": "r42"}, "outputs/torchrun-r42"),
+    ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "8"}, "outputs/slurm-77-3"),
+    ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "1"}, "outputs/20"),  # one task: by time
+    ({"SLURM_JOB_ID": "77"}, "outputs/20"),  # inside an allocation, not under srun: by time
+])
+def test_run_dir_is_shared_by_externally_launched_processes(monkeypatch, env, expected):
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert schemas.run_dir("outputs").startswith(expected)
+
+
+def test_run_dir_by_launch_time_is_stable_within_a_process(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    first = schemas.run_dir("outputs")
+    assert first.startswith("outputs/20") and schemas.run_dir("outputs") == first
+
+
+def test_summary_lines():
+    lines = train.summary_lines({"train_loss": torch.tensor(2.5), "val_loss": 2.25}, 2.125)
+    assert lines == ["train_loss                 2.5000", "val_loss                   2.2500",
+                     "loss floor (entropy rate)  2.1250"]
+    assert train.summary_lines({}, None)[2].endswith("unknown for this data")
+
+
+# ------------------------------------------------------------------------------------- app callbacks
+
+
+class _CountValidations(pl.Callback):
+    def __init__(self):
+        self.at_steps: list[int] = []
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.at_steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_validate_at_last_step_validates_the_final_weights_once(accumulate):
+    torch.manual_seed(0)
+    data = SyntheticCorpus(vocab_size=16, seq_len=8, batch_size=4, train_sequences=64, val_sequences=8)
+    model = GPT(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    counter = _CountValidations()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=accumulate,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[train.ValidateAtLastStep(), counter])
+    trainer.fit(model, datamodule=data)  # 16 batches per epoch: 3 optimizer steps end mid-epoch
+    assert trainer.global_step == 3 and counter.at_steps == [3]
+    assert "val_loss" in trainer.callback_metrics
