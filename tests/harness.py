@@ -82,13 +82,14 @@ def trainer_kwargs(**overrides) -> dict:
 
 
 def fit_and_record(module: pl.LightningModule, train_loader: DataLoader, out_dir: str, *, strategy="auto",
-                   devices=1, max_steps: int = 3, callbacks=(), val_loader=None, **overrides) -> list[dict]:
-    """Run ``trainer.fit`` and return every rank's record, rank order."""
+                   devices=1, max_steps: int = 3, callbacks=(), val_loader=None, ckpt_path: str | None = None,
+                   **overrides) -> list[dict]:
+    """Run ``trainer.fit`` (resuming from ``ckpt_path`` if given) and return every rank's record, rank order."""
     for old in glob.glob(os.path.join(out_dir, "rank*.pt")):
         os.remove(old)
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, max_steps=max_steps,
                                           callbacks=[Recorder(out_dir), *callbacks], **overrides))
-    trainer.fit(module, train_loader, val_loader)
+    trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt_path)
     files = sorted(glob.glob(os.path.join(out_dir, "rank*.pt")), key=lambda f: int(f.rsplit("rank", 1)[1][:-3]))
     return [torch.load(f, weights_only=False) for f in files]
 

@@ -1,0 +1,58 @@
+"""Find the repeated block container of a model: the stack a pipeline cuts into stages.
+
+Example::
+
+    >>> import torch.nn as nn
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.emb = nn.Embedding(8, 4)
+    ...         self.body = nn.ModuleDict({"layers": nn.ModuleList(nn.Linear(4, 4) for _ in range(3))})
+    ...         self.heads = nn.ModuleList([nn.Linear(4, 2), nn.ReLU()])
+    >>> path, blocks = find_blocks(Net())
+    >>> path, len(blocks)
+    ('body.layers', 3)
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList | nn.Sequential]:
+    """The block container named by ``path``, or else the longest ``nn.ModuleList`` / ``nn.Sequential``
+    whose children all have one class (at least two of them; the first found wins a tie)."""
+    if path is not None:
+        try:
+            container = module.get_submodule(path)
+        except AttributeError:
+            raise ValueError(
+                f"`blocks={path!r}` names no submodule of {type(module).__name__}. Pass the dotted name of its "
+                f"block list, e.g. one of: {_candidates(module) or 'none found'}."
+            ) from None
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+            raise ValueError(
+                f"`blocks={path!r}` is a {type(container).__name__}; it must be a non-empty nn.ModuleList or "
+                f"nn.Sequential of the model's repeated blocks."
+            )
+        return path, container
+    best: tuple[str, nn.Module] | None = None
+    for name, child in module.named_modules():
+        if _is_stack(child) and (best is None or len(child) > len(best[1])):
+            best = (name, child)
+    if best is None:
+        raise ValueError(
+            f"No block stack found in {type(module).__name__}: pipeline parallelism needs an nn.ModuleList or "
+            f"nn.Sequential of at least two modules of one class (the transformer layers). Name the container "
+            f"with `PipelineParallelStrategy(blocks='model.layers')`."
+        )
+    return best[0], best[1]  # type: ignore[return-value]
+
+
+def _is_stack(module: nn.Module) -> bool:
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        return False
+    return len({type(child) for child in module}) == 1
+
+
+def _candidates(module: nn.Module) -> list[str]:
+    return [n for n, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and n][:5]

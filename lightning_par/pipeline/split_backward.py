@@ -1,0 +1,33 @@
+"""Zero bubble's split backward: input gradients now, weight gradients later.
+
+[Note: split backward] torch.distributed.pipelining implements the split for its own schedules in the
+private module ``torch.distributed.pipelining._backward``: ``stage_backward_input`` computes only the
+stage input's gradient and keeps, per group of parameters, the gradients that reach the graph nodes
+where the weights join; ``stage_backward_weight`` finishes the weights from those later. Only this
+module touches that private API, so a change in torch is confined here. Parameters whose path to the
+output never meets the stage input get no gradient from it; in a pipeline stage every trainable
+parameter feeds the hidden state that comes from the previous stage (the first stage, which has no
+such input, runs its whole backward in W instead).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor], stage_input: torch.Tensor,
+                   weights: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+    """Set ``stage_input.grad``; return what :func:`backward_weight` needs."""
+    from torch.distributed.pipelining import _backward  # imported on first use: it pulls in much of torch
+
+    _, groups = _backward.stage_backward_input([output], None if grad is None else [grad], [stage_input],
+                                               iter(weights))
+    return groups
+
+
+def backward_weight(weights: list[torch.nn.Parameter], groups: list[dict[str, Any]]) -> None:
+    """Accumulate the weight gradients into ``.grad``."""
+    from torch.distributed.pipelining import _backward
+
+    _backward.stage_backward_weight(iter(weights), groups)

@@ -1,0 +1,312 @@
+"""One pipeline stage of an unchanged module, by block interception.
+
+Every rank keeps the whole LightningModule and runs the user's own ``training_step`` for each
+micro-batch. The blocks of other stages are replaced by parameter-free :class:`Ghost` modules (so the
+names of this stage's parameters do not change). Hooks on this stage's blocks do the pipelining:
+
+- the first block (on every stage but the first) swaps its hidden-state argument for the activation
+  received from the previous stage, a leaf that requires grad; the other arguments (masks, rotary
+  tables, position ids) were computed locally by the user's code, since every stage of a pipeline sees
+  the same batch;
+- the last block (on every stage but the last) sends its hidden state on and raises :class:`StopStage`,
+  which ends the user's step there (a ``BaseException``, so a user's ``except Exception`` cannot
+  swallow it);
+- every block reseeds the RNG from (step, micro-batch, block index) when ``seeded``, so dropout masks
+  do not depend on the layout or the schedule.
+
+Backward of a micro-batch: the last stage backpropagates its weighted loss; the others backpropagate
+their sent hidden state with the gradient received from the next stage; all but the first then send
+their input's gradient back.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_par.pipeline import p2p, split_backward
+
+
+class StopStage(BaseException):
+    """Raised after the last block of a stage that is not the pipeline's last: the rest of the step runs elsewhere."""
+
+
+class Ghost(nn.Module):
+    """Stand-in for a block that lives on another stage: no parameters, passes the hidden state through."""
+
+    def __init__(self, runtime: "StageRuntime", index: int):
+        super().__init__()
+        object.__setattr__(self, "_runtime", runtime)  # a plain reference, not a submodule
+        self.index = index
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._runtime.ghost_output(args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"block {self.index}, held by another pipeline stage"
+
+
+class StageRuntime:
+    """Installs this rank's stage into ``container`` and runs micro-batches through it.
+
+    ``chunks`` lists the rank's virtual stages as ``(virtual index, lo, hi)`` block ranges, one for the
+    GPipe / 1F1B schedules, several for interleaved 1F1B; ``ranks[k]`` is the global rank that runs virtual
+    stage ``k`` (of ``len(ranks)``). With several chunks only the active chunk's blocks compute: the others
+    pass their input through like ghosts (see [Note: gated chunks]).
+    """
+
+    def __init__(self, *, container: nn.Module, chunks: list[tuple[int, int, int]], ranks: list[int],
+                 device: torch.device, seed: int = 0, groups: tuple = (None, None)):
+        self.container, self.chunks, self.ranks = container, list(chunks), list(ranks)
+        self.act_group, self.grad_group = groups  # process groups of the two directions (see p2p.py)
+        self.num_virtual = len(ranks)
+        self.device, self.seed = device, seed
+        self.seeded = False
+        self.step = 0
+        self.current = 0
+        self.active = 0  # index into self.chunks
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.works: list = []
+        self._ghost_tuple_len: int | None = None
+        self._hidden_name: str | None = None
+        self._handles: list = []
+        self.wait_s = 0.0  # seconds spent blocked in receives (the bubble plus transfer time)
+        self.busy_s = 0.0  # seconds in forwards and backwards, receives excluded (the stage's compute)
+        self.meter: ActivationMeter | None = None
+        self.weights: list[torch.nn.Parameter] = []  # this rank's trainable parameters (zero bubble's W)
+        self._deferred: dict = {}
+
+    # -- layout ------------------------------------------------------------------------------------
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs the first virtual stage (the code before the blocks counts there)."""
+        return self.chunks[0][0] == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last virtual stage (the head and the loss)."""
+        return self.chunks[-1][0] == self.num_virtual - 1
+
+    @property
+    def lo(self) -> int:
+        return self.chunks[0][1]
+
+    def _virtual(self, chunk: int) -> int:
+        return self.chunks[chunk][0]
+
+    def _tag(self, kind: int, virtual: int, microbatch: int) -> int:
+        # one tag per transfer of a step: out-of-order arrivals between two ranks cannot be confused
+        return (kind * self.num_virtual + virtual) * 4096 + microbatch % 4096
+
+    # -- installation -----------------------------------------------------------------------------
+    def install(self) -> None:
+        first_block = self.container[self.lo]
+        params = list(inspect.signature(first_block.forward).parameters.values())
+        self._hidden_name = params[0].name if params else None
+        chunk_of = {i: c for c, (_, lo, hi) in enumerate(self.chunks) for i in range(lo, hi)}
+        for i in range(len(self.container)):
+            if i not in chunk_of:
+                self.container[i] = Ghost(self, i)
+        for i, c in chunk_of.items():
+            block = self.container[i]
+            self._handles.append(
+                block.register_forward_pre_hook(lambda m, a, k, i=i, c=c: self._pre_block(i, c, a, k), with_kwargs=True)
+            )
+            if len(self.chunks) > 1:
+                # [Note: gated chunks] with several chunks on a rank, a block of an inactive chunk must not
+                # compute (its output would be discarded): an instance-level `forward` passes through instead,
+                # which keeps the module, its parameter names and its hooks in place.
+                block.forward = self._gate(c, block.forward)
+        for c, (k, lo, hi) in enumerate(self.chunks):
+            if k < self.num_virtual - 1:
+                self._handles.append(self.container[hi - 1].register_forward_hook(
+                    lambda m, a, out, c=c: self._post_last_block(c, out)))
+
+    def _gate(self, chunk: int, forward: Callable) -> Callable:
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            if chunk != self.active:
+                return self.ghost_output(args, kwargs)
+            return forward(*args, **kwargs)
+        return gated
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _pre_block(self, index: int, chunk: int, args: tuple, kwargs: dict):
+        if chunk != self.active:
+            return None
+        if self.seeded:
+            self._reseed(index)
+        k, lo, _ = self.chunks[chunk]
+        if index != lo or k == 0:
+            return None
+        t0 = time.perf_counter()
+        x = p2p.recv_activation(self.ranks[k - 1], self.device, tag=self._tag(0, k, self.current),
+                                   group=self.act_group)
+        self.wait_s += time.perf_counter() - t0
+        if torch.is_grad_enabled() and x.is_floating_point():
+            x.requires_grad_(True)
+            self.inputs[(chunk, self.current)] = x
+        return self._replace_hidden(args, kwargs, x)
+
+    def _post_last_block(self, chunk: int, output: Any):
+        if chunk != self.active:
+            return None
+        k = self._virtual(chunk)
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            self.outputs[(chunk, self.current)] = hidden
+        p2p.send_activation(hidden, self.ranks[k + 1], self.works, tag=self._tag(0, k + 1, self.current),
+                            group=self.act_group)
+        raise StopStage()
+
+    def ghost_output(self, args: tuple, kwargs: dict) -> Any:
+        hidden = self._hidden(args, kwargs)
+        if self._ghost_tuple_len is None:
+            self._ghost_tuple_len = self._probe_output_arity(args, kwargs)
+        if self._ghost_tuple_len == 0:
+            return hidden
+        return (hidden,) + (None,) * (self._ghost_tuple_len - 1)
+
+    def _probe_output_arity(self, args: tuple, kwargs: dict) -> int:
+        # [Note: ghost outputs] Code between blocks may index the block's output (`x = block(x)[0]`). A ghost
+        # must then return a tuple too: run this rank's first block once (no grad, hooks and gate bypassed)
+        # on the ghost's input to learn whether blocks return a tensor (0) or a tuple of some length.
+        block = self.container[self.lo]
+        try:
+            with torch.no_grad():
+                out = type(block).forward(block, *args, **kwargs)
+        except Exception:
+            return 0
+        return len(out) if isinstance(out, (tuple, list)) else 0
+
+    def _hidden(self, args: tuple, kwargs: dict) -> Any:
+        if args:
+            return args[0]
+        return kwargs.get(self._hidden_name)
+
+    def _replace_hidden(self, args: tuple, kwargs: dict, x: torch.Tensor):
+        if args:
+            return (x,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, self._hidden_name: x}
+
+    def _reseed(self, index: int) -> None:
+        torch.manual_seed((self.seed * 1_000_003 + self.step * 10_007 + self.current * 101 + index + 1) % (2**63))
+
+    # -- running micro-batches --------------------------------------------------------------------
+    def forward(self, microbatch: int, fn: Callable[[], Any], chunk: int = 0) -> Any:
+        """Run the user's step for one micro-batch through ``chunk``; its output on the last virtual stage,
+        ``None`` elsewhere."""
+        self.current, self.active = microbatch, chunk
+        if self.seeded:
+            self._reseed(-1)
+        t0, w0 = time.perf_counter(), self.wait_s
+        try:
+            if self.meter is not None and torch.is_grad_enabled():
+                with self.meter.track((chunk, microbatch)):
+                    out = fn()
+            else:
+                out = fn()
+        except StopStage:
+            return None
+        finally:
+            self.busy_s += time.perf_counter() - t0 - (self.wait_s - w0)
+        if self._virtual(chunk) != self.num_virtual - 1:
+            raise RuntimeError(
+                f"Pipeline stage {self._virtual(chunk)} finished the step without calling its last block "
+                f"({self.chunks[chunk][2] - 1}); every micro-batch must run through the whole block stack."
+            )
+        return out
+
+    def backward(self, microbatch: int, loss: torch.Tensor | None = None, chunk: int = 0) -> None:
+        """Backpropagate one micro-batch through ``chunk`` (``loss``: the last virtual stage's weighted loss)."""
+        t0, w0 = time.perf_counter(), self.wait_s
+        k = self._virtual(chunk)
+        if k == self.num_virtual - 1:
+            torch.autograd.backward(loss)
+        else:
+            out = self.outputs.pop((chunk, microbatch))
+            t1 = time.perf_counter()
+            grad = p2p.recv_grad(out, self.ranks[k + 1], tag=self._tag(1, k, microbatch),
+                                 group=self.grad_group)
+            self.wait_s += time.perf_counter() - t1
+            torch.autograd.backward(out, grad)
+        if k > 0:
+            x = self.inputs.pop((chunk, microbatch))
+            p2p.send_grad(x.grad if x.grad is not None else torch.zeros_like(x), self.ranks[k - 1], self.works,
+                          tag=self._tag(1, k - 1, microbatch), group=self.grad_group)
+        self.busy_s += time.perf_counter() - t0 - (self.wait_s - w0)
+        if self.meter is not None:
+            self.meter.release((chunk, microbatch))
+
+    def backward_input(self, microbatch: int, loss: torch.Tensor | None = None, chunk: int = 0) -> None:
+        """Zero bubble's "B": the gradient of the stage input only, sent upstream at once; what the weight
+        gradients need is kept for :meth:`backward_weight` (see [Note: split backward])."""
+        t0, w0 = time.perf_counter(), self.wait_s
+        k = self._virtual(chunk)
+        if k == self.num_virtual - 1:
+            out, grad = loss, None
+        else:
+            out = self.outputs.pop((chunk, microbatch))
+            t1 = time.perf_counter()
+            grad = p2p.recv_grad(out, self.ranks[k + 1], tag=self._tag(1, k, microbatch),
+                                 group=self.grad_group)
+            self.wait_s += time.perf_counter() - t1
+        if k == 0:  # nothing upstream waits: all of the backward runs in W
+            self._deferred[(chunk, microbatch)] = ("full", out, grad)
+        else:
+            x = self.inputs.pop((chunk, microbatch))
+            groups = split_backward.backward_input(out, grad, x, self.weights)
+            p2p.send_grad(x.grad if x.grad is not None else torch.zeros_like(x), self.ranks[k - 1], self.works,
+                          tag=self._tag(1, k - 1, microbatch), group=self.grad_group)
+            self._deferred[(chunk, microbatch)] = ("weights", groups, None)
+        self.busy_s += time.perf_counter() - t0 - (self.wait_s - w0)
+
+    def backward_weight(self, microbatch: int, chunk: int = 0) -> None:
+        """Zero bubble's "W": the weight gradients of a micro-batch whose "B" has run."""
+        t0 = time.perf_counter()
+        kind, a, b = self._deferred.pop((chunk, microbatch))
+        if kind == "full":
+            torch.autograd.backward(a, b)
+        else:
+            split_backward.backward_weight(self.weights, a)
+        self.busy_s += time.perf_counter() - t0
+        if self.meter is not None:
+            self.meter.release((chunk, microbatch))
+
+    def finish(self) -> None:
+        """Wait for this step's sends and drop what the step kept."""
+        p2p.wait_all(self.works)
+        self.inputs.clear()
+        self.outputs.clear()
+        self._deferred.clear()
+
+
+class ActivationMeter:
+    """Counts the bytes autograd saves for backward per micro-batch (parameters excluded), and the peak
+    held at once: the activation memory a schedule needs (GPipe: all micro-batches; 1F1B: at most p)."""
+
+    def __init__(self, params):
+        self.param_ptrs = {p.data_ptr() for p in params}
+        self.held: dict = {}
+        self.seen: dict = {}
+        self.peak = 0
+
+    def track(self, microbatch):
+        seen = self.seen.setdefault(microbatch, set())
+
+        def pack(t: torch.Tensor):
+            key = (t.data_ptr(), t.numel())
+            if t.data_ptr() not in self.param_ptrs and key not in seen:
+                seen.add(key)
+                self.held[microbatch] = self.held.get(microbatch, 0) + t.numel() * t.element_size()
+                self.peak = max(self.peak, sum(self.held.values()))
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def release(self, microbatch) -> None:
+        self.held.pop(microbatch, None)
+        self.seen.pop(microbatch, None)
