@@ -1,0 +1,103 @@
+"""ZeRO stage 1: shard the optimizer state of the user's optimizer over the data-parallel ranks.
+
+[Note: wrapping the user's optimizer]
+``configure_optimizers`` returns an ordinary optimizer (its LR schedulers already bound to it). We
+build torch's ``ZeroRedundancyOptimizer`` over the same parameter groups, with the same class and the
+groups' own hyper-parameters (so every group keeps its ``lr``, ``weight_decay``, ``initial_lr``...),
+then point every scheduler at the wrapper: ZeRO copies its groups' hyper-parameters into the local
+optimizer before each step, so a scheduler writing ``wrapper.param_groups[i]["lr"]`` keeps working.
+Each rank keeps the state (Adam's moments) of about 1/N of the parameters, updates those, and
+broadcasts them to the other ranks after the step. Checkpoints call ``consolidate_state_dict`` (a
+collective, every rank) and save rank 0's consolidated state, which has the layout of the wrapped
+optimizer's own ``state_dict`` and therefore loads into a plain optimizer on one device, or back into
+a wrapper (which keeps only its shard).
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from functools import wraps
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+ZERO_STAGES = (0, 1)
+
+
+def validate_zero_stage(zero_stage: int) -> None:
+    """Raise ``ValueError`` unless ``zero_stage`` is 0 or 1.
+
+    Example:
+        >>> validate_zero_stage(1)
+        >>> validate_zero_stage(2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `zero_stage=2` is not supported: DataParallelStrategy shards optimizer state only (stage 1) ...
+    """
+    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
+        raise ValueError(
+            f"`zero_stage={zero_stage!r}` is not supported: DataParallelStrategy shards optimizer state only "
+            f"(stage 1) or nothing (stage 0). For sharded gradients and parameters (ZeRO-2/3) use Lightning's "
+            f"FSDPStrategy; otherwise set zero_stage=0 or 1."
+        )
+
+
+def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor accepts (``AdamW`` stores
+    ``decoupled_weight_decay`` in ``defaults`` but does not take it)."""
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
+
+
+def shard_optimizer(optimizer: Optimizer, process_group: Any = None) -> Optimizer:
+    """A ``ZeroRedundancyOptimizer`` over ``optimizer``'s groups (see [Note: wrapping the user's optimizer]).
+    Must be called on every rank of ``process_group``; an optimizer that is already sharded is returned."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    if any(len(s) for s in optimizer.state.values()):
+        raise ValueError(f"{type(optimizer).__name__} already holds state; zero_stage=1 must shard it before the "
+                         f"first step. Create the optimizer in `configure_optimizers` without stepping it.")
+    groups = [dict(group) for group in optimizer.param_groups]  # every key, params included
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=process_group,
+                                   **_constructor_defaults(optimizer))
+
+
+def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
+    """Point ``scheduler`` (and the schedulers it drives) at ``optimizer``, and mark ``optimizer.step``
+    the way torch's ``LRScheduler`` does at construction, so its "lr_scheduler.step() before
+    optimizer.step()" check keeps working instead of warning about an overridden ``step``."""
+    scheduler.optimizer = optimizer
+    for child in getattr(scheduler, "_schedulers", None) or []:
+        rebind_scheduler(child, optimizer)
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step, opt_ref = optimizer.step, weakref.ref(optimizer)
+
+    @wraps(step)
+    def tracked_step(*args, **kwargs):
+        opt = opt_ref()
+        if opt is not None:
+            opt._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True
+    optimizer.step = tracked_step
+
+
+def local_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The optimizer that holds this rank's state: ZeRO's local shard optimizer, else the optimizer."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def optimizer_state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of optimizer state (tensors) this rank holds: its shard under ZeRO, everything otherwise."""
+    total = 0
+    for state in local_optimizer(optimizer).state.values():
+        total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
