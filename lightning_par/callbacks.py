@@ -34,24 +34,14 @@ import lightning.pytorch as pl
 import torch
 from torch.utils._pytree import tree_flatten
 
-from lightning_par.comm import CommCounter, count_comm
-
-
-def local_nbytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.numel() * t.element_size()
+from lightning_par.comm import CommCounter, count_comm, local_nbytes
+from lightning_par.dp.zero import optimizer_state_bytes
 
 
 def state_bytes(module: torch.nn.Module, optimizers) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this rank holds."""
     params = {id(p): p for p in module.parameters()}.values()
-    opt = 0
-    for optimizer in optimizers:
-        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
-        for state in inner.state.values():
-            opt += sum(local_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    opt = sum(optimizer_state_bytes(optimizer) for optimizer in optimizers)
     return {"param_bytes": sum(local_nbytes(p) for p in params),
             "grad_bytes": sum(local_nbytes(p.grad) for p in params),
             "optimizer_bytes": opt}

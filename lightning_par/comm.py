@@ -54,12 +54,13 @@ def wire_bytes(kind: str, payload: int, world: int) -> float:
     return float(payload)
 
 
-def _nbytes(obj) -> int:
+def local_nbytes(obj) -> int:
+    """Bytes this rank stores for a tensor (a DTensor's local shard), or a list/tuple of them; 0 for None."""
     if isinstance(obj, torch.Tensor):
-        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        t = getattr(obj, "_local_tensor", obj)
         return t.numel() * t.element_size()
     if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(x) for x in obj)
+        return sum(local_nbytes(x) for x in obj)
     return 0
 
 
@@ -163,7 +164,7 @@ def count_comm(counter: CommCounter | None = None):
             counter.seconds += time.perf_counter() - start
             kind, idx = _OPS[name]
             backward = torch._C._current_autograd_node() is not None
-            counter.add(kind, _nbytes(args[idx]), _group_size(func, args), backward, _sends(name, args))
+            counter.add(kind, local_nbytes(args[idx]), _group_size(func, args), backward, _sends(name, args))
             return out
 
     with _Count():

@@ -19,7 +19,6 @@ import weakref
 from functools import wraps
 from typing import Any
 
-import torch
 from torch.optim import Optimizer
 
 ZERO_STAGES = (0, 1)
@@ -96,8 +95,7 @@ def local_optimizer(optimizer: Optimizer) -> Optimizer:
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:
     """Bytes of optimizer state (tensors) this rank holds: its shard under ZeRO, everything otherwise."""
-    total = 0
-    for state in local_optimizer(optimizer).state.values():
-        total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
-    return total
+    from lightning_par.comm import local_nbytes
+
+    return sum(local_nbytes(v) for state in local_optimizer(optimizer).state.values() for v in state.values())
 
