@@ -137,6 +137,16 @@ class LossLog(pl.Callback):
             Path(self.path).write_text(json.dumps({"mean": mean, "per_rank": per_rank}))
 
 
+def figure(width: float, height: float):
+    """A new matplotlib figure and axes, drawn off-screen (recipes run on machines without a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, height))
+
+
 def savefig(fig, out_dir: Path, name: str) -> str:
     fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
     import matplotlib.pyplot as plt

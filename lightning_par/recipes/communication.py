@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_par.recipes.common import Report, savefig
+from lightning_par.recipes.common import figure, Report, savefig
 from lightning_par.recipes.layouts import measure_layouts
 
 
@@ -42,13 +42,8 @@ def run(cfg, out_dir: Path, command: str) -> Report:
 
 
 def _plot(data):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(data)
-    fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 4))
+    fig, ax = figure(1.3 * len(names) + 2, 4)
     ax.bar([i - 0.2 for i in range(len(names))], [data[n]["measured"] / 1024 for n in names], 0.38, label="measured")
     ax.bar([i + 0.2 for i in range(len(names))], [data[n]["predicted"] / 1024 for n in names], 0.38, label="formula")
     ax.set_xticks(range(len(names)), names, rotation=20)

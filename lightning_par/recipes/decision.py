@@ -9,7 +9,7 @@ import torch
 from lightning_par.advisor import Layout, advise, estimate, profile_lightning_module
 from lightning_par.advisor.profile import ModuleProfile
 from lightning_par.models import GPT
-from lightning_par.recipes.common import Report, savefig
+from lightning_par.recipes.common import figure, Report, savefig
 
 GiB = 1024**3
 KINDS = ("data parallel", "DP + ZeRO-1", "pipeline (+DP)", "tensor (+PP/DP)", "nothing fits")
@@ -99,14 +99,10 @@ def run(cfg, out_dir: Path, command: str) -> Report:
 
 
 def _picture(names, memories, grid, cfg):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
     colors = ["#4c9f70", "#9fd28c", "#4a7fb5", "#e0a03a", "#c0504d"]
-    fig, ax = plt.subplots(figsize=(1.6 * len(memories) + 3, 0.55 * len(names) + 1.8))
+    fig, ax = figure(1.6 * len(memories) + 3, 0.55 * len(names) + 1.8)
     ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=4, aspect="auto")
     ax.set_xticks(range(len(memories)), [f"{m} GiB" for m in memories])
     ax.set_yticks(range(len(names)), names)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_par.recipes.common import Report, savefig
+from lightning_par.recipes.common import figure, Report, savefig
 from lightning_par.recipes.layouts import measure_layouts
 
 FIELDS = (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optim"),
@@ -51,12 +51,7 @@ def run(cfg, out_dir: Path, command: str) -> Report:
 
 
 def _plot(results):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(1.3 * len(results) + 2, 4))
+    fig, ax = figure(1.3 * len(results) + 2, 4)
     colors = ["#4a7fb5", "#9fc5e8", "#e0a03a", "#c0504d"]
     for i, m in enumerate(results):
         pred = m.predicted

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_par.recipes.common import LossLog, Report, accelerator, gpt_workload, savefig
+from lightning_par.recipes.common import figure, LossLog, Report, accelerator, gpt_workload, savefig
 from lightning_par.recipes.layouts import layout_for, strategy_for
 
 
@@ -55,12 +55,7 @@ def run(cfg, out_dir: Path, command: str) -> Report:
 
 
 def _plot(curves, floor):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = figure(6.5, 4)
     for i, (name, curve) in enumerate(curves.items()):
         ax.plot(curve, label=name, lw=2.5 if name == "single" else 1.2, ls="-" if i % 2 == 0 else "--")
     ax.axhline(floor, color="grey", lw=0.8, ls=":", label="loss floor")

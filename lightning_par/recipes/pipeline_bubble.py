@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 from lightning_par.pipeline.schedules import bubble_fraction
-from lightning_par.recipes.common import Report, accelerator, gpt_workload, measured_fit, savefig
+from lightning_par.recipes.common import figure, Report, accelerator, gpt_workload, measured_fit, savefig
 from lightning_par.recipes.layouts import strategy_for
 
 
@@ -56,12 +56,7 @@ def run(cfg, out_dir: Path, command: str) -> Report:
 
 
 def _plot(results, cfg):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = figure(6.5, 4)
     ms = list(cfg.microbatches)
     for p in cfg.stages:
         line = ax.plot(ms, [bubble_fraction(stages=p, microbatches=m) for m in ms], "-", label=f"(p−1)/(m+p−1), p={p}")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_par.recipes.common import Report, accelerator, gpt_workload, measured_fit, savefig, start_method
+from lightning_par.recipes.common import figure, Report, accelerator, gpt_workload, measured_fit, savefig, start_method
 from lightning_par.strategies.data_parallel import DataParallelStrategy
 
 
@@ -69,12 +69,7 @@ def run(cfg, out_dir: Path, command: str) -> Report:
 
 
 def _plot(configs, best, base, cfg):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = figure(6, 4)
     ns = sorted({n for n, _ in configs})
     ax.plot(ns, [n * base for n in ns], "k--", label="linear")
     for name in cfg.strategies:
