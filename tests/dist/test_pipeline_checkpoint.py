@@ -60,3 +60,20 @@ def test_consolidated_checkpoint_and_exact_resume(tmp_path):
         assert part["losses"][0] == whole["losses"][2]
         for n, g in part["grads"][0].items():
             assert torch.equal(g, whole["grads"][2][n]), n
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
+    """With one batch per epoch every checkpoint sits where Lightning restarts the data, so the resumed
+    pipeline run must reproduce the uninterrupted one step for step."""
+    one_batch = Subset(TRAIN.dataset, range(8))
+    full, ckpts = run(tmp_path, "pp", DataLoader(one_batch, batch_size=8), 4, strategy=pp(), devices=2)
+    assert os.path.basename(ckpts[1]) == "epoch=1-step=2.ckpt"
+    resumed, _ = run(tmp_path, "resumed", DataLoader(one_batch, batch_size=8), 4, ckpt_path=ckpts[1],
+                     strategy=pp(), devices=2)
+    for whole, part in zip(full, resumed):
+        assert part["global_step"] == 4 and part["losses"] == whole["losses"][2:]
+        for step in range(2):
+            assert part["grads"][step].keys() == whole["grads"][2 + step].keys()
+            for n, g in part["grads"][step].items():
+                assert torch.equal(g, whole["grads"][2 + step][n]), (step, n)
