@@ -77,10 +77,27 @@ class PipelineStrategyConfig:
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
 
 
+@dataclass
+class TensorStrategyConfig:
+    """:class:`lightning_par.TensorParallelStrategy` (DTensor, Megatron plan found by inspecting the module)."""
+
+    _target_: str = "lightning_par.strategies.tensor_parallel.TensorParallelStrategy"
+    tensor_parallel_size: Any = "auto"  # int | auto (every device not taken by data_parallel_size)
+    data_parallel_size: Any = "auto"  # int | auto (world / tensor_parallel_size)
+    plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    save_distributed_checkpoint: bool = False
+    start_method: str = "popen"  # popen | spawn | fork | forkserver
+    timeout: float = 1800.0  # seconds, for every collective
+    process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
+
+
 STRATEGY_SCHEMAS: dict[str, type] = {
     "single": SingleStrategyConfig,
     "ddp": DataParallelStrategyConfig,
     "pipeline": PipelineStrategyConfig,
+    "tensor": TensorStrategyConfig,
 }
 
 

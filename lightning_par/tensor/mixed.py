@@ -1,0 +1,179 @@
+"""Models whose parameters are partly DTensors (the sharded layers) and partly plain tensors (the rest).
+
+[Note: mixed DTensor / plain parameters]
+torch refuses a list that mixes DTensors and plain tensors in one ``torch._foreach_*`` call, so
+``clip_grad_norm_`` and ``foreach`` / ``fused`` optimizers fail on such a model. Making every parameter a
+DTensor would put every norm and embedding through DTensor dispatch (slower, and user code that touches a
+weight directly would then mix kinds itself). Instead the replicated parameters stay plain and:
+
+- the optimizer steps each param group as two groups, one per kind, with the same hyper-parameters
+  (:func:`split_step_by_kind`); ``param_groups`` and ``state_dict()`` keep the user's layout, so LR
+  schedulers and checkpoints see exactly what ``configure_optimizers`` built;
+- the gradient norm is computed per kind and combined (a sharded DTensor's norm is already global):
+  :func:`clip_grad_norm_` / :func:`clip_grad_value_`.
+"""
+from __future__ import annotations
+
+import types
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def by_kind(tensors: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    dt, plain = [], []
+    for t in tensors:
+        (dt if isinstance(t, DTensor) else plain).append(t)
+    return dt, plain
+
+
+def split_step_by_kind(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer.step`` step DTensor and plain parameters of a group separately (in place, idempotent)."""
+    if getattr(optimizer, "_lp_split_step", False):
+        return optimizer
+    inner = optimizer.step
+
+    def step(self, *args, **kwargs):
+        groups = self.param_groups
+        split = []
+        for g in groups:
+            dt, plain = by_kind(g["params"])
+            if dt and plain:
+                split += [{**g, "params": dt}, {**g, "params": plain}]
+            else:
+                split.append(g)
+        if len(split) == len(groups):
+            return inner(*args, **kwargs)
+        self.param_groups = split
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            self.param_groups = groups
+
+    # an LR scheduler made earlier wrapped ``step`` to see it called; ``inner`` is that wrapper, so keep its mark
+    step._wrapped_by_lr_sched = getattr(inner, "_wrapped_by_lr_sched", False)
+    optimizer.step = types.MethodType(step, optimizer)
+    optimizer._lp_split_step = True
+    return optimizer
+
+
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients together, as a plain tensor (sharded DTensors contribute their global norm)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    dt, plain = by_kind(grads)
+    norms = []
+    if dt:
+        n = torch.nn.utils.get_total_norm(dt, norm_type)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    if plain:
+        norms.append(torch.nn.utils.get_total_norm(plain, norm_type))
+    if not norms:
+        return torch.tensor(0.0)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a mix of DTensor and plain parameters."""
+    params = [p for p in parameters if p.grad is not None]
+    total = total_grad_norm(params, norm_type)
+    for group in by_kind(params):
+        if group:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def clip_grad_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+    for group in by_kind(p for p in parameters if p.grad is not None):
+        if group:
+            torch.nn.utils.clip_grad_value_(group, clip_value)
+
+
+def install_clipping(precision_plugin) -> None:
+    """Route a Lightning precision plugin's gradient clipping through the mixed-kind functions above."""
+    if getattr(precision_plugin, "_lp_mixed_clipping", False):
+        return
+
+    def by_norm(self, optimizer, clip_val):
+        clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+    def by_value(self, optimizer, clip_val):
+        clip_grad_value_(self.main_params(optimizer), clip_val)
+
+    precision_plugin.clip_grad_by_norm = types.MethodType(by_norm, precision_plugin)
+    precision_plugin.clip_grad_by_value = types.MethodType(by_value, precision_plugin)
+    precision_plugin._lp_mixed_clipping = True
+
+
+def install_scaler(scaler) -> None:
+    """Make a ``GradScaler`` unscale DTensor and plain gradients in separate calls (torch's fused unscale
+    refuses the mix) and merge the per-device inf flags (in place, idempotent)."""
+    if scaler is None or getattr(scaler, "_lp_split_unscale", False):
+        return
+    inner = scaler._unscale_grads_
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        groups = optimizer.param_groups
+        merged: dict = {}
+        try:
+            for want_dtensor in (True, False):
+                optimizer.param_groups = [{**g, "params": [p for p in g["params"]
+                                                           if isinstance(p, DTensor) == want_dtensor]} for g in groups]
+                for device, flag in inner(optimizer, inv_scale, torch.zeros_like(found_inf), allow_fp16).items():
+                    merged[device] = merged[device] + flag if device in merged else flag
+        finally:
+            optimizer.param_groups = groups
+        return merged
+
+    scaler._unscale_grads_ = types.MethodType(_unscale_grads_, scaler)
+    scaler._lp_split_unscale = True
+
+
+def reduce_partial_grads(parameters: Iterable[torch.Tensor], group) -> int:
+    """Turn ``Partial(sum)`` DTensor gradients into their parameter's placement with one all-reduce for all.
+
+    Under sequence parallelism a replicated norm weight sees only this rank's part of the sequence, so its
+    gradient comes out of backward as a partial sum over the tensor-parallel ranks. Returns how many were
+    reduced.
+    """
+    pending = [p for p in parameters if isinstance(p.grad, DTensor)
+               and any(pl.is_partial() for pl in p.grad.placements)]
+    if not pending:
+        return 0
+    if any(getattr(pl, "reduce_op", "sum") != "sum" for p in pending for pl in p.grad.placements if pl.is_partial()):
+        for p in pending:  # not a sum: let DTensor do it one by one
+            p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+        return len(pending)
+    locals_ = [p.grad.to_local() for p in pending]
+    flat = torch.cat([g.reshape(-1) for g in locals_])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p, g in zip(pending, locals_):
+        chunk = flat[offset : offset + g.numel()].view_as(g)
+        offset += g.numel()
+        p.grad = DTensor.from_local(chunk, p.grad.device_mesh, p.placements, run_check=False)
+    return len(pending)
+
+
+def average_grads(parameters: Iterable[torch.Tensor], group, size: int) -> None:
+    """Average gradients over a data-parallel ``group`` of ``size`` replicas, one all-reduce per dtype.
+
+    A DTensor gradient is averaged through its local shard: data-parallel peers hold the same shard.
+    """
+    if size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,201 @@
+"""Apply a :class:`~lightning_par.tensor.plan.TensorPlan` to a module with DTensor ``parallelize_module``.
+
+Style by style (plan name → torch style):
+
+- ``colwise``  → ``ColwiseParallel(use_local_output=False)``: the output stays a DTensor sharded on its
+  last dim, so user code that views it with a *stored* head count (``.view(B, T, n_head, hd)``) or with
+  ``-1`` is computed on the global shape and stays correct (see :mod:`.attention` for the kernel rule).
+- ``rowwise``  → ``RowwiseParallel``: reduces (all-reduce, or reduce-scatter along the sequence under
+  sequence parallelism) and hands back a plain tensor.
+- ``prepare``  → :class:`PrepareBlockInput` on the parent of a pair ([Note: prepare the block input once]).
+- ``sequence`` → ``SequenceParallel`` (norms, under ``sequence_parallel=True``).
+- ``sequence_block`` / ``sequence_block_last`` → :class:`SequenceBlock` (under ``sequence_parallel=True``).
+- ``vocab_head`` / ``vocab_embedding`` → vocabulary-sharded logits / embedding (``loss_parallel=True``);
+  a weight the two share is tied again after sharding.
+- ``replicate`` → nothing: parameters stay plain tensors (see :mod:`.mixed` for what that implies).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from lightning_par.tensor.plan import BLOCK, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan
+
+
+class PrepareBlockInput(ParallelStyle):
+    """The module's first input becomes a DTensor (``input_layout`` → replicated) once; plain tensors it
+    mixes with DTensors inside (masks, rotary tables) count as replicated; DTensor outputs come back as
+    plain full tensors, so the code around the module never sees a DTensor.
+
+    ``input_layout=Shard(1)`` (sequence parallel) all-gathers the sequence on entry; its backward is the
+    matching reduce-scatter.
+    """
+
+    def __init__(self, *, input_layout=None):
+        self.input_layout = input_layout or Replicate()
+        self.sequence_parallel = self.input_layout != Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if getattr(module, "_lp_prepared", False):
+            return module
+        inner = module.forward
+        layout, keep_dtensor = self.input_layout, self.sequence_parallel
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            if args:
+                args = (_enter(args[0], device_mesh, layout), *_replicate(args[1:], device_mesh))
+                kwargs = _replicate(kwargs, device_mesh)
+            else:  # Hugging Face layers are called with keywords: hidden_states=...
+                key = "hidden_states" if isinstance(kwargs.get("hidden_states"), torch.Tensor) else next(
+                    (k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+                kwargs = {k: (_enter(v, device_mesh, layout) if k == key else _replicate(v, device_mesh))
+                          for k, v in kwargs.items()}
+            with implicit_replication():  # tensors the module creates itself count as replicated
+                out = inner(*args, **kwargs)
+            # under sequence parallelism the output stays a sequence-sharded DTensor for the residual stream
+            return out if keep_dtensor else to_plain(out)
+
+        module.forward = forward
+        module._lp_prepared = True
+        return module
+
+
+def _enter(x, mesh, layout):
+    if not isinstance(x, torch.Tensor):
+        return x
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+    # sequence parallel: all-gather the sequence here (its backward is a reduce-scatter)
+    return x if x.placements == (Replicate(),) else x.redistribute(mesh, (Replicate(),))
+
+
+class SequenceBlock(ParallelStyle):
+    """A block of the stack under sequence parallelism: a plain full input is split along the sequence (each
+    rank keeps its chunk, no communication); the last block of the stack gathers its output back to a plain
+    full tensor, so the code after the stack never sees a DTensor."""
+
+    def __init__(self, *, last: bool, sequence_dim: int = 1):
+        self.last, self.dim = last, sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        dim, t = self.dim, device_mesh.size()
+
+        def split(x):
+            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+                return x
+            if x.shape[dim] % t:
+                raise ValueError(f"sequence_parallel=True: {type(module).__name__} got a sequence of length "
+                                 f"{x.shape[dim]}, not divisible by tensor_parallel_size={t}. Use a sequence "
+                                 f"length divisible by {t}, or sequence_parallel=False.")
+            full = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+            return full.redistribute(device_mesh, (Shard(dim),))
+
+        def pre(mod, args, kwargs):
+            if args:
+                return (split(args[0]), *args[1:]), kwargs
+            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                return args, {**kwargs, "hidden_states": split(kwargs["hidden_states"])}
+            return args, kwargs
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        if self.last:
+            module.register_forward_hook(lambda mod, args, out: to_plain(out))
+        return module
+
+
+def _replicate(obj, mesh):
+    """Other floating / boolean tensor inputs (masks, rotary tables) become replicated DTensors, so that the
+    backward pass, which runs outside this module's call, never mixes them with DTensors either."""
+    if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor):
+        if obj.is_floating_point() or obj.dtype == torch.bool:
+            return DTensor.from_local(obj, mesh, (Replicate(),), run_check=False)
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_replicate(o, mesh) for o in obj)
+    if isinstance(obj, list):
+        return [_replicate(o, mesh) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _replicate(v, mesh) for k, v in obj.items()}
+    return obj
+
+
+def to_plain(out):
+    """``out`` (nested tuples / lists / dicts) with every DTensor replaced by its full plain tensor; autograd is kept."""
+    if isinstance(out, DTensor):
+        return out.full_tensor()
+    if isinstance(out, tuple):
+        return type(out)(to_plain(o) for o in out) if not hasattr(out, "_fields") else type(out)(*map(to_plain, out))
+    if isinstance(out, list):
+        return [to_plain(o) for o in out]
+    if isinstance(out, dict):
+        return type(out)((k, to_plain(v)) for k, v in out.items())
+    return out
+
+
+def torch_styles(plan: TensorPlan, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The torch ``ParallelStyle`` of every plan entry (``replicate`` entries have none)."""
+    seq = Shard(1)
+    out: dict[str, ParallelStyle] = {}
+    for name, style in plan.styles.items():
+        if style == "colwise":
+            out[name] = ColwiseParallel(use_local_output=False)
+        elif style == "rowwise":
+            out[name] = RowwiseParallel(input_layouts=Shard(-1), output_layouts=seq if sequence_parallel else Replicate(),
+                                        use_local_output=not sequence_parallel)
+        elif style == PREPARE:
+            out[name] = PrepareBlockInput(input_layout=seq if sequence_parallel else Replicate())
+        elif style == "sequence":
+            if sequence_parallel:
+                out[name] = SequenceParallel()
+        elif style in (BLOCK, LAST_BLOCK):
+            out[name] = SequenceBlock(last=style == LAST_BLOCK)
+        elif style == VOCAB_HEAD:  # logits sharded on the vocabulary, for loss_parallel()
+            out[name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        elif style == VOCAB_EMBEDDING:  # each rank looks up its vocabulary rows, then all-reduce
+            out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    return out
+
+
+def parallelize(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
+    """Apply ``plan`` in place (parents before children) and return ``module``."""
+    from lightning_par.tensor.attention import register_attention_rules
+
+    register_attention_rules()
+    styles = torch_styles(plan, sequence_parallel=sequence_parallel)
+    ties = _ties(module, [n for n, s in plan.styles.items() if s in ("colwise", "rowwise", VOCAB_HEAD, VOCAB_EMBEDDING)])
+    for name, style in styles.items():
+        target = module.get_submodule(name) if name else module
+        parallelize_module(target, tp_mesh, style)
+    for (owner, attr), (src_owner, src_attr) in ties.items():
+        # parallelize_module gives every module its own new parameter: re-tie (same layout, see plan)
+        a, b = module.get_submodule(owner), module.get_submodule(src_owner)
+        pa, pb = getattr(a, attr), getattr(b, src_attr)
+        if not (isinstance(pa, DTensor) and isinstance(pb, DTensor) and pa.placements == pb.placements):
+            raise ValueError(f"{owner}.{attr} shares its weight with {src_owner}.{src_attr}, but the plan shards "
+                             f"them differently; give both the same style or leave both replicated.")
+        setattr(a, attr, getattr(b, src_attr))
+    return module
+
+
+def _ties(module: nn.Module, sharded: list[str]) -> dict[tuple[str, str], tuple[str, str]]:
+    """Parameters of sharded modules that are shared with another module: ``{(module, attr): (first owner, attr)}``."""
+    first: dict[int, tuple[str, str]] = {}
+    ties = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            key = (mod_name, attr)
+            if id(p) in first and first[id(p)][0] != mod_name:
+                if mod_name in sharded or first[id(p)][0] in sharded:
+                    ties[key] = first[id(p)]
+            else:
+                first.setdefault(id(p), key)
+    return ties

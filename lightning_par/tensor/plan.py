@@ -1,0 +1,368 @@
+"""Tensor-parallel plans as plain data: which module gets which sharding style.
+
+A plan maps module names (fully qualified, as ``named_modules`` gives them) to one of the styles in
+:data:`STYLES`. It is built in three layers, each overriding the one before:
+
+1. ``auto``: the Megatron pairs found by inspecting the module tree (:func:`find_megatron_pairs`);
+2. a Hugging Face model's ``config.base_model_tp_plan`` (:func:`hf_plan`), where one is present;
+3. the user's ``{module_glob: style}`` dict (:func:`apply_user_plan`).
+
+:func:`finalize` then adds the ``"prepare"`` entries (the parent of a column/row pair receives its input
+once as a replicated DTensor, see [Note: prepare the block input once]) and checks every sharded
+dimension and head count against the tensor-parallel size. Everything here is pure: no process group,
+no DTensor, so it is unit-tested without processes and every error is raised before any collective.
+
+Example::
+
+    >>> plan = build_plan(gpt, tp_size=2)            # doctest: +SKIP
+    >>> plan.styles["blocks.0.attn.q_proj"], plan.styles["blocks.0.attn"]
+    ('colwise', 'prepare')
+"""
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from torch import nn
+
+#: Styles a user may write in ``plan={glob: style}``.
+USER_STYLES = ("colwise", "rowwise", "sequence", "replicate")
+#: Internal style: the module's first input becomes a replicated DTensor once (parent of a pair).
+PREPARE = "prepare"
+#: Internal styles under sequence parallelism: a block of the stack (its input is split along the
+#: sequence; the last block gathers its output back), and the last block.
+BLOCK, LAST_BLOCK = "sequence_block", "sequence_block_last"
+#: Internal styles under loss parallelism: the output head (logits stay sharded on the vocabulary) and the
+#: token embedding (vocabulary-parallel).
+VOCAB_HEAD, VOCAB_EMBEDDING = "vocab_head", "vocab_embedding"
+STYLES = USER_STYLES + (PREPARE, BLOCK, LAST_BLOCK, VOCAB_HEAD, VOCAB_EMBEDDING)
+
+# Attribute names under which attention modules store head counts (own attributes or ``config``).
+_HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "nhead", "num_attention_heads")
+_KV_HEAD_ATTRS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
+# Containers whose children are not called in a known order by the container itself.
+_NOT_A_BLOCK = (nn.ModuleList, nn.ModuleDict)
+# Hugging Face plan styles and what they mean here (anything else is left replicated with a warning).
+_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise", "rowwise_rep": "rowwise",
+              "local_colwise": "colwise", "local_rowwise": "rowwise", "sequence_parallel": "sequence"}
+
+
+@dataclass
+class TensorPlan:
+    """The resolved plan: ``styles`` (module name → style) and ``replicated`` (module name → why it was
+    left replicated although it looked shardable)."""
+
+    styles: dict[str, str] = field(default_factory=dict)
+    replicated: dict[str, str] = field(default_factory=dict)
+    source: str = "auto"
+
+    def sharded(self) -> dict[str, str]:
+        return {n: s for n, s in self.styles.items() if s in ("colwise", "rowwise")}
+
+    def describe(self, module: nn.Module | None = None) -> str:
+        """A human-readable table: the styles applied, then the parameter-holding modules left replicated."""
+        lines = [f"tensor-parallel plan ({self.source}):"]
+        for name, style in sorted(self.styles.items(), key=lambda kv: _natural(kv[0])):
+            if style != "replicate":
+                lines.append(f"  {name or '<root>'}: {style}")
+        for name, why in self.replicated.items():
+            lines.append(f"  {name}: replicated ({why})")
+        if module is not None:
+            covered = {n for n, s in self.styles.items() if s in ("colwise", "rowwise")}
+            rest = [n for n, m in module.named_modules() if n not in covered and n not in self.replicated
+                    and any(True for _ in m.parameters(recurse=False))]
+            if rest:
+                lines.append(f"  replicated (plain): {', '.join(rest)}")
+        return "\n".join(lines)
+
+
+def _natural(name: str) -> list:
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+
+# -- 1. auto -----------------------------------------------------------------------------------------
+
+def find_megatron_pairs(module: nn.Module) -> dict[str, tuple[list[str], str]]:
+    """Parents holding a Megatron pair: ``{parent: ([column-wise children], row-wise child)}``.
+
+    A pair is a module (not a ``ModuleList``/``ModuleDict``) whose direct ``nn.Linear`` children are
+    ``C_1 ... C_k, R`` in registration order, where ``R`` is the last one, every ``C_i`` reads the
+    block's width (``in_features == R.out_features``) and ``R`` reads what the first one writes
+    (``R.in_features == C_1.out_features``). That is attention (q, k, v → o; k/v may be narrower, as in
+    grouped-query attention; a fused qkv is one ``C``) and the MLP (fc or gate, up → down).
+
+    Example::
+
+        >>> from torch import nn
+        >>> class MLP(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__(); self.fc = nn.Linear(8, 32); self.proj = nn.Linear(32, 8)
+        >>> find_megatron_pairs(nn.ModuleDict({"mlp": MLP()}))
+        {'mlp': (['mlp.fc'], 'mlp.proj')}
+    """
+    pairs = {}
+    for name, parent in module.named_modules():
+        if isinstance(parent, _NOT_A_BLOCK) or isinstance(parent, nn.MultiheadAttention):
+            continue
+        linears = [(n, c) for n, c in parent.named_children() if type(c) is nn.Linear or _is_plain_linear(c)]
+        if len(linears) < 2:
+            continue
+        (r_name, r), cols = linears[-1], linears[:-1]
+        if any(c.in_features != r.out_features for _, c in cols) or r.in_features != cols[0][1].out_features:
+            continue
+        if isinstance(parent, nn.Sequential) and len(linears) != 2:
+            continue  # a Sequential of three Linears chains them; only the 2-layer MLP is a pair
+        prefix = f"{name}." if name else ""
+        pairs[name] = ([prefix + n for n, _ in cols], prefix + r_name)
+    return pairs
+
+
+def _is_plain_linear(m: nn.Module) -> bool:
+    # nn.Linear subclasses that only rename the class (e.g. NonDynamicallyQuantizableLinear) still count.
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+
+
+def multihead_attention_modules(module: nn.Module) -> list[str]:
+    return [n for n, m in module.named_modules() if isinstance(m, nn.MultiheadAttention)]
+
+
+def auto_plan(module: nn.Module) -> TensorPlan:
+    plan = TensorPlan(source="auto")
+    for parent, (cols, row) in find_megatron_pairs(module).items():
+        for c in cols:
+            plan.styles[c] = "colwise"
+        plan.styles[row] = "rowwise"
+    for name in multihead_attention_modules(module):
+        plan.replicated[name] = ("nn.MultiheadAttention passes its fused in_proj_weight and out_proj.weight to a "
+                                 "functional kernel, so it cannot be split by module; the whole module stays replicated")
+    return plan
+
+
+# -- 2. Hugging Face ---------------------------------------------------------------------------------
+
+def hf_plan(module: nn.Module) -> TensorPlan | None:
+    """The ``config.base_model_tp_plan`` of every Hugging Face base model inside ``module``, with its globs
+    made absolute; ``None`` when there is none."""
+    plan, found = TensorPlan(source="hf base_model_tp_plan"), False
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        tp_plan = getattr(config, "base_model_tp_plan", None)
+        prefix_attr = getattr(sub, "base_model_prefix", None)
+        if not tp_plan or not prefix_attr or not hasattr(sub, prefix_attr):
+            continue  # only the top model carries both the config and its base model
+        base = f"{name}.{prefix_attr}" if name else prefix_attr
+        for glob, hf_style in tp_plan.items():
+            style = _HF_STYLES.get(hf_style)
+            for target in _match(module, f"{base}.{glob}"):
+                if style is None:
+                    plan.replicated[target] = f"Hugging Face style {hf_style!r} is not supported here"
+                else:
+                    plan.styles[target] = style
+        found = True
+    return plan if found else None
+
+
+# -- 3. user globs -----------------------------------------------------------------------------------
+
+def check_user_plan(plan: Mapping[str, str]) -> dict[str, str]:
+    if not isinstance(plan, Mapping):
+        raise ValueError(f"`plan={plan!r}` must be 'auto' or a dict {{module_glob: style}} with style in {USER_STYLES}.")
+    out = {}
+    for glob, style in plan.items():
+        if not isinstance(glob, str) or style not in USER_STYLES:
+            raise ValueError(f"plan entry {glob!r}: {style!r} must be one of {USER_STYLES} (keys are module-name "
+                             f"globs such as 'blocks.*.attn.q_proj').")
+        out[glob] = style
+    return out
+
+
+def apply_user_plan(plan: TensorPlan, module: nn.Module, user: Mapping[str, str]) -> TensorPlan:
+    """Override ``plan`` with the user's globs; a glob that matches no module warns with the glob."""
+    for glob, style in check_user_plan(user).items():
+        targets = _match(module, glob)
+        if not targets:
+            warnings.warn(f"tensor-parallel plan glob {glob!r} matches no module of {type(module).__name__}; "
+                          f"it is ignored (module names look like {_example_names(module)}).", stacklevel=3)
+        for t in targets:
+            plan.styles[t] = style
+            plan.replicated.pop(t, None)
+    plan.source = f"{plan.source} + user overrides"
+    return plan
+
+
+def _match(module: nn.Module, glob: str) -> list[str]:
+    return [n for n, _ in module.named_modules() if n and fnmatch.fnmatchcase(n, glob)]
+
+
+def _example_names(module: nn.Module, k: int = 4) -> str:
+    return ", ".join(repr(n) for n, _ in list(module.named_modules())[1 : k + 1])
+
+
+# -- finalize: prepare entries + divisibility --------------------------------------------------------
+
+def is_norm(m: nn.Module) -> bool:
+    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith(("LayerNorm", "RMSNorm"))
+
+
+def add_sequence_parallel(plan: TensorPlan, module: nn.Module) -> TensorPlan:
+    """Under ``sequence_parallel=True``: every block that holds prepared modules gets a block style (the last
+    block of its stack the gathering one), and the norms directly inside those blocks become ``sequence``.
+
+    [Note: sequence parallel span]
+    The residual stream is split along the sequence from the first block's input to the last block's
+    output; embeddings, the final norm and the head keep full sequences (they sit outside the block stack
+    in user code that the strategy does not rewrite, e.g. ``pos_emb(arange(T))`` added to the tokens).
+    """
+    modules = dict(module.named_modules())
+    blocks = sorted({n.rpartition(".")[0] for n, s in plan.styles.items() if s == PREPARE and "." in n},
+                    key=_natural)
+    stacks: dict[str, list[str]] = {}
+    for b in blocks:
+        stacks.setdefault(b.rpartition(".")[0], []).append(b)
+    for stack, members in stacks.items():
+        for b in members:
+            plan.styles[b] = LAST_BLOCK if b == members[-1] else BLOCK
+            for child_name, child in modules[b].named_children():
+                if is_norm(child) and plan.styles.get(f"{b}.{child_name}") in (None, "sequence"):
+                    plan.styles[f"{b}.{child_name}"] = "sequence"
+    return plan
+
+
+def find_vocab_head(module: nn.Module, plan: TensorPlan) -> tuple[str | None, str | None]:
+    """The output head (an ``nn.Linear`` outside every pair that writes the vocabulary) and its token embedding.
+
+    The head is the ``nn.Linear`` whose weight is tied to an ``nn.Embedding`` or else the last registered
+    one shaped like an embedding transposed; the embedding is the tied one, or the only one of the
+    head's shape (several of that shape: none, it stays replicated).
+    """
+    modules = dict(module.named_modules())
+    embeddings = {n: m for n, m in modules.items() if isinstance(m, nn.Embedding)}
+    head = emb = None
+    for name, m in modules.items():
+        if not isinstance(m, nn.Linear) or name in plan.styles or name in plan.replicated:
+            continue
+        tied = [e for e, em in embeddings.items() if em.weight is m.weight]
+        shaped = [e for e, em in embeddings.items()
+                  if (em.num_embeddings, em.embedding_dim) == (m.out_features, m.in_features)]
+        if tied:
+            return name, tied[0]
+        if shaped:
+            head, emb = name, (shaped[0] if len(shaped) == 1 else None)
+    return head, emb
+
+
+def add_loss_parallel(plan: TensorPlan, module: nn.Module, tp_size: int) -> TensorPlan:
+    """Under ``loss_parallel=True``: the head writes vocabulary-sharded logits and the token embedding is
+    vocabulary-parallel (required when the two share their weight)."""
+    head, emb = find_vocab_head(module, plan)
+    if head is None:
+        raise ValueError("loss_parallel=True: found no output head (an nn.Linear outside the attention / MLP pairs "
+                         "shaped like an nn.Embedding transposed, or tied to one). Set loss_parallel=False.")
+    modules = dict(module.named_modules())
+    _check_shardable(head, modules[head], "colwise", tp_size)
+    plan.styles[head] = VOCAB_HEAD
+    if emb is not None:
+        _check_shardable(emb, modules[emb], "rowwise", tp_size)
+        plan.styles[emb] = VOCAB_EMBEDDING
+    return plan
+
+
+def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_parallel: bool = False,
+             loss_parallel: bool = False) -> TensorPlan:
+    """Add ``prepare`` for every parent of a column-wise child, leave ``nn.MultiheadAttention`` (and anything
+    inside it) replicated, and check that every sharded dimension and head count divides by ``tp_size``.
+
+    [Note: prepare the block input once]
+    Column-wise layers that read the same input (q, k, v; gate, up) each turn their replicated input into a
+    DTensor and, in backward, all-reduce that input's gradient on their own: 3 + 1 all-reduces per
+    attention instead of Megatron's 1 + 1. Making the *parent's* input a replicated DTensor once lets the
+    partial gradients of q, k and v sum locally and be reduced once, at the parent's boundary.
+    """
+    modules = dict(module.named_modules())
+    for mha in multihead_attention_modules(module):
+        for name in list(plan.styles):
+            if (name == mha or name.startswith(mha + ".")) and plan.styles[name] != "replicate":
+                del plan.styles[name]
+                plan.replicated.setdefault(name, "inside nn.MultiheadAttention, which stays replicated")
+                if name != mha:
+                    warnings.warn(f"tensor parallel: {name!r} is inside nn.MultiheadAttention {mha!r}, whose weights "
+                                  "go to a functional kernel; the whole module is left replicated.", stacklevel=3)
+        warnings.warn(f"tensor parallel: nn.MultiheadAttention {mha!r} is left replicated (its fused in_proj_weight "
+                      "and out_proj.weight are used by a functional kernel, not by calling submodules).", stacklevel=3)
+    for name, style in list(plan.styles.items()):
+        if name not in modules:
+            raise ValueError(f"plan entry {name!r} names no module.")
+        if style in ("colwise", "rowwise"):
+            _check_shardable(name, modules[name], style, tp_size)
+            parent = name.rpartition(".")[0]
+            if style == "colwise" and parent and parent in modules and plan.styles.get(parent) is None \
+                    and not isinstance(modules[parent], (nn.Sequential,) + _NOT_A_BLOCK):
+                plan.styles[parent] = PREPARE
+    for name, style in plan.styles.items():
+        if style == PREPARE:
+            _check_heads(name, modules[name], tp_size)
+    if sequence_parallel:
+        add_sequence_parallel(plan, module)
+    if loss_parallel:
+        add_loss_parallel(plan, module, tp_size)
+    # parents first: parallelize_module applies them in this order
+    plan.styles = dict(sorted(plan.styles.items(), key=lambda kv: (kv[0].count("."), kv[0])))
+    return plan
+
+
+def _check_shardable(name: str, m: nn.Module, style: str, t: int) -> None:
+    if isinstance(m, nn.Linear):
+        dim, what = (m.out_features, "out_features") if style == "colwise" else (m.in_features, "in_features")
+    elif isinstance(m, nn.Embedding):
+        dim, what = (m.embedding_dim, "embedding_dim") if style == "colwise" else (m.num_embeddings, "num_embeddings")
+    else:
+        raise ValueError(f"plan entry {name!r}: style {style!r} applies to nn.Linear or nn.Embedding, not "
+                         f"{type(m).__name__}. Give it 'replicate' (or 'sequence' for a norm) instead.")
+    if dim % t:
+        raise ValueError(f"module {name!r} ({type(m).__name__}) has {what}={dim}, which is not divisible by "
+                         f"tensor_parallel_size={t}; {style} sharding needs it to be. Choose a tensor_parallel_size "
+                         f"that divides {dim}, or map {name!r} to 'replicate' in `plan`.")
+
+
+def head_counts(m: nn.Module) -> dict[str, int]:
+    """Head counts a module stores as attributes or in its ``config`` (attention modules)."""
+    found = {}
+    for owner in (m, getattr(m, "config", None)):
+        if owner is None:
+            continue
+        for attr in _HEAD_ATTRS + _KV_HEAD_ATTRS:
+            v = getattr(owner, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool) and attr not in found:
+                found[attr] = v
+    return found
+
+
+def _check_heads(name: str, m: nn.Module, t: int) -> None:
+    for attr, n in head_counts(m).items():
+        if n % t:
+            raise ValueError(f"module {name!r} ({type(m).__name__}) has {attr}={n}, which is not divisible by "
+                             f"tensor_parallel_size={t}: attention heads are split across tensor-parallel ranks. "
+                             f"Choose a tensor_parallel_size that divides {n}, or map the module's projections to "
+                             f"'replicate' in `plan`.")
+
+
+def build_plan(module: nn.Module, tp_size: int, user: Mapping[str, str] | str = "auto",
+               sequence_parallel: bool = False, loss_parallel: bool = False) -> TensorPlan:
+    """auto → Hugging Face plan (if any) → user globs → :func:`finalize`."""
+    plan = auto_plan(module)
+    hf = hf_plan(module)
+    if hf is not None:
+        # A Hugging Face plan replaces what auto found inside that model.
+        plan.styles.update(hf.styles)
+        plan.replicated.update(hf.replicated)
+        plan.source = hf.source
+    if user != "auto":
+        plan = apply_user_plan(plan, module, user)
+    plan = finalize(plan, module, tp_size, sequence_parallel, loss_parallel)
+    if not plan.sharded() and not any(s.startswith("vocab") for s in plan.styles.values()):
+        warnings.warn(f"tensor parallel: the plan shards no module of {type(module).__name__} (no attention / MLP "
+                      f"pair of nn.Linear layers was found); every rank computes the whole model. Give a `plan` "
+                      f"{{module_glob: style}} to split it.", stacklevel=2)
+    return plan

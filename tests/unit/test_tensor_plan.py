@@ -1,0 +1,163 @@
+"""Tensor-parallel plans without processes: auto-detection, Hugging Face plans, user globs, bad input."""
+
+import pytest
+from torch import nn
+
+from lightning_par.models import GPT
+from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
+from lightning_par.tensor.plan import auto_plan, build_plan, find_megatron_pairs, hf_plan
+
+
+def gpt(**kw):
+    cfg = dict(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=16)
+    cfg.update(kw)
+    return GPT(**cfg)
+
+
+def test_auto_plan_on_reference_gpt():
+    plan = build_plan(gpt(), 2)
+    for i in range(2):
+        b = f"blocks.{i}"
+        assert plan.styles[f"{b}.attn"] == plan.styles[f"{b}.mlp"] == "prepare"
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert plan.styles[f"{b}.attn.{name}"] == "colwise"
+        assert plan.styles[f"{b}.attn.out_proj"] == "rowwise"
+        assert plan.styles[f"{b}.mlp.fc"] == "colwise" and plan.styles[f"{b}.mlp.proj"] == "rowwise"
+    assert len(plan.styles) == 2 * 8  # nothing else: embeddings, norms and the tied lm head stay replicated
+    assert list(plan.styles)[0] == "blocks.0.attn"  # parents are applied before their children
+    text = plan.describe(gpt())
+    assert "blocks.0.attn.q_proj: colwise" in text and "lm_head" in text
+
+
+def test_pairs_fused_qkv_gqa_and_sequential():
+    class Fused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    class GQA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(8, 8)
+
+    root = nn.ModuleDict({"fused": Fused(), "gqa": GQA(),
+                          "seq": nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)),
+                          "chain": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)),
+                          "stack": nn.ModuleList([nn.Linear(8, 32), nn.Linear(32, 8)])})
+    pairs = find_megatron_pairs(root)
+    assert pairs["gqa"] == (["gqa.q", "gqa.k", "gqa.v"], "gqa.o")
+    assert pairs["seq"] == (["seq.0"], "seq.2")
+    assert "fused" not in pairs  # fused qkv writes 3x the width the projection reads: not a pair by shape
+    assert "chain" not in pairs and "stack" not in pairs
+
+
+def test_head_count_not_divisible_names_module_heads_and_t():
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn.*n_head=2.*tensor_parallel_size=4"):
+        build_plan(gpt(n_head=2), 4)
+
+
+def test_dimension_not_divisible_names_module_dim_and_t():
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.q_proj.*out_features=18.*tensor_parallel_size=4"):
+        build_plan(gpt(n_embd=18, n_head=1), 4)
+
+
+class WithMHA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+def test_multihead_attention_left_replicated_with_warning():
+    with pytest.warns(UserWarning, match=r"MultiheadAttention 'attn' is left replicated"):
+        plan = build_plan(WithMHA(), 2)
+    assert not any(n.startswith("attn") for n in plan.styles)
+    assert plan.styles["mlp.0"] == "colwise" and "attn" in plan.replicated
+    with pytest.warns(UserWarning, match=r"'attn\.out_proj' is inside nn\.MultiheadAttention"):
+        plan = build_plan(WithMHA(), 2, {"attn.out_proj": "rowwise"})
+    assert "attn.out_proj" not in plan.styles
+
+
+def test_user_plan_overrides_and_unmatched_glob_warns():
+    plan = build_plan(gpt(), 2, {"blocks.*.mlp.*": "replicate"})
+    assert plan.styles["blocks.0.mlp.fc"] == "replicate" and "blocks.0.mlp" not in plan.styles
+    assert plan.styles["blocks.1.attn.q_proj"] == "colwise"
+    with pytest.warns(UserWarning, match=r"'decoder\.\*\.fc' matches no module"):
+        build_plan(gpt(), 2, {"decoder.*.fc": "colwise"})
+
+
+def test_user_plan_bad_style_and_bad_target():
+    with pytest.raises(ValueError, match=r"'diagonal' must be one of"):
+        build_plan(gpt(), 2, {"blocks.*.mlp.fc": "diagonal"})
+    with pytest.raises(ValueError, match=r"blocks\.0\.ln_1.*applies to nn\.Linear"):
+        build_plan(gpt(), 2, {"blocks.0.ln_1": "colwise"})
+
+
+def test_strategy_rejects_bad_arguments_before_any_process():
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        TensorParallelStrategy(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="'sideways' must be one of"):
+        TensorParallelStrategy(plan={"a": "sideways"})
+    with pytest.raises(ValueError, match="start_method='thread'"):
+        TensorParallelStrategy(start_method="thread")
+    with pytest.raises(ValueError, match="timeout=0"):
+        TensorParallelStrategy(timeout=0)
+    with pytest.raises(TypeError):
+        TensorParallelStrategy(tensor_parallel_sizes=2)  # unknown key
+    with pytest.raises(TypeError):
+        TensorParallelStrategy(2)  # keyword-only
+
+
+def test_hugging_face_plan_and_auto_plan_agree_on_qwen2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = nn.ModuleDict({"lm": transformers.Qwen2ForCausalLM(cfg)})
+    hf = hf_plan(model)
+    assert hf is not None and hf.styles["lm.model.layers.1.self_attn.q_proj"] == "colwise"
+    auto = auto_plan(model)
+    assert auto.styles == hf.styles  # the auto plan finds exactly the Megatron pairs HF lists
+    plan = build_plan(model, 2)
+    assert plan.styles["lm.model.layers.0.self_attn"] == plan.styles["lm.model.layers.0.mlp"] == "prepare"
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2.*tensor_parallel_size=4"):
+        build_plan(model, 4)
+
+
+def test_sequence_parallel_plan_marks_blocks_and_norms():
+    plan = build_plan(gpt(), 2, sequence_parallel=True)
+    assert plan.styles["blocks.0"] == "sequence_block" and plan.styles["blocks.1"] == "sequence_block_last"
+    assert plan.styles["blocks.0.ln_1"] == plan.styles["blocks.1.ln_2"] == "sequence"
+    assert "ln_f" not in plan.styles  # outside the block stack: full sequences (see the plan's note)
+
+
+def test_loss_parallel_plan_shards_head_and_tied_embedding():
+    plan = build_plan(gpt(), 2, loss_parallel=True)
+    assert plan.styles["lm_head"] == "vocab_head" and plan.styles["tok_emb"] == "vocab_embedding"
+    assert "pos_emb" not in plan.styles
+    with pytest.raises(ValueError, match=r"'lm_head'.*out_features=30.*tensor_parallel_size=4"):
+        build_plan(gpt(vocab_size=30), 4, loss_parallel=True)
+    with pytest.raises(ValueError, match="found no output head"):
+        build_plan(WithMHA(), 2, loss_parallel=True)
+
+
+def test_tied_weight_sharded_on_one_side_only_is_refused():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_par.tensor.parallelize import parallelize
+
+    # a one-rank process group is enough to apply a plan (no other process)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1) \
+        if not dist.is_initialized() else None
+    try:
+        model = gpt()
+        plan = build_plan(model, 1, {"lm_head": "colwise"})
+        with pytest.raises(ValueError, match=r"lm_head\.weight shares its weight with tok_emb\.weight"):
+            parallelize(model, plan, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_plan_that_shards_nothing_warns():
+    with pytest.warns(UserWarning, match="shards no module of Sequential"):
+        build_plan(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)), 2)
