@@ -121,11 +121,20 @@ class Topology:
                 groups.append(group)
         return groups
 
-    def build_mesh(self, device_type: str):
-        """The ``DeviceMesh`` over the world with axes named ``pp``, ``dp``, ``tp`` (process group must exist)."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def build_mesh(self, device_type: str, timeout=None):
+        """The ``DeviceMesh`` over the world with axes named ``pp``, ``dp``, ``tp`` (process group must exist).
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+        ``timeout`` (a ``timedelta``) bounds every collective of the axis groups too: the mesh creates them
+        with torch's default (30 minutes on gloo) whatever the world group's timeout is.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+        if timeout is not None:
+            for axis in AXES:
+                _set_pg_timeout(timeout, mesh.get_group(axis))
+        return mesh
 
 
 _NAMES = {"dp": "data_parallel_size", "pp": "pipeline_parallel_size", "tp": "tensor_parallel_size"}

@@ -158,7 +158,7 @@ class TensorParallelStrategy(DDPStrategy):
         self._topology = Topology.resolve(world, data_parallel_size=self._dp_size,
                                           tensor_parallel_size=self._tp_size, model_axis="tp")
         super().setup_environment()
-        self._mesh = self._topology.build_mesh(self.root_device.type)
+        self._mesh = self._topology.build_mesh(self.root_device.type, timeout=self._timeout)
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
