@@ -1,0 +1,39 @@
+"""The mesh's axis groups give up within the strategy's timeout when a peer never joins (no hang)."""
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from harness import TIMEOUT_S
+from lightning_par.topology import Topology
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, port, out):
+    timeout = timedelta(seconds=3)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout)
+    mesh = Topology(tensor_parallel_size=2).build_mesh("cpu", timeout=timeout)
+    if rank == 0:  # rank 1 never joins this all-reduce
+        start = time.perf_counter()
+        with pytest.raises(RuntimeError):
+            dist.all_reduce(torch.ones(1), group=mesh.get_group("tp"))
+        out.put(time.perf_counter() - start)
+    else:
+        time.sleep(8)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_axis_group_collective_times_out_with_the_given_timeout():
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    mp.start_processes(_worker, args=(_port(), out), nprocs=2, start_method="fork")
+    assert 2.5 < out.get(timeout=30) < 7.5  # the 3 s given, not torch's 30-minute default
