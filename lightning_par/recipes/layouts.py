@@ -14,6 +14,7 @@ import torch
 
 from lightning_par.advisor import Layout, estimate, profile_lightning_module
 from lightning_par.advisor.memory import Estimate
+from lightning_par.advisor.profile import ModuleProfile
 from lightning_par.recipes.common import accelerator, gpt_workload, measured_fit, start_method
 
 KINDS = ("single", "dp", "pp", "tp")
@@ -25,6 +26,7 @@ class Measured:
     layout: Layout
     rows: list[dict]           # ParallelMetrics, one per rank
     predicted: Estimate        # the advisor, busiest rank
+    profile: ModuleProfile     # the advisor's measured probe of the model
 
     def busiest(self, key: str) -> float:
         return max(r.get(key, 0.0) for r in self.rows)
@@ -74,5 +76,5 @@ def measure_layouts(cfg, out_dir: Path) -> list[Measured]:
         rows = measured_fit(make_module, data, strategy=strategy_for(kind, args, acc), devices=devices,
                             max_steps=cfg.max_steps, out_json=out_dir / f"metrics-{name}.json", accelerator=acc,
                             precision=cfg.precision)
-        results.append(Measured(name, layout, rows, predicted))
+        results.append(Measured(name, layout, rows, predicted, profile))
     return results

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lightning_par.advisor import korthikanti_bytes_per_layer
 from lightning_par.recipes.common import figure, Report, savefig
 from lightning_par.recipes.layouts import measure_layouts
 
@@ -43,8 +44,21 @@ def run(cfg, out_dir: Path, command: str) -> Report:
     report.tables.append(("The seeds' table with numbers (share of one device's parameters / optimizer state "
                           "held per device)", ["layout", "what each device holds", "params", "optimizer state"],
                           seeds))
+    prof = results[0].profile
+    s, h, a, elem = prof.seq_len, prof.hidden_size, prof.num_heads or 1, prof.dtype_bytes
+    measured_block = prof.block_activation_bytes[0]
+    full = korthikanti_bytes_per_layer(s, 1, h, a) * elem / 2
+    no_score = s * h * 34 * elem / 2
+    report.tables.append((f"Activations of one block per sample ({elem}-byte elements), probe vs Korthikanti et al. "
+                          "(2022) sbh(34 + 5as/h), scaled from 16-bit to this element size",
+                          ["measured (probe)", "formula", "formula without the 5as/h score term", "measured / formula",
+                           "measured / formula without score term"],
+                          [[measured_block, f"{full:.0f}", f"{no_score:.0f}", f"{measured_block / full:.3f}",
+                            f"{measured_block / no_score:.3f}"]]))
     report.figures.append(("Per-device memory, measured (left bar) and predicted (right bar)",
                            savefig(_plot(results), out_dir, "memory.png")))
+    report.notes.append("The fused CPU/CUDA attention kernels save no s × s score matrix, so the 5as/h term of the "
+                        "formula has no counterpart here; layer norms run in fp32 under autocast.")
     report.notes.append("Activations: the most bytes saved for backward alive at once on the busiest rank "
                         "(ParallelMetrics); predicted: the advisor's probe × micro-batch × micro-batches in flight.")
     return report
