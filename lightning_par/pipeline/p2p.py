@@ -68,6 +68,12 @@ def recv_grad(like: torch.Tensor, src: int, tag: int = 0, group=None) -> torch.T
     return buf
 
 
+def post_recv_grad(like: torch.Tensor, src: int, tag: int = 0, group=None):
+    """Start receiving the gradient of ``like`` now; returns ``(work, buffer)``: wait on the work, then read."""
+    buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    return dist.irecv(buf, src, group=group, tag=tag), buf
+
+
 def wait_all(works: list) -> None:
     for work, _ in works:
         work.wait()

@@ -79,6 +79,7 @@ class StageRuntime:
         self.meter: ActivationMeter | None = None
         self.weights: list[torch.nn.Parameter] = []  # this rank's trainable parameters (zero bubble's W)
         self._deferred: dict = {}
+        self._grad_recvs: dict = {}  # [Note: gradient prefetch] posted receives, by (chunk, micro-batch)
 
     # -- layout ------------------------------------------------------------------------------------
     @property
@@ -160,6 +161,13 @@ class StageRuntime:
             self.outputs[(chunk, self.current)] = hidden
         p2p.send_activation(hidden, self.ranks[k + 1], self.works, tag=self._tag(0, k + 1, self.current),
                             group=self.act_group)
+        if len(self.chunks) == 1 and torch.is_grad_enabled() and hidden.requires_grad:
+            # [Note: gradient prefetch] the gradient of this activation will come back: post its receive now,
+            # so the transfer runs while this stage computes, instead of starting when backward asks for it.
+            # With one chunk per rank every schedule here runs its backwards in the order of its forwards,
+            # so receives posted in forward order match the sends in order (NCCL matches by order, not tag).
+            self._grad_recvs[(chunk, self.current)] = p2p.post_recv_grad(
+                hidden, self.ranks[k + 1], tag=self._tag(1, k, self.current), group=self.grad_group)
         raise StopStage()
 
     def ghost_output(self, args: tuple, kwargs: dict) -> Any:
@@ -235,8 +243,7 @@ class StageRuntime:
         else:
             out = self.outputs.pop((chunk, microbatch))
             t1 = time.perf_counter()
-            grad = p2p.recv_grad(out, self.ranks[k + 1], tag=self._tag(1, k, microbatch),
-                                 group=self.grad_group)
+            grad = self._recv_grad(out, k, chunk, microbatch)
             self.wait_s += time.perf_counter() - t1
             torch.autograd.backward(out, grad)
         if k > 0:
@@ -257,8 +264,7 @@ class StageRuntime:
         else:
             out = self.outputs.pop((chunk, microbatch))
             t1 = time.perf_counter()
-            grad = p2p.recv_grad(out, self.ranks[k + 1], tag=self._tag(1, k, microbatch),
-                                 group=self.grad_group)
+            grad = self._recv_grad(out, k, chunk, microbatch)
             self.wait_s += time.perf_counter() - t1
         if k == 0:  # nothing upstream waits: all of the backward runs in W
             self._deferred[(chunk, microbatch)] = ("full", out, grad)
@@ -282,8 +288,19 @@ class StageRuntime:
         if self.meter is not None:
             self.meter.release((chunk, microbatch))
 
+    def _recv_grad(self, out: torch.Tensor, k: int, chunk: int, microbatch: int) -> torch.Tensor:
+        posted = self._grad_recvs.pop((chunk, microbatch), None)
+        if posted is not None:
+            work, buf = posted
+            work.wait()
+            return buf
+        return p2p.recv_grad(out, self.ranks[k + 1], tag=self._tag(1, k, microbatch), group=self.grad_group)
+
     def finish(self) -> None:
         """Wait for this step's sends and drop what the step kept."""
+        if self._grad_recvs:  # every posted receive is taken by its backward; one left over is a schedule bug
+            raise RuntimeError(f"pipeline stage {self.stage}: gradients of micro-batches "
+                               f"{sorted(self._grad_recvs)} were received but never used.")
         p2p.wait_all(self.works)
         self.inputs.clear()
         self.outputs.clear()
