@@ -47,9 +47,20 @@ def send_activation(tensor: torch.Tensor, dst: int, works: list, tag: int = 0, g
     works.append((dist.isend(data, dst, group=group, tag=tag), data))  # keep the buffers alive until the wait
 
 
-def recv_activation(src: int, device: torch.device, tag: int = 0, group=None) -> torch.Tensor:
+def post_recv_header(src: int, device: torch.device, tag: int = 0, group=None):
+    """Start receiving the header of the next activation now; pass the result to :func:`recv_activation`."""
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src, group=group, tag=tag)
+    return dist.irecv(header, src, group=group, tag=tag), header
+
+
+def recv_activation(src: int, device: torch.device, tag: int = 0, group=None, posted=None) -> torch.Tensor:
+    """Receive one activation (header, then data); ``posted``: the header's receive, already started."""
+    if posted is None:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+        dist.recv(header, src, group=group, tag=tag)
+    else:
+        work, header = posted
+        work.wait()
     header = header.cpu()
     shape = header[2:2 + int(header[1])].tolist()
     buf = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)

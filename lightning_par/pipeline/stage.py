@@ -80,6 +80,8 @@ class StageRuntime:
         self.weights: list[torch.nn.Parameter] = []  # this rank's trainable parameters (zero bubble's W)
         self._deferred: dict = {}
         self._grad_recvs: dict = {}  # [Note: gradient prefetch] posted receives, by (chunk, micro-batch)
+        self._header_recv: tuple | None = None  # (micro-batch, posted receive) of the next activation's header
+        self.step_microbatches = 0  # set by the strategy before each step: how many micro-batches it runs
 
     # -- layout ------------------------------------------------------------------------------------
     @property
@@ -144,8 +146,17 @@ class StageRuntime:
         if index != lo or k == 0:
             return None
         t0 = time.perf_counter()
+        posted = None
+        if self._header_recv is not None and self._header_recv[0] == self.current:
+            posted, self._header_recv = self._header_recv[1], None
         x = p2p.recv_activation(self.ranks[k - 1], self.device, tag=self._tag(0, k, self.current),
-                                   group=self.act_group)
+                                group=self.act_group, posted=posted)
+        nxt = self.current + 1
+        if len(self.chunks) == 1 and nxt < self.step_microbatches:
+            # with one chunk per rank the activations arrive in micro-batch order: post the next header's
+            # receive now, so it is under way while this micro-batch computes (see [Note: gradient prefetch])
+            self._header_recv = (nxt, p2p.post_recv_header(self.ranks[k - 1], self.device, tag=self._tag(0, k, nxt),
+                                                           group=self.act_group))
         self.wait_s += time.perf_counter() - t0
         if torch.is_grad_enabled() and x.is_floating_point():
             x.requires_grad_(True)
@@ -298,9 +309,10 @@ class StageRuntime:
 
     def finish(self) -> None:
         """Wait for this step's sends and drop what the step kept."""
-        if self._grad_recvs:  # every posted receive is taken by its backward; one left over is a schedule bug
-            raise RuntimeError(f"pipeline stage {self.stage}: gradients of micro-batches "
-                               f"{sorted(self._grad_recvs)} were received but never used.")
+        if self._grad_recvs or self._header_recv:  # every posted receive is taken; one left is a schedule bug
+            raise RuntimeError(f"pipeline stage {self.stage}: receives posted for micro-batches "
+                               f"{sorted(self._grad_recvs)} (gradients), {self._header_recv and self._header_recv[0]} "
+                               f"(activation header) were never used.")
         p2p.wait_all(self.works)
         self.inputs.clear()
         self.outputs.clear()

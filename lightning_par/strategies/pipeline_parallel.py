@@ -308,6 +308,7 @@ class PipelineParallelStrategy(DDPStrategy):
         capture = LogCapture(lm)
         scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: one loss scale, see _after_closure
         rt.wait_s = rt.busy_s = 0.0
+        rt.step_microbatches = len(mbs)
         start = time.perf_counter()
         with _rng_fork(self.root_device, rt.seeded), capture:
             for kind, c, i in self._actions(len(mbs)):
@@ -463,6 +464,7 @@ class PipelineParallelStrategy(DDPStrategy):
         mbs = split_batch(batch, self._num_microbatches())
         sizes = [batch_size(mb) for mb in mbs]
         rt.seeded = False
+        rt.step_microbatches = len(mbs)
         outputs = []
         capture = LogCapture(lm)
         with capture:
