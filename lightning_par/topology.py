@@ -111,6 +111,11 @@ class Topology:
         coords = self.coordinates(rank)
         return [self.rank_of(**{**coords, _check_axis(axis): i}) for i in range(self.size(axis))]
 
+    def sampler_kwargs(self, rank: int) -> dict[str, int]:
+        """``DistributedSampler`` arguments of ``rank``: only data-parallel replicas split the data; the
+        ranks of one pipeline or tensor-parallel group must see the same batch."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.coordinates(rank)["dp"]}
+
     def all_groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis`` (each rank in exactly one); the order ``new_group`` must see on all ranks."""
         seen, groups = set(), []

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par.dp import comm_hooks, zero
+from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.dp import lr_scaling as scaling
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -34,7 +35,7 @@ def _as_timeout(timeout: float | datetime.timedelta) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-class DataParallelStrategy(DDPStrategy):
+class DataParallelStrategy(RegisteredByName, DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -64,6 +65,7 @@ class DataParallelStrategy(DDPStrategy):
     """
 
     strategy_name = "data_parallel"
+    strategy_description = "lightning_par data parallel (DDP + comm hooks, ZeRO-1, LR scaling)"
 
     def __init__(
         self,
@@ -184,13 +186,6 @@ class DataParallelStrategy(DDPStrategy):
         for logger in trainer.loggers:
             logger.log_hyperparams({"lr_scale_factor": factor})
 
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        """Register ``"data_parallel"`` (and nothing of DDPStrategy's names) in Lightning's registry."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls,
-                                       description="lightning_par data parallel (DDP + comm hooks, ZeRO-1, "
-                                                   "LR scaling)")
 
 
 __all__ = ["DataParallelStrategy"]

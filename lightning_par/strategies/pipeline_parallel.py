@@ -41,6 +41,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.microbatch import batch_size, check_microbatches, split_batch
 from lightning_par.pipeline.partition import BALANCES, partition_blocks, stage_bounds, stage_costs
@@ -54,12 +55,13 @@ from lightning_par.topology import Topology
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
-class PipelineParallelStrategy(DDPStrategy):
+class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
     """Split the model's repeated blocks into ``pipeline_parallel_size`` stages, ``data_parallel_size``
     replicas of the pipeline; micro-batches flow through the stages in a ``gpipe``, ``1f1b``,
     ``interleaved_1f1b`` (``stages_per_rank`` ≥ 2 chunks per rank) or ``zero_bubble`` order."""
 
     strategy_name = "pipeline_parallel"
+    strategy_description = "lightning_par pipeline parallel (unchanged module; GPipe, 1F1B, interleaved, zero bubble)"
 
     def __init__(
         self,
@@ -105,13 +107,6 @@ class PipelineParallelStrategy(DDPStrategy):
         self._block_prefix = ""
         self.last_step_stats: dict[str, float] = {}  # seconds of the last training step's schedule (benchmarks)
 
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        """Register ``"pipeline_parallel"`` (and none of DDPStrategy's names) in Lightning's registry."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="lightning_par pipeline parallel "
-                                                                           "(unchanged module, GPipe / 1F1B)")
-
     # -- layout -----------------------------------------------------------------------------------
     @property
     def topology(self) -> Topology:
@@ -131,9 +126,7 @@ class PipelineParallelStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage of a pipeline must see the same batch: shard the data over replicas only
-        coords = self.topology.coordinates(self.global_rank)
-        return {"num_replicas": self.topology.data_parallel_size, "rank": coords["dp"]}
+        return self.topology.sampler_kwargs(self.global_rank)  # every stage of a pipeline sees the same batch
 
     def setup_environment(self) -> None:
         world = self.num_nodes * len(self.parallel_devices or [None])

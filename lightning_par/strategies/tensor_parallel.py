@@ -29,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par import checkpoint as ckpt
+from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.tensor.mixed import (average_grads, install_clipping, install_scaler, reduce_partial_grads,
                                         split_step_by_kind)
 from lightning_par.tensor.parallelize import parallelize, to_plain
@@ -40,7 +41,7 @@ _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 DEFAULT_TIMEOUT_S = 1800
 
 
-class TensorParallelStrategy(DDPStrategy):
+class TensorParallelStrategy(RegisteredByName, DDPStrategy):
     """Tensor parallel over ``tensor_parallel_size`` ranks × ``data_parallel_size`` replicas.
 
     Args:
@@ -58,6 +59,7 @@ class TensorParallelStrategy(DDPStrategy):
     """
 
     strategy_name = "tensor_parallel"
+    strategy_description = "lightning_par tensor parallel (DTensor, auto Megatron plan)"
 
     def __init__(
         self,
@@ -106,13 +108,6 @@ class TensorParallelStrategy(DDPStrategy):
         self._plan = None
         self._loaded_distributed = False
 
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        """Register ``"tensor_parallel"`` (and none of DDPStrategy's names) in Lightning's registry."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="lightning_par tensor parallel (DTensor, "
-                                                                           "auto Megatron plan)")
-
     # -- state that exists after setup_environment ------------------------------------------------------
     @property
     def topology(self) -> Topology:
@@ -139,9 +134,7 @@ class TensorParallelStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Tensor-parallel peers see the same batch; only data-parallel replicas split the data.
-        coords = self.topology.coordinates(self.global_rank)
-        return {"num_replicas": self.topology.data_parallel_size, "rank": coords["dp"]}
+        return self.topology.sampler_kwargs(self.global_rank)  # tensor-parallel peers see the same batch
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
