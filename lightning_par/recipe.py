@@ -2,7 +2,7 @@
 
     lightning-par-recipe decision
     lightning-par-recipe scaling --quick
-    lightning-par-recipe scaling accelerator=gpu devices=[1,2,4,8]
+    lightning-par-recipe scaling trainer.accelerator=gpu devices=[1,2,4,8]
 
 The report (``report.md``, PNG plots, ``results.json``) goes to ``recipe-runs/<name>-<time>/`` under
 the current directory (``--out`` to choose). ``key=value`` arguments override the recipe's

@@ -65,7 +65,7 @@ def hardware() -> str:
 def accelerator(cfg, cpu_threads: int = 1) -> str:
     """The recipe's accelerator; on CPU each rank process is one "device" with ``cpu_threads`` threads
     (set here, inherited by forked ranks)."""
-    acc = cfg.get("accelerator", "cpu")
+    acc = cfg.trainer.accelerator
     acc = "gpu" if acc in ("gpu", "cuda") else acc
     if acc == "cpu":
         torch.set_num_threads(cpu_threads)
