@@ -1,16 +1,15 @@
-"""lightning_par: data, pipeline and tensor parallel Lightning strategies for unchanged LightningModules."""
-__version__ = "0.1.0"
+"""lightning_par: data, pipeline and tensor parallel Lightning strategies for unchanged LightningModules.
 
+Importing the package registers the strategies' names with Lightning, so
+``Trainer(strategy="data_parallel" | "pipeline_parallel" | "tensor_parallel")`` works.
+"""
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
-from lightning_par.strategies.data_parallel import DataParallelStrategy
+from lightning_par.strategies import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 
-DataParallelStrategy.register_strategies(_StrategyRegistry)
+__version__ = "0.1.0"
+__all__ = ["DataParallelStrategy", "PipelineParallelStrategy", "TensorParallelStrategy"]
 
-from lightning_par.strategies.tensor_parallel import TensorParallelStrategy  # noqa: E402
-
-TensorParallelStrategy.register_strategies(_StrategyRegistry)
-
-from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy  # noqa: E402
-
-PipelineParallelStrategy.register_strategies(_StrategyRegistry)
+for _strategy in (DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy):
+    _strategy.register_strategies(_StrategyRegistry)
+del _strategy
