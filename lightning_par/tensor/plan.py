@@ -15,7 +15,7 @@ no DTensor, so it is unit-tested without processes and every error is raised bef
 Example::
 
     >>> plan = build_plan(gpt, tp_size=2)            # doctest: +SKIP
-    >>> plan.styles["blocks.0.attn.q_proj"], plan.styles["blocks.0.attn"]
+    >>> plan.styles["blocks.0.attn.q_proj"], plan.styles["blocks.0.attn"]  # doctest: +SKIP
     ('colwise', 'prepare')
 """
 from __future__ import annotations
@@ -137,7 +137,43 @@ def auto_plan(module: nn.Module) -> TensorPlan:
     for name in multihead_attention_modules(module):
         plan.replicated[name] = ("nn.MultiheadAttention passes its fused in_proj_weight and out_proj.weight to a "
                                  "functional kernel, so it cannot be split by module; the whole module stays replicated")
+    for parent, (fused, row, k) in fused_projections(module).items():
+        reason = (f"{fused!r} is a fused projection ({k} outputs of width {row.split('.')[-1]!r}'s input in one "
+                  f"nn.Linear): splitting it column-wise is right only if your code lays its output out per head "
+                  f"(q, k, v of head 1, then of head 2, ...), which the module does not say; it stays replicated. If "
+                  f"yours is laid out per head, give plan={{{fused!r}: 'colwise', {row!r}: 'rowwise'}}; otherwise "
+                  f"separate q/k/v layers are split automatically")
+        plan.replicated[parent] = reason
+        warnings.warn(f"tensor parallel: {parent!r} left replicated: {reason}.", stacklevel=3)
     return plan
+
+
+def fused_projections(module: nn.Module) -> dict[str, tuple[str, str, int]]:
+    """Parents whose first ``nn.Linear`` writes ``k ≥ 2`` times what their last one reads (a fused q/k/v,
+    like nanoGPT's ``c_attn``/``c_proj``): ``{parent: (fused child, row child, k)}``.
+
+    Example::
+
+        >>> from torch import nn
+        >>> class Attn(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__(); self.c_attn = nn.Linear(8, 24); self.c_proj = nn.Linear(8, 8)
+        >>> fused_projections(nn.ModuleDict({"attn": Attn()}))
+        {'attn': ('attn.c_attn', 'attn.c_proj', 3)}
+    """
+    found = {}
+    for name, parent in module.named_modules():
+        if isinstance(parent, _NOT_A_BLOCK) or isinstance(parent, nn.MultiheadAttention):
+            continue
+        linears = [(n, c) for n, c in parent.named_children() if _is_plain_linear(c)]
+        if len(linears) < 2:
+            continue
+        (f_name, f), (r_name, r) = linears[0], linears[-1]
+        k, rest = divmod(f.out_features, r.in_features)
+        if k >= 2 and rest == 0 and f.in_features == r.out_features:
+            prefix = f"{name}." if name else ""
+            found[name] = (prefix + f_name, prefix + r_name, k)
+    return found
 
 
 # -- 2. Hugging Face ---------------------------------------------------------------------------------

@@ -161,3 +161,31 @@ def test_tied_weight_sharded_on_one_side_only_is_refused():
 def test_a_plan_that_shards_nothing_warns():
     with pytest.warns(UserWarning, match="shards no module of Sequential"):
         build_plan(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)), 2)
+
+
+def test_fused_qkv_is_left_replicated_with_a_warning_naming_it_and_the_mlp_is_still_split():
+    import torch.nn.functional as F
+
+    class FusedAttention(nn.Module):  # nanoGPT's layout: q, k, v side by side, split with the global width
+        def __init__(self, d=16, heads=2):
+            super().__init__()
+            self.n_head, self.n_embd = heads, d
+            self.c_attn = nn.Linear(d, 3 * d)
+            self.c_proj = nn.Linear(d, d)
+
+        def forward(self, x):
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+            return self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = FusedAttention()
+            self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+    model = nn.ModuleDict({"h": nn.ModuleList([Block(), Block()])})
+    with pytest.warns(UserWarning, match=r"'h\.0\.attn' left replicated: 'h\.0\.attn\.c_attn' is a fused projection"):
+        plan = build_plan(model, 2)
+    assert "h.0.attn.c_attn" not in plan.styles and "h.0.attn.c_proj" not in plan.styles
+    assert "h.1.attn" in plan.replicated
+    assert plan.styles["h.0.mlp.0"] == "colwise" and plan.styles["h.0.mlp.2"] == "rowwise"
