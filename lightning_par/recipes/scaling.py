@@ -6,14 +6,14 @@ from pathlib import Path
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_par.recipes.common import figure, Report, accelerator, gpt_workload, measured_fit, savefig, start_method
-from lightning_par.strategies.data_parallel import DataParallelStrategy
+from lightning_par.recipes.layouts import strategy_for
 
 
 def _scaling_strategy(name: str, devices: int, kwargs: dict, acc: str):
     if devices == 1:
         return "auto"
     if name == "lightning_par":
-        return DataParallelStrategy(start_method=start_method(acc), **kwargs)
+        return strategy_for("dp", kwargs, acc)
     if name == "lightning_ddp":
         return DDPStrategy(start_method=start_method(acc), **kwargs)
     raise ValueError(f"unknown strategy {name!r} in the scaling recipe; use lightning_par or lightning_ddp.")

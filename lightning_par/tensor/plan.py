@@ -91,7 +91,8 @@ def find_megatron_pairs(module: nn.Module) -> dict[str, tuple[list[str], str]]:
     ``C_1 ... C_k, R`` in registration order, where ``R`` is the last one, every ``C_i`` reads the
     block's width (``in_features == R.out_features``) and ``R`` reads what the first one writes
     (``R.in_features == C_1.out_features``). That is attention (q, k, v → o; k/v may be narrower, as in
-    grouped-query attention; a fused qkv is one ``C``) and the MLP (fc or gate, up → down).
+    grouped-query attention) and the MLP (fc or gate, up → down); a fused qkv is not a pair (see
+    :func:`fused_projections`).
 
     Example::
 
@@ -103,12 +104,7 @@ def find_megatron_pairs(module: nn.Module) -> dict[str, tuple[list[str], str]]:
         {'mlp': (['mlp.fc'], 'mlp.proj')}
     """
     pairs = {}
-    for name, parent in module.named_modules():
-        if isinstance(parent, _NOT_A_BLOCK) or isinstance(parent, nn.MultiheadAttention):
-            continue
-        linears = [(n, c) for n, c in parent.named_children() if type(c) is nn.Linear or _is_plain_linear(c)]
-        if len(linears) < 2:
-            continue
+    for name, parent, linears in _linear_parents(module):
         (r_name, r), cols = linears[-1], linears[:-1]
         if any(c.in_features != r.out_features for _, c in cols) or r.in_features != cols[0][1].out_features:
             continue
@@ -117,6 +113,17 @@ def find_megatron_pairs(module: nn.Module) -> dict[str, tuple[list[str], str]]:
         prefix = f"{name}." if name else ""
         pairs[name] = ([prefix + n for n, _ in cols], prefix + r_name)
     return pairs
+
+
+def _linear_parents(module: nn.Module):
+    """``(name, parent, [(child name, nn.Linear)])`` for every module with two or more direct plain
+    ``nn.Linear`` children (containers and nn.MultiheadAttention excluded), registration order."""
+    for name, parent in module.named_modules():
+        if isinstance(parent, _NOT_A_BLOCK) or isinstance(parent, nn.MultiheadAttention):
+            continue
+        linears = [(n, c) for n, c in parent.named_children() if _is_plain_linear(c)]
+        if len(linears) >= 2:
+            yield name, parent, linears
 
 
 def _is_plain_linear(m: nn.Module) -> bool:
@@ -162,12 +169,7 @@ def fused_projections(module: nn.Module) -> dict[str, tuple[str, str, int]]:
         {'attn': ('attn.c_attn', 'attn.c_proj', 3)}
     """
     found = {}
-    for name, parent in module.named_modules():
-        if isinstance(parent, _NOT_A_BLOCK) or isinstance(parent, nn.MultiheadAttention):
-            continue
-        linears = [(n, c) for n, c in parent.named_children() if _is_plain_linear(c)]
-        if len(linears) < 2:
-            continue
+    for name, _, linears in _linear_parents(module):
         (f_name, f), (r_name, r) = linears[0], linears[-1]
         k, rest = divmod(f.out_features, r.in_features)
         if k >= 2 and rest == 0 and f.in_features == r.out_features:
