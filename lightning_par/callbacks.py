@@ -34,6 +34,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils._pytree import tree_flatten
 
+from lightning_par.advisor.profile import parameter_storages, saved_storage
 from lightning_par.comm import CommCounter, count_comm, local_nbytes
 from lightning_par.dp.zero import optimizer_state_bytes
 
@@ -53,25 +54,23 @@ class _SavedBytes:
     frees it after its backward, seen through a weakref finalizer)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.params = {p.untyped_storage().data_ptr() for p in module.parameters() if not hasattr(p, "to_local")}
-        self.live: dict[int, int] = {}
+        self.params = parameter_storages(module)
+        self.live: dict[tuple[int, str], int] = {}
         self.total = self.peak = self._live_bytes = 0
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
-    def _release(self, key: int) -> None:
+    def _release(self, key: tuple[int, str]) -> None:
         self._live_bytes -= self.live.pop(key, 0)
 
     def _pack(self, t):
-        local = getattr(t, "_local_tensor", t)  # a DTensor's shard (to_local() would record an autograd op)
-        try:
-            storage = local.untyped_storage()
-            key = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # tensors without a real storage
+        found = saved_storage(t)
+        if found is None:
             return t
+        key, nbytes = found
         if key not in self.params and key not in self.live:
-            self.live[key] = storage.nbytes()
-            self.total += storage.nbytes()
-            self._live_bytes += storage.nbytes()
+            self.live[key] = nbytes
+            self.total += nbytes
+            self._live_bytes += nbytes
             self.peak = max(self.peak, self._live_bytes)
             weakref.finalize(t, self._release, key)
         return t

@@ -42,12 +42,20 @@ class ModuleProfile:
         return sum(self.block_activation_bytes) + self.first_activation_bytes + self.last_activation_bytes
 
 
-def _storage_key(t: torch.Tensor):
-    t = getattr(t, "_local_tensor", t)  # a DTensor's shard
+def saved_storage(t: torch.Tensor) -> tuple[tuple[int, str], int] | None:
+    """``(key, bytes)`` of the storage behind ``t`` (a DTensor's local shard), or None for a tensor
+    without a real storage. Tensors that share a storage share the key, so each is counted once."""
+    local = getattr(t, "_local_tensor", t)  # to_local() would record an autograd op inside a pack hook
     try:
-        return (t.untyped_storage().data_ptr(), t.device.type)
-    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
-        return (id(t), t.device.type)
+        storage = local.untyped_storage()
+        return (storage.data_ptr(), local.device.type), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def parameter_storages(module: nn.Module) -> set[tuple[int, str]]:
+    """Keys of the storages of ``module``'s parameters: tensors saved for backward that are weights."""
+    return {s[0] for p in module.parameters() if (s := saved_storage(p)) is not None}
 
 
 def _num_heads(block: nn.Module) -> int | None:
@@ -71,7 +79,7 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
     """
     block_list = list(blocks)
     block_ids = {id(p) for b in block_list for p in b.parameters()}
-    param_storages = {_storage_key(p) for p in module.parameters()}
+    param_storages = parameter_storages(module)
     region = {"current": None}
     seen: set = set()
     saved = [0] * len(block_list)
@@ -83,11 +91,12 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
     bytes_by_width: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
-        key = _storage_key(t)
+        found = saved_storage(t)
+        if found is None:
+            return t
+        key, nbytes = found
         if key not in param_storages and key not in seen:
             seen.add(key)
-            local = getattr(t, "_local_tensor", t)
-            nbytes = local.untyped_storage().nbytes()
             bytes_by_width[t.element_size()] = bytes_by_width.get(t.element_size(), 0) + nbytes
             if region["current"] is None:
                 outside[int(phase["after"])] += nbytes
