@@ -214,7 +214,7 @@ def step_time(records) -> float:
 
 
 def bench_bubble(args, tmp):
-    print(f"\n## Bubble, p=2: measured idle share of the schedule (1 - compute/schedule time, mean over stages)")
+    print("\n## Bubble, p=2: measured idle share of the schedule (1 - compute/schedule time, mean over stages)")
     print(f"model d={args.d_model} L={args.layers} batch={args.batch}; formula (p-1)/(m+p-1); interleaved v=2: "
           f"(p-1)/(v·m+p-1) of its own step")
     cols = ["gpipe", "1f1b", "zero_bubble", "interleaved_1f1b", "torch_gpipe", "torch_1f1b"]

@@ -7,7 +7,9 @@ Two forms:
   (``load_from_checkpoint``; ``torch.load(weights_only=True)`` works). Loading slices each full tensor
   back to this rank's shard locally (no communication).
 - distributed: the DTensors themselves go to a ``torch.distributed.checkpoint`` directory (each rank
-  writes its shards), the rest of Lightning's checkpoint to a ``meta.pt`` file inside it.
+  writes its shards), the rest of Lightning's checkpoint to a ``meta.pt`` file inside it. A DCP chunk is
+  one block of rows, so a fused projection's shard (``_StridedShard``: a block from each of its parts, see
+  [Note: fused projections]) is written whole instead, and sliced back locally on load.
 
 Gathering is a collective: every rank calls :func:`full_state` in the same order.
 """
@@ -19,6 +21,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 META_FILE = "meta.pt"
 
@@ -100,7 +103,7 @@ def save_distributed(path: str, checkpoint: dict, *, is_rank_zero: bool) -> None
     for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
         sharded[f"optimizer_{i}"] = opt_state
     os.makedirs(path, exist_ok=True)
-    dcp.save(sharded, checkpoint_id=path)
+    dcp.save(_map_strided(sharded, lambda t: t.full_tensor()), checkpoint_id=path)
     if is_rank_zero:
         torch.save(checkpoint, os.path.join(path, META_FILE))
 
@@ -118,8 +121,38 @@ def load_distributed(path, module: nn.Module, optimizers: list[torch.optim.Optim
     state = {"state_dict": sharded_model_state(module)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = sharded_optimizer_state(module, opt)
-    dcp.load(state, checkpoint_id=str(path))
+    whole = _map_strided(state, lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device))
+    dcp.load(whole, checkpoint_id=str(path))
+    state = _zip_strided(state, whole)
     set_model_state_dict(module, state["state_dict"])
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"])
     return torch.load(os.path.join(path, META_FILE), weights_only=False)
+
+
+def _strided(t: Any) -> bool:
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def _map_strided(obj: Any, fn) -> Any:
+    """``obj`` (nested dicts / lists) with ``fn`` applied to every DTensor whose shard is not one block of
+    rows; the walk order is the same on every rank (``fn`` may be a collective)."""
+    if _strided(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_strided(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_strided(v, fn) for v in obj]
+    return obj
+
+
+def _zip_strided(like: Any, loaded: Any) -> Any:
+    """``loaded`` with each whole tensor that :func:`_map_strided` put in place of a strided DTensor of
+    ``like`` sliced back to that DTensor's layout (locally)."""
+    if _strided(like):
+        return distribute_tensor(loaded, like.device_mesh, like.placements, src_data_rank=None)
+    if isinstance(like, dict):
+        return {k: _zip_strided(v, loaded[k]) for k, v in like.items()}
+    if isinstance(like, list):
+        return [_zip_strided(v, w) for v, w in zip(like, loaded)]
+    return loaded

@@ -80,8 +80,11 @@ class StageRuntime:
         self.weights: list[torch.nn.Parameter] = []  # this rank's trainable parameters (zero bubble's W)
         self._deferred: dict = {}
         self._grad_recvs: dict = {}  # [Note: gradient prefetch] posted receives, by (chunk, micro-batch)
-        self._header_recv: tuple | None = None  # (micro-batch, posted receive) of the next activation's header
-        self.step_microbatches = 0  # set by the strategy before each step: how many micro-batches it runs
+        self._header_recv: tuple | None = None  # (micro-batch, posted receives) of the next activation
+        self._last_sent: tuple | None = None  # (micro-batch, (shape, dtype)) of this step's last activation sent
+        self._first_sent: tuple | None = None  # (shape, dtype) of the last step's first activation sent ...
+        self._first_received: tuple | None = None  # ... and received: [Note: speculative receive]
+        self.step_microbatches = 0  # set by begin_step: how many micro-batches this step runs
 
     # -- layout ------------------------------------------------------------------------------------
     @property
@@ -151,12 +154,14 @@ class StageRuntime:
             posted, self._header_recv = self._header_recv[1], None
         x = p2p.recv_activation(self.ranks[k - 1], self.device, tag=self._tag(0, k, self.current),
                                 group=self.act_group, posted=posted)
-        nxt = self.current + 1
+        nxt, like = self.current + 1, (tuple(x.shape), x.dtype)
+        if self.current == 0:
+            self._first_received = like
         if len(self.chunks) == 1 and nxt < self.step_microbatches:
-            # with one chunk per rank the activations arrive in micro-batch order: post the next header's
-            # receive now, so it is under way while this micro-batch computes (see [Note: gradient prefetch])
-            self._header_recv = (nxt, p2p.post_recv_header(self.ranks[k - 1], self.device, tag=self._tag(0, k, nxt),
-                                                           group=self.act_group))
+            # with one chunk per rank the activations arrive in micro-batch order: post the next one's receive
+            # now, so it is under way while this micro-batch computes (see [Note: speculative receive])
+            self._header_recv = (nxt, p2p.post_recv_activation(self.ranks[k - 1], self.device, like=like,
+                                                               tag=self._tag(0, k, nxt), group=self.act_group))
         self.wait_s += time.perf_counter() - t0
         if torch.is_grad_enabled() and x.is_floating_point():
             x.requires_grad_(True)
@@ -170,8 +175,16 @@ class StageRuntime:
         hidden = output[0] if isinstance(output, (tuple, list)) else output
         if torch.is_grad_enabled() and hidden.requires_grad:
             self.outputs[(chunk, self.current)] = hidden
+        posted_like = None  # what the next stage has posted for this activation: [Note: speculative receive]
+        sent = (tuple(hidden.shape), hidden.dtype)
+        if len(self.chunks) == 1:
+            if self.current == 0:
+                posted_like, self._first_sent = self._first_sent, sent
+            elif self._last_sent is not None and self._last_sent[0] == self.current - 1:
+                posted_like = self._last_sent[1]
+        self._last_sent = (self.current, sent)
         p2p.send_activation(hidden, self.ranks[k + 1], self.works, tag=self._tag(0, k + 1, self.current),
-                            group=self.act_group)
+                            group=self.act_group, posted_like=posted_like)
         if len(self.chunks) == 1 and torch.is_grad_enabled() and hidden.requires_grad:
             # [Note: gradient prefetch] the gradient of this activation will come back: post its receive now,
             # so the transfer runs while this stage computes, instead of starting when backward asks for it.
@@ -221,6 +234,15 @@ class StageRuntime:
                                           else torch.cuda.current_device()].manual_seed(seed)
 
     # -- running micro-batches --------------------------------------------------------------------
+    def begin_step(self, microbatches: int) -> None:
+        """Start a step of ``microbatches`` micro-batches: with one chunk per rank, a stage that receives
+        posts its first activation's receive now (see [Note: speculative receive])."""
+        self.step_microbatches = microbatches
+        k = self._virtual(0)
+        if len(self.chunks) == 1 and k > 0 and microbatches > 0:
+            self._header_recv = (0, p2p.post_recv_activation(self.ranks[k - 1], self.device, like=self._first_received,
+                                                             tag=self._tag(0, k, 0), group=self.act_group))
+
     def forward(self, microbatch: int, fn: Callable[[], Any], chunk: int = 0) -> Any:
         """Run the user's step for one micro-batch through ``chunk``; its output on the last virtual stage,
         ``None`` elsewhere."""
@@ -309,10 +331,11 @@ class StageRuntime:
 
     def finish(self) -> None:
         """Wait for this step's sends and drop what the step kept."""
+        self._last_sent = None
         if self._grad_recvs or self._header_recv:  # every posted receive is taken; one left is a schedule bug
-            raise RuntimeError(f"pipeline stage {self.stage}: receives posted for micro-batches "
+            raise RuntimeError(f"pipeline stage {self._virtual(0)}: receives posted for micro-batches "
                                f"{sorted(self._grad_recvs)} (gradients), {self._header_recv and self._header_recv[0]} "
-                               f"(activation header) were never used.")
+                               f"(activation) were never used.")
         p2p.wait_all(self.works)
         self.inputs.clear()
         self.outputs.clear()

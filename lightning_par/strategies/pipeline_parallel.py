@@ -46,6 +46,7 @@ from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.microbatch import batch_size, check_microbatches, split_batch
 from lightning_par.pipeline.partition import BALANCES, partition_blocks, stage_bounds, stage_costs
 from lightning_par.pipeline.profile import profile_step
+from lightning_par.pipeline.mailbox import ResultMailbox
 from lightning_par.pipeline.routing import LogCapture, combine_outputs, concat_outputs
 from lightning_par.pipeline.schedules import (SCHEDULES, interleaved_actions, looped_gpipe_actions,
                                               stage_actions, zero_bubble_actions)
@@ -98,11 +99,13 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         self._pp_group = self._dp_group = None
         self._p2p_groups: tuple = (None, None)
         self._runtime: Optional[StageRuntime] = None
+        self._mailbox: Optional[ResultMailbox] = None
         self._params: list[torch.nn.Parameter] = []
         self._new_grads: list[Optional[torch.Tensor]] = []
         self._block_param_ids: set[int] = set()
         self._owner_stage: Optional[dict[str, int]] = None  # non-block parameter name -> owning stage
         self._shared: dict[str, Any] = {}  # non-block parameter name -> group of the stages that use it
+        self._shared_order: Optional[list] = None
         self._full_keys: list[str] = []
         self._block_prefix = ""
         self.last_step_stats: dict[str, float] = {}  # seconds of the last training step's schedule (benchmarks)
@@ -142,6 +145,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         self._pp_group = self._new_groups("pp")
         self._dp_group = self._new_groups("dp")
         self._p2p_groups = (self._new_groups("pp"), self._new_groups("pp"))  # activations, gradients
+        self._result_group = self._new_groups("pp")  # the last stage's step results: [Note: result mailbox]
 
     def _new_groups(self, axis: str):
         mine = None
@@ -209,6 +213,8 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
             device=self.root_device, seed=_base_seed(), groups=self._p2p_groups,
         )
         self._runtime.install()
+        self._mailbox = (ResultMailbox(ranks=ring, me=self.global_rank, group=self._result_group,
+                                       device=self.root_device) if self._result_group is not None else None)
         self._runtime.weights = [p for p in lm.parameters() if p.requires_grad]
         self._block_param_ids = {id(p) for b in container for p in b.parameters()}
         self._params = [p for p in lm.parameters() if p.requires_grad]
@@ -301,7 +307,9 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         capture = LogCapture(lm)
         scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: one loss scale, see _after_closure
         rt.wait_s = rt.busy_s = 0.0
-        rt.step_microbatches = len(mbs)
+        rt.begin_step(len(mbs))
+        payload = None  # the last stage's (result, logs), sent once its last backward has run
+        self._post_result()
         start = time.perf_counter()
         with _rng_fork(self.root_device, rt.seeded), capture:
             for kind, c, i in self._actions(len(mbs)):
@@ -325,13 +333,15 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
                         rt.backward(i, loss, chunk=c)
                     if last:
                         outputs[i] = _detach(outputs[i])
+                        if i == len(mbs) - 1:  # every forward has run; sent after the last gradient went upstream
+                            payload = self._send_result([outputs[j] for j in range(len(mbs))], sizes, capture)
             rt.finish()
         self.last_step_stats = {"schedule_s": time.perf_counter() - start, "busy_s": rt.busy_s, "wait_s": rt.wait_s,
                                 "microbatches": len(mbs)}
         self._new_grads = [p.grad for p in self._params]
         for p, g in zip(self._params, stash):
             p.grad = g
-        return self._route([outputs[i] for i in range(len(mbs))] if rt.is_last else None, sizes, capture)
+        return self._route(payload)
 
     def _actions(self, microbatches: int) -> list[tuple[str, int, int]]:
         """This rank's (kind, chunk, micro-batch) actions for one step."""
@@ -388,13 +398,14 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
                 self._shared[n] = groups[(dp, tuple(sorted(st)))]
 
     def _reduce_gradients(self, grads: list) -> None:
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        for p_idx, p in sorted(enumerate(self._params), key=lambda ip: names[id(ip[1])]):
-            group = self._shared.get(names[id(p)])
-            if group is not None:
-                if grads[p_idx] is None:
-                    grads[p_idx] = torch.zeros_like(p)
-                dist.all_reduce(grads[p_idx], group=group)
+        if self._shared_order is None:  # (index into _params, group), in name order: the same on every rank
+            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+            order = sorted(enumerate(self._params), key=lambda ip: names[id(ip[1])])
+            self._shared_order = [(i, self._shared[names[id(p)]]) for i, p in order if names[id(p)] in self._shared]
+        for p_idx, group in self._shared_order:
+            if grads[p_idx] is None:
+                grads[p_idx] = torch.zeros_like(self._params[p_idx])
+            dist.all_reduce(grads[p_idx], group=group)
         if self._dp_group is None:
             return
         present = [g for g in grads if g is not None]
@@ -457,9 +468,11 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         mbs = split_batch(batch, self._num_microbatches())
         sizes = [batch_size(mb) for mb in mbs]
         rt.seeded = False
-        rt.step_microbatches = len(mbs)
+        rt.begin_step(len(mbs))
         outputs = []
         capture = LogCapture(lm)
+        if hook != "predict_step":
+            self._post_result()
         with capture:
             for i, mb in enumerate(mbs):
                 capture.microbatch = i
@@ -470,15 +483,30 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
             rt.finish()
         if hook == "predict_step":
             return self._broadcast_from_last(concat_outputs(outputs) if rt.is_last else None)
-        return self._route(outputs if rt.is_last else None, sizes, capture)
+        return self._route(self._send_result(outputs, sizes, capture) if rt.is_last else None)
 
     # -- routing results to every rank of the pipeline (see [Note: log routing] in pipeline/routing.py) --
-    def _route(self, outputs: Optional[list], sizes: list[int], capture: LogCapture) -> Any:
-        payload = None
-        if self.runtime.is_last:
-            result = None if outputs[0] is None else combine_outputs(outputs, sizes)
-            payload = (_to_cpu(result), capture.combined(sizes))
-        result, logs = self._broadcast_from_last(payload)
+    def _post_result(self) -> None:
+        if self._mailbox is not None:
+            self._mailbox.post()
+
+    def _send_result(self, outputs: list, sizes: list[int], capture: LogCapture) -> tuple:
+        """The last stage: combine the micro-batches' results and logs, and send them on (see [Note: result
+        mailbox] in pipeline/mailbox.py)."""
+        result = None if outputs[0] is None else combine_outputs(outputs, sizes)
+        payload = (_to_cpu(result), capture.combined(sizes))
+        if self._mailbox is not None:
+            self._mailbox.send(payload)
+        return payload
+
+    def _route(self, payload: Optional[tuple]) -> Any:
+        """Every rank: return and log the last stage's ``payload`` (received here on the other stages)."""
+        if self._mailbox is not None:
+            if self.runtime.is_last:
+                self._mailbox.finish()
+            else:
+                payload = self._mailbox.receive()
+        result, logs = payload
         result, logs = _to_device(result, self.root_device), [(n, v.to(self.root_device), kw) for n, v, kw in logs]
         if self._dp_group is not None:
             result, logs = self._mean_over_replicas(result, logs)

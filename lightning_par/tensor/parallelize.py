@@ -5,6 +5,7 @@ Style by style (plan name → torch style):
 - ``colwise``  → ``ColwiseParallel(use_local_output=False)``: the output stays a DTensor sharded on its
   last dim, so user code that views it with a *stored* head count (``.view(B, T, n_head, hd)``) or with
   ``-1`` is computed on the global shape and stays correct (see :mod:`.attention` for the kernel rule).
+- ``fused_colwise`` → :class:`~.fused.FusedColwiseParallel`: a fused q/k/v (or gate/up) split part by part.
 - ``rowwise``  → ``RowwiseParallel``: reduces (all-reduce, or reduce-scatter along the sequence under
   sequence parallelism) and hands back a plain tensor.
 - ``prepare``  → :class:`PrepareBlockInput` on the parent of a pair ([Note: prepare the block input once]).
@@ -25,7 +26,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from lightning_par.tensor.plan import BLOCK, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan
+from lightning_par.tensor.fused import FusedColwiseParallel, register_fused_rules
+from lightning_par.tensor.plan import BLOCK, FUSED, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan
 
 
 class PrepareBlockInput(ParallelStyle):
@@ -148,6 +150,8 @@ def torch_styles(plan: TensorPlan, *, sequence_parallel: bool = False) -> dict[s
     for name, style in plan.styles.items():
         if style == "colwise":
             out[name] = ColwiseParallel(use_local_output=False)
+        elif style == FUSED:
+            out[name] = FusedColwiseParallel(plan.parts[name])
         elif style == "rowwise":
             out[name] = RowwiseParallel(input_layouts=Shard(-1), output_layouts=seq if sequence_parallel else Replicate(),
                                         use_local_output=not sequence_parallel)
@@ -170,8 +174,9 @@ def parallelize(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, *, seq
     from lightning_par.tensor.attention import register_attention_rules
 
     register_attention_rules()
+    register_fused_rules()
     styles = torch_styles(plan, sequence_parallel=sequence_parallel)
-    ties = _ties(module, [n for n, s in plan.styles.items() if s in ("colwise", "rowwise", VOCAB_HEAD, VOCAB_EMBEDDING)])
+    ties = _ties(module, [n for n, s in plan.styles.items() if s in ("colwise", "rowwise", FUSED, VOCAB_HEAD, VOCAB_EMBEDDING)])
     for name, style in styles.items():
         target = module.get_submodule(name) if name else module
         parallelize_module(target, tp_mesh, style)

@@ -3,7 +3,8 @@
 A plan maps module names (fully qualified, as ``named_modules`` gives them) to one of the styles in
 :data:`STYLES`. It is built in three layers, each overriding the one before:
 
-1. ``auto``: the Megatron pairs found by inspecting the module tree (:func:`find_megatron_pairs`);
+1. ``auto``: the Megatron pairs found by inspecting the module tree (:func:`find_megatron_pairs`), and
+   fused projections with their output projection (:func:`fused_projections`);
 2. a Hugging Face model's ``config.base_model_tp_plan`` (:func:`hf_plan`), where one is present;
 3. the user's ``{module_glob: style}`` dict (:func:`apply_user_plan`).
 
@@ -37,7 +38,11 @@ BLOCK, LAST_BLOCK = "sequence_block", "sequence_block_last"
 #: Internal styles under loss parallelism: the output head (logits stay sharded on the vocabulary) and the
 #: token embedding (vocabulary-parallel).
 VOCAB_HEAD, VOCAB_EMBEDDING = "vocab_head", "vocab_embedding"
-STYLES = USER_STYLES + (PREPARE, BLOCK, LAST_BLOCK, VOCAB_HEAD, VOCAB_EMBEDDING)
+#: Internal style: a fused projection (``TensorPlan.parts`` outputs side by side in one nn.Linear), split
+#: column-wise part by part (see [Note: fused projections] in :mod:`.fused`).
+FUSED = "fused_colwise"
+STYLES = USER_STYLES + (PREPARE, BLOCK, LAST_BLOCK, VOCAB_HEAD, VOCAB_EMBEDDING, FUSED)
+_COLUMN = ("colwise", FUSED)
 
 # Attribute names under which attention modules store head counts (own attributes or ``config``).
 _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "nhead", "num_attention_heads")
@@ -57,20 +62,22 @@ class TensorPlan:
     styles: dict[str, str] = field(default_factory=dict)
     replicated: dict[str, str] = field(default_factory=dict)
     source: str = "auto"
+    parts: dict[str, int] = field(default_factory=dict)  # fused projection -> how many outputs it fuses
 
     def sharded(self) -> dict[str, str]:
-        return {n: s for n, s in self.styles.items() if s in ("colwise", "rowwise")}
+        return {n: s for n, s in self.styles.items() if s in _COLUMN + ("rowwise",)}
 
     def describe(self, module: nn.Module | None = None) -> str:
         """A human-readable table: the styles applied, then the parameter-holding modules left replicated."""
         lines = [f"tensor-parallel plan ({self.source}):"]
         for name, style in sorted(self.styles.items(), key=lambda kv: _natural(kv[0])):
             if style != "replicate":
-                lines.append(f"  {name or '<root>'}: {style}")
+                parts = f" ({self.parts[name]} parts)" if name in self.parts else ""
+                lines.append(f"  {name or '<root>'}: {style}{parts}")
         for name, why in self.replicated.items():
             lines.append(f"  {name}: replicated ({why})")
         if module is not None:
-            covered = {n for n, s in self.styles.items() if s in ("colwise", "rowwise")}
+            covered = set(self.sharded())
             rest = [n for n, m in module.named_modules() if n not in covered and n not in self.replicated
                     and any(True for _ in m.parameters(recurse=False))]
             if rest:
@@ -91,8 +98,8 @@ def find_megatron_pairs(module: nn.Module) -> dict[str, tuple[list[str], str]]:
     ``C_1 ... C_k, R`` in registration order, where ``R`` is the last one, every ``C_i`` reads the
     block's width (``in_features == R.out_features``) and ``R`` reads what the first one writes
     (``R.in_features == C_1.out_features``). That is attention (q, k, v → o; k/v may be narrower, as in
-    grouped-query attention) and the MLP (fc or gate, up → down); a fused qkv is not a pair (see
-    :func:`fused_projections`).
+    grouped-query attention) and the MLP (fc or gate, up → down); a fused qkv is found by
+    :func:`fused_projections` instead.
 
     Example::
 
@@ -145,13 +152,8 @@ def auto_plan(module: nn.Module) -> TensorPlan:
         plan.replicated[name] = ("nn.MultiheadAttention passes its fused in_proj_weight and out_proj.weight to a "
                                  "functional kernel, so it cannot be split by module; the whole module stays replicated")
     for parent, (fused, row, k) in fused_projections(module).items():
-        reason = (f"{fused!r} is a fused projection ({k} outputs of width {row.split('.')[-1]!r}'s input in one "
-                  f"nn.Linear): splitting it column-wise is right only if your code lays its output out per head "
-                  f"(q, k, v of head 1, then of head 2, ...), which the module does not say; it stays replicated. If "
-                  f"yours is laid out per head, give plan={{{fused!r}: 'colwise', {row!r}: 'rowwise'}}; otherwise "
-                  f"separate q/k/v layers are split automatically")
-        plan.replicated[parent] = reason
-        warnings.warn(f"tensor parallel: {parent!r} left replicated: {reason}.", stacklevel=3)
+        plan.styles[fused], plan.parts[fused] = FUSED, k
+        plan.styles[row] = "rowwise"
     return plan
 
 
@@ -332,10 +334,13 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
     for name, style in list(plan.styles.items()):
         if name not in modules:
             raise ValueError(f"plan entry {name!r} names no module.")
-        if style in ("colwise", "rowwise"):
-            _check_shardable(name, modules[name], style, tp_size)
+        if style in _COLUMN + ("rowwise",):
+            if style == FUSED:
+                _check_fused(name, modules[name], plan.parts[name], tp_size)
+            else:
+                _check_shardable(name, modules[name], style, tp_size)
             parent = name.rpartition(".")[0]
-            if style == "colwise" and parent and parent in modules and plan.styles.get(parent) is None \
+            if style in _COLUMN and parent and parent in modules and plan.styles.get(parent) is None \
                     and not isinstance(modules[parent], (nn.Sequential,) + _NOT_A_BLOCK):
                 plan.styles[parent] = PREPARE
     for name, style in plan.styles.items():
@@ -362,6 +367,15 @@ def _check_shardable(name: str, m: nn.Module, style: str, t: int) -> None:
         raise ValueError(f"module {name!r} ({type(m).__name__}) has {what}={dim}, which is not divisible by "
                          f"tensor_parallel_size={t}; {style} sharding needs it to be. Choose a tensor_parallel_size "
                          f"that divides {dim}, or map {name!r} to 'replicate' in `plan`.")
+
+
+def _check_fused(name: str, m: nn.Module, parts: int, t: int) -> None:
+    width = m.out_features // parts
+    if width % t:
+        raise ValueError(f"module {name!r} fuses {parts} projections of width {width} (out_features="
+                         f"{m.out_features}); each is split across ranks, so {width} must be divisible by "
+                         f"tensor_parallel_size={t}. Choose a tensor_parallel_size that divides {width}, or map "
+                         f"{name!r} and its output projection to 'replicate' in `plan`.")
 
 
 def head_counts(m: nn.Module) -> dict[str, int]:

@@ -26,26 +26,30 @@ def tp2(**kw):
     return TensorParallelStrategy(tensor_parallel_size=2, start_method="fork", timeout=120, **kw)
 
 
-def reference(tmp_path, steps, ckpt_path=None):
+def gpt():
+    return GPT(**HP)
+
+
+def reference(tmp_path, steps, ckpt_path=None, factory=gpt):
     # every run writes its own directory: a resumed run re-saves the step it resumed from
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / f"ref_ckpt{steps}"), every_n_epochs=1, save_top_k=-1,
                            save_on_train_epoch_end=True)
-    return fit_and_record(seeded(lambda: GPT(**HP)), reference_loader(DATA.train_set, 4), str(tmp_path / f"ref{steps}"),
+    return fit_and_record(seeded(factory), reference_loader(DATA.train_set, 4), str(tmp_path / f"ref{steps}"),
                           max_steps=steps, val_loader=DataLoader(DATA.val_set, batch_size=4), callbacks=[ckpt],
                           enable_checkpointing=True, ckpt_path=ckpt_path, **VAL)[0]
 
 
-def reference_pair(tmp_path):
+def reference_pair(tmp_path, factory=gpt):
     """One process: 2 steps with a checkpoint at the end of epoch 0, then resumed from it to step 4."""
-    ref2 = reference(tmp_path, 2)
-    resumed = reference(tmp_path, 4, ckpt_path=str(tmp_path / "ref_ckpt2" / "epoch=0-step=2.ckpt"))
+    ref2 = reference(tmp_path, 2, factory=factory)
+    resumed = reference(tmp_path, 4, ckpt_path=str(tmp_path / "ref_ckpt2" / "epoch=0-step=2.ckpt"), factory=factory)
     return ref2, resumed
 
 
-def fit_tp(tmp_path, name, steps, *, ckpt_path=None, strategy_kw=None):
+def fit_tp(tmp_path, name, steps, *, ckpt_path=None, strategy_kw=None, factory=gpt):
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / f"ckpt_{name}"), every_n_epochs=1, save_top_k=-1,
                            save_on_train_epoch_end=True)
-    module = seeded(lambda: GPT(**HP))
+    module = seeded(factory)
     recs = fit_and_record(module, DataLoader(DATA.train_set, batch_size=4), str(tmp_path / name),
                           strategy=tp2(**(strategy_kw or {})), devices=2, max_steps=steps, callbacks=[ckpt],
                           enable_checkpointing=True, val_loader=DataLoader(DATA.val_set, batch_size=4),

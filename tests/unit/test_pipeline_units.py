@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import lightning_par.pipeline.discovery as discovery
+import lightning_par.pipeline.mailbox as mailbox
 import lightning_par.pipeline.microbatch as microbatch
 import lightning_par.pipeline.p2p as p2p
 import lightning_par.pipeline.partition as partition
@@ -20,7 +21,7 @@ from lightning_par.pipeline.schedules import peak_in_flight
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 
 
-@pytest.mark.parametrize("module", [discovery, microbatch, p2p, partition, schedules])
+@pytest.mark.parametrize("module", [discovery, mailbox, microbatch, p2p, partition, schedules])
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

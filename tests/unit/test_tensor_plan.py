@@ -1,11 +1,13 @@
 """Tensor-parallel plans without processes: auto-detection, Hugging Face plans, user globs, bad input."""
 
+import warnings
+
 import pytest
 from torch import nn
 
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
-from lightning_par.tensor.plan import auto_plan, build_plan, find_megatron_pairs, hf_plan
+from lightning_par.tensor.plan import FUSED, auto_plan, build_plan, find_megatron_pairs, hf_plan
 
 
 def gpt(**kw):
@@ -163,7 +165,7 @@ def test_a_plan_that_shards_nothing_warns():
         build_plan(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)), 2)
 
 
-def test_fused_qkv_is_left_replicated_with_a_warning_naming_it_and_the_mlp_is_still_split():
+def test_fused_qkv_is_split_part_by_part_and_its_parts_must_divide():
     import torch.nn.functional as F
 
     class FusedAttention(nn.Module):  # nanoGPT's layout: q, k, v side by side, split with the global width
@@ -178,14 +180,20 @@ def test_fused_qkv_is_left_replicated_with_a_warning_naming_it_and_the_mlp_is_st
             return self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
     class Block(nn.Module):
-        def __init__(self):
+        def __init__(self, d=16, heads=2):
             super().__init__()
-            self.attn = FusedAttention()
-            self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+            self.attn = FusedAttention(d, heads)
+            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
     model = nn.ModuleDict({"h": nn.ModuleList([Block(), Block()])})
-    with pytest.warns(UserWarning, match=r"'h\.0\.attn' left replicated: 'h\.0\.attn\.c_attn' is a fused projection"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is left replicated, so nothing warns
         plan = build_plan(model, 2)
-    assert "h.0.attn.c_attn" not in plan.styles and "h.0.attn.c_proj" not in plan.styles
-    assert "h.1.attn" in plan.replicated
+    assert plan.styles["h.0.attn.c_attn"] == FUSED and plan.parts["h.0.attn.c_attn"] == 3
+    assert plan.styles["h.1.attn.c_proj"] == "rowwise" and plan.styles["h.1.attn"] == "prepare"
     assert plan.styles["h.0.mlp.0"] == "colwise" and plan.styles["h.0.mlp.2"] == "rowwise"
+    assert "h.0.attn.c_attn: fused_colwise (3 parts)" in plan.describe()
+    # 3 parts of width 6: the width, not 3 x 6 = 18, must divide by the tensor-parallel size
+    odd = nn.ModuleDict({"h": nn.ModuleList([Block(d=6, heads=2)])})
+    with pytest.raises(ValueError, match=r"'h\.0\.attn\.c_attn' fuses 3 projections of width 6 .* tensor_parallel_size=4"):
+        build_plan(odd, 4)
