@@ -72,6 +72,7 @@ class PipelineStrategyConfig:
     stages_per_rank: int = 1
     blocks: Optional[str] = None  # null: the longest ModuleList/Sequential of same-class blocks
     balance: Any = "params"  # uniform | params | time | [blocks per stage]
+    save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA

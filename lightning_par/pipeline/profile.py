@@ -4,12 +4,15 @@ real device, forward plus backward, by running the user's own step on one micro-
 [Note: profiling the unchanged step] The stack's ends are not blocks: the embedding runs on the first
 stage, the head and the loss on the last, and a large vocabulary can make the head cost several blocks.
 Hooks time the forward of each block (pre/post hooks) and its backward (full backward pre/post hooks);
-the code before the first block and after the last one is the rest of the step. The minimum over a few
-repetitions is taken after one warm-up: the fastest run is the one least disturbed by other work on the
-machine. All ranks still hold the whole module at this point.
+the code before the first block and after the last one is the rest of the step. The median over a few
+repetitions is taken after one warm-up. Every rank profiles at once (the strategy averages them), so
+the timings include the contention the real run has: ranks that share CPU cores and memory bandwidth
+slow a large, memory-bound head more than the blocks, and a lone or a fastest-of-several measurement
+then puts too many blocks on the head's stage. All ranks still hold the whole module at this point.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -65,7 +68,7 @@ def profile_step(container: nn.Module, step: Callable[[], torch.Tensor], device:
         for h in handles:
             h.remove()
     samples = samples[1:]  # the first run warms up
-    pre = min(s[0] for s in samples)
-    post = min(s[2] for s in samples)
-    blocks = [min(s[1][i] for s in samples) for i in range(n)]
+    pre = statistics.median(s[0] for s in samples)
+    post = statistics.median(s[2] for s in samples)
+    blocks = [statistics.median(s[1][i] for s in samples) for i in range(n)]
     return pre, blocks, post

@@ -30,6 +30,7 @@ micro-batch), so out-of-order arrivals between two ranks (interleaving) cannot b
 """
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from typing import Any, Optional, Sequence, Union
@@ -46,6 +47,8 @@ from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.microbatch import batch_size, check_microbatches, split_batch
 from lightning_par.pipeline.partition import BALANCES, partition_blocks, stage_bounds, stage_costs
 from lightning_par.pipeline.profile import profile_step
+from lightning_par.checkpoint import META_FILE, is_distributed_checkpoint
+from lightning_par.pipeline import sharded_checkpoint as sharded
 from lightning_par.pipeline.mailbox import ResultMailbox
 from lightning_par.pipeline.routing import LogCapture, combine_outputs, concat_outputs
 from lightning_par.pipeline.schedules import (SCHEDULES, interleaved_actions, looped_gpipe_actions,
@@ -74,6 +77,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         stages_per_rank: int = 1,
         blocks: Optional[str] = None,
         balance: Union[str, Sequence[int]] = "params",
+        save_distributed_checkpoint: bool = False,
         start_method: str = "popen",
         timeout: Union[float, timedelta] = 1800.0,
         accelerator=None,
@@ -86,6 +90,8 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         _check_options(pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
                        microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
                        blocks=blocks, balance=balance, start_method=start_method, timeout=timeout)
+        if not isinstance(save_distributed_checkpoint, bool):
+            raise ValueError(f"`save_distributed_checkpoint={save_distributed_checkpoint!r}` must be True or False.")
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
@@ -95,6 +101,8 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         self._pp_size, self._dp_size = pipeline_parallel_size, data_parallel_size
         self._microbatches, self._schedule, self._stages_per_rank = microbatches, schedule, stages_per_rank
         self._blocks, self._balance = blocks, list(balance) if not isinstance(balance, str) else balance
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._dcp_path: Optional[str] = None  # the sharded checkpoint being resumed (its optimizer states load after setup)
         self._topology: Optional[Topology] = None
         self._pp_group = self._dp_group = None
         self._p2p_groups: tuple = (None, None)
@@ -239,17 +247,19 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
                 metric.sync_on_compute = False
 
     def _profile(self, lm, container):
-        """Rank 0 times the user's step on one micro-batch of the first training batch (see
-        [Note: profiling the unchanged step] in pipeline/profile.py); every rank gets its numbers."""
-        result = None
-        if self.global_rank == 0:
-            if lm.trainer.state.fn != TrainerFn.FITTING:
-                rank_zero_warn("balance='time' profiles a training batch; outside fit the split follows 'params'.")
-            else:
-                result = self._profile_locally(lm, container)
-        box = [result]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """Every rank times the user's step on one micro-batch of its first training batch (see
+        [Note: profiling the unchanged step] in pipeline/profile.py), all at once, so the timings see the
+        contention of the real run (CPU ranks share cores and memory bandwidth, which slows a large head
+        more than the blocks); every rank then uses the mean over ranks, so all choose the same split."""
+        if lm.trainer.state.fn != TrainerFn.FITTING:
+            rank_zero_warn("balance='time' profiles a training batch; outside fit the split follows 'params'.")
+            return None
+        everyone = [None] * dist.get_world_size()
+        dist.barrier()  # start together: every repetition runs while the other ranks run theirs
+        dist.all_gather_object(everyone, self._profile_locally(lm, container))
+        pre, blocks, post = zip(*everyone)
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        return mean(pre), [mean(b) for b in zip(*blocks)], mean(post)
 
     def _profile_locally(self, lm, container):
         batch = next(iter(lm.trainer.fit_loop._data_source.dataloader()))
@@ -261,7 +271,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
                 return _loss_of(lm.training_step(mb, 0))
 
         with _rng_fork(self.root_device, True):
-            result = profile_step(container, step, self.root_device)
+            result = profile_step(container, step, self.root_device, repeats=8)
         for p in lm.parameters():
             p.grad = None
         return result
@@ -361,6 +371,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         grads = self._new_grads
         if self._owner_stage is None:
             self._find_shared_parameters(grads)
+            self._drop_unused_optimizer_state(grads)
         self._reduce_gradients(grads)
         for p, g in zip(self._params, grads):
             if g is not None:
@@ -396,6 +407,15 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         for (dp, n), st in users.items():
             if dp == me["dp"] and len(st) > 1 and me["pp"] in st:
                 self._shared[n] = groups[(dp, tuple(sorted(st)))]
+
+    def _drop_unused_optimizer_state(self, grads: list) -> None:
+        """Optimizer state loaded for a parameter copy this stage never uses (a sharded checkpoint gives every
+        stage the state of every parameter it holds) is freed: the copy never gets a gradient."""
+        unused = {id(p) for p, g in zip(self._params, grads) if g is None and id(p) not in self._block_param_ids}
+        for optimizer in self.optimizers:
+            state = getattr(optimizer, "_optimizer", optimizer).state
+            for p in [p for p in state if id(p) in unused]:
+                del state[p]
 
     def _reduce_gradients(self, grads: list) -> None:
         if self._shared_order is None:  # (index into _params, group), in name order: the same on every rank
@@ -551,6 +571,23 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         lm = self.lightning_module
         if self._runtime is None:
             return lm.state_dict()
+        mine = self._owned_state()
+        if self._save_distributed_checkpoint:
+            return mine  # each rank writes its part: [Note: sharded pipeline checkpoint]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {k: v.detach().cpu() for k, v in mine.items()})
+        merged: dict[str, Any] = {}
+        for part in everyone:
+            for k, v in part.items():
+                merged.setdefault(k, v)
+        missing = [k for k in self._full_keys if k not in merged]
+        if missing:
+            raise RuntimeError(f"Consolidating the pipeline's state dict lost {missing[:5]}.")
+        return {k: merged[k] for k in self._full_keys} if self.is_global_zero else {}
+
+    def _owned_state(self) -> dict[str, torch.Tensor]:
+        """The entries of the module's state dict this rank writes (none on replicas other than the first)."""
+        lm = self.lightning_module
         params = dict(lm.named_parameters(remove_duplicate=False))
         canonical = {id(p): n for n, p in lm.named_parameters()}
         mine = {}
@@ -563,17 +600,8 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
                 else:
                     keep = self.stage == 0  # buffers outside the blocks: the first stage's copy
                 if keep:
-                    mine[k] = v.detach().cpu()
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        merged: dict[str, Any] = {}
-        for part in everyone:
-            for k, v in part.items():
-                merged.setdefault(k, v)
-        missing = [k for k in self._full_keys if k not in merged]
-        if missing:
-            raise RuntimeError(f"Consolidating the pipeline's state dict lost {missing[:5]}.")
-        return {k: merged[k] for k in self._full_keys} if self.is_global_zero else {}
+                    mine[k] = v.detach()
+        return mine
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         lm = self.lightning_module
@@ -583,12 +611,46 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         lm.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k in local}, strict=strict)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self._save_distributed_checkpoint:
+            lm = self.lightning_module
+            names = {id(p): n for n, p in lm.named_parameters()}
+            index = [id(o._optimizer if hasattr(o, "_optimizer") else o) for o in self.optimizers].index(
+                id(getattr(optimizer, "_optimizer", optimizer)))
+            first = self.topology.coordinates(self.global_rank)["dp"] == 0
+            return sharded.optimizer_items(getattr(optimizer, "_optimizer", optimizer), index, names,
+                                           lambda p: first and self._owns(p, names[id(p)]))
         state = super().optimizer_state(optimizer)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, state)
         return {"pipeline_parallel": {"layout": list(self.topology.shape), "ranks": everyone}}
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = self.broadcast(str(filepath))
+        items = sharded.model_items(checkpoint.get("state_dict", {}))
+        for part in checkpoint.get("optimizer_states", []):
+            items.update(part)
+        sharded.save(path, checkpoint, items, is_rank_zero=self.is_global_zero)
+        self.barrier("save_distributed_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        if not is_distributed_checkpoint(path):
+            self._dcp_path = None
+            return super().load_checkpoint(path, weights_only=weights_only)
+        self._dcp_path = path
+        meta = torch.load(os.path.join(path, META_FILE), weights_only=False)
+        state = sharded.load_model(path, self.lightning_module.state_dict())
+        return {**meta, "state_dict": state, "optimizer_states": [None] * sharded.optimizer_count(path)}
+
     def load_optimizer_state_dict(self, checkpoint) -> None:
+        if self._dcp_path is not None:
+            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+            for i, optimizer in enumerate(self.optimizers):
+                sharded.load_optimizer(self._dcp_path, getattr(optimizer, "_optimizer", optimizer), i, names)
+                _optimizer_to_device(optimizer, self.root_device)
+            return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if "pipeline_parallel" in state:
                 saved = state["pipeline_parallel"]
