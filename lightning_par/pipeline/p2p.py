@@ -35,68 +35,85 @@ def header_of(tensor: torch.Tensor, refill: bool = False) -> torch.Tensor:
             f"A block output of shape {tuple(tensor.shape)} and dtype {tensor.dtype} cannot cross a pipeline "
             f"stage boundary: at most {_MAX_DIMS} dimensions and one of {_DTYPES}."
         )
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[0], header[1], header[2] = _DTYPES.index(tensor.dtype), tensor.dim(), int(refill)
-    header[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    return header
+    shape = list(tensor.shape)
+    return torch.tensor([_DTYPES.index(tensor.dtype), len(shape), int(refill)] + shape + [0] * (_MAX_DIMS - len(shape)),
+                        dtype=torch.int64)
 
 
 # [Note: speculative receive] A receive posted before its send lets the transfer run while the receiver
 # computes; one posted after it waits for a round trip through the sender's progress thread (gloo hands
 # over an unannounced message only once the receiver asks for it), and on a busy CPU that cost 2-3 ms per
-# micro-batch on 1F1B's critical path. A stage therefore posts, with the next header's receive, a receive
-# for the next activation's data shaped like the one just received (the micro-batches of a step almost
-# always agree), and when a step begins, one for its first activation shaped like the previous step's
-# first. The sender knows what was posted (the previous activation it sent on the channel): when the
-# new activation differs in shape or dtype (a smaller last micro-batch, autocast), its header says
-# "refill", a filler of the old shape satisfies the posted receive, and the data follows with the shape
-# the header gives. Both sides apply the rule to the same micro-batches, so sends and receives still
-# match in order on the channel.
+# micro-batch on 1F1B's critical path. So a stage posts the receive of its next activation as soon as it
+# has taken the current one ([Note: receive plan] in stage.py), as one *frame* (header bytes, then data
+# bytes) shaped like the activation just received: the micro-batches of a step almost always agree (the
+# first of a step is guessed from the previous step's first). The sender knows what was posted (the
+# previous activation it sent on the channel) and sends the frame. When the new activation differs in
+# shape or dtype (a smaller last micro-batch, autocast), the posted frame carries only a header that says
+# "refill" and the new shape, and a frame of that shape follows. Both sides apply the rule to the same
+# transfers, so sends and receives still match in order on the channel. With nothing posted (the very
+# first transfer) the header travels alone, then the data.
+_HEADER_BYTES = _HEADER * 8
+
+
+def _frame_bytes(like: tuple) -> int:
+    return _HEADER_BYTES + torch.Size(like[0]).numel() * torch.empty((), dtype=like[1]).element_size()
+
+
+def _frame(header: torch.Tensor, data: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+    frame = torch.zeros(nbytes, dtype=torch.uint8, device=header.device)
+    frame[:_HEADER_BYTES] = header.view(torch.uint8)
+    if data is not None:
+        frame[_HEADER_BYTES:] = data.reshape(-1).view(torch.uint8)
+    return frame
+
+
+def _announced(header: torch.Tensor) -> tuple[list[int], torch.dtype, bool]:
+    """(shape, dtype, refill) that a received header announces."""
+    header = header.view(torch.int64).cpu().tolist()
+    return header[3:3 + header[1]], _DTYPES[header[0]], bool(header[2])
 
 
 def send_activation(tensor: torch.Tensor, dst: int, works: list, tag: int = 0, group=None,
                     posted_like: tuple | None = None) -> None:
-    """Send ``tensor`` with its header; ``posted_like``: ``(shape, dtype)`` of the data receive the peer has
-    already posted for it (see [Note: speculative receive]), or ``None`` when it posted none."""
+    """Send ``tensor``; ``posted_like``: ``(shape, dtype)`` of the frame the peer has already posted for it
+    (see [Note: speculative receive]), or ``None`` when it posted only a header's receive."""
     data = tensor.detach().contiguous()
-    refill = posted_like is not None and posted_like != (tuple(data.shape), data.dtype)
-    header = header_of(data, refill).to(data.device)
-    works.append((dist.isend(header, dst, group=group, tag=tag), header))
-    if refill:
-        filler = torch.zeros(posted_like[0], dtype=posted_like[1], device=data.device)
-        works.append((dist.isend(filler, dst, group=group, tag=tag), filler))
-    works.append((dist.isend(data, dst, group=group, tag=tag), data))  # keep the buffers alive until the wait
+    header = header_of(data).to(data.device)
+    if posted_like is None:
+        works.append((dist.isend(header, dst, group=group, tag=tag), header))
+        works.append((dist.isend(data, dst, group=group, tag=tag), data))  # keep the buffers alive until the wait
+        return
+    if posted_like != (tuple(data.shape), data.dtype):  # the posted frame announces a refill, then the real one
+        refill = _frame(header_of(data, refill=True).to(data.device), None, _frame_bytes(posted_like))
+        works.append((dist.isend(refill, dst, group=group, tag=tag), refill))
+    frame = _frame(header, data, _HEADER_BYTES + data.numel() * data.element_size())
+    works.append((dist.isend(frame, dst, group=group, tag=tag), frame))
 
 
 def post_recv_activation(src: int, device: torch.device, tag: int = 0, group=None, like: tuple | None = None):
-    """Start receiving the next activation now: its header, and with ``like`` (``(shape, dtype)`` of the
-    previous activation from ``src``) its data, speculatively shaped so. Pass the result to
-    :func:`recv_activation`."""
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    posted = [dist.irecv(header, src, group=group, tag=tag), header, None, None]
-    if like is not None:
-        buf = torch.empty(like[0], dtype=like[1], device=device)
-        posted[2:] = dist.irecv(buf, src, group=group, tag=tag), buf
-    return tuple(posted)
+    """Start receiving the next activation now: with ``like`` (``(shape, dtype)`` of the previous activation
+    from ``src``) a whole frame shaped so, otherwise its header. Pass the result to :func:`recv_activation`."""
+    nbytes = _frame_bytes(like) if like is not None else _HEADER_BYTES
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return dist.irecv(buf, src, group=group, tag=tag), buf, like is not None
 
 
 def recv_activation(src: int, device: torch.device, tag: int = 0, group=None, posted=None) -> torch.Tensor:
-    """Receive one activation (header, then data); ``posted``: what :func:`post_recv_activation` started."""
+    """Receive one activation; ``posted``: what :func:`post_recv_activation` started (or ``None``)."""
     if posted is None:
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-        dist.recv(header, src, group=group, tag=tag)
-    else:
-        work, header, data_work, data = posted
-        work.wait()
-        if data_work is not None:
-            data_work.wait()
-            if not int(header[2]):
-                return data
-    header = header.cpu()
-    shape = header[3:3 + int(header[1])].tolist()
-    buf = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
-    dist.recv(buf, src, group=group, tag=tag)
-    return buf
+        posted = post_recv_activation(src, device, tag=tag, group=group)
+    work, buf, framed = posted
+    work.wait()
+    shape, dtype, refill = _announced(buf[:_HEADER_BYTES])
+    if framed and not refill:
+        return buf[_HEADER_BYTES:].view(dtype).view(shape)
+    if framed:  # the posted frame only announced the real one
+        buf = torch.empty(_frame_bytes((shape, dtype)), dtype=torch.uint8, device=device)
+        dist.recv(buf, src, group=group, tag=tag)
+        return buf[_HEADER_BYTES:].view(dtype).view(shape)
+    data = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(data, src, group=group, tag=tag)
+    return data
 
 
 def send_grad(grad: torch.Tensor, dst: int, works: list, tag: int = 0, group=None) -> None:

@@ -79,11 +79,13 @@ class StageRuntime:
         self.meter: ActivationMeter | None = None
         self.weights: list[torch.nn.Parameter] = []  # this rank's trainable parameters (zero bubble's W)
         self._deferred: dict = {}
-        self._grad_recvs: dict = {}  # [Note: gradient prefetch] posted receives, by (chunk, micro-batch)
-        self._header_recv: tuple | None = None  # (micro-batch, posted receives) of the next activation
-        self._last_sent: tuple | None = None  # (micro-batch, (shape, dtype)) of this step's last activation sent
-        self._first_sent: tuple | None = None  # (shape, dtype) of the last step's first activation sent ...
-        self._first_received: tuple | None = None  # ... and received: [Note: speculative receive]
+        # [Note: receive plan] this step's receives in the order the schedule takes them, and the one posted
+        self._act_plan = ReceivePlan()
+        self._grad_plan = ReceivePlan()
+        self._last_sent: tuple | None = None  # (shape, dtype) of this step's last activation sent ...
+        self._last_received: tuple | None = None  # ... and received, and of the previous step's first ones:
+        self._first_sent: tuple | None = None  # what a posted receive is shaped like ([Note: speculative receive])
+        self._first_received: tuple | None = None
         self.step_microbatches = 0  # set by begin_step: how many micro-batches this step runs
 
     # -- layout ------------------------------------------------------------------------------------
@@ -149,19 +151,13 @@ class StageRuntime:
         if index != lo or k == 0:
             return None
         t0 = time.perf_counter()
-        posted = None
-        if self._header_recv is not None and self._header_recv[0] == self.current:
-            posted, self._header_recv = self._header_recv[1], None
         x = p2p.recv_activation(self.ranks[k - 1], self.device, tag=self._tag(0, k, self.current),
-                                group=self.act_group, posted=posted)
-        nxt, like = self.current + 1, (tuple(x.shape), x.dtype)
-        if self.current == 0:
+                                group=self.act_group, posted=self._act_plan.take((chunk, self.current)))
+        like = (tuple(x.shape), x.dtype)
+        if self._last_received is None:
             self._first_received = like
-        if len(self.chunks) == 1 and nxt < self.step_microbatches:
-            # with one chunk per rank the activations arrive in micro-batch order: post the next one's receive
-            # now, so it is under way while this micro-batch computes (see [Note: speculative receive])
-            self._header_recv = (nxt, p2p.post_recv_activation(self.ranks[k - 1], self.device, like=like,
-                                                               tag=self._tag(0, k, nxt), group=self.act_group))
+        self._last_received = like
+        self._post_next_activation()
         self.wait_s += time.perf_counter() - t0
         if torch.is_grad_enabled() and x.is_floating_point():
             x.requires_grad_(True)
@@ -175,23 +171,17 @@ class StageRuntime:
         hidden = output[0] if isinstance(output, (tuple, list)) else output
         if torch.is_grad_enabled() and hidden.requires_grad:
             self.outputs[(chunk, self.current)] = hidden
-        posted_like = None  # what the next stage has posted for this activation: [Note: speculative receive]
+        # what the next stage has posted for this activation ([Note: speculative receive]): shaped like the
+        # previous one on this channel, this step's or (for the step's first) the previous step's first
         sent = (tuple(hidden.shape), hidden.dtype)
-        if len(self.chunks) == 1:
-            if self.current == 0:
-                posted_like, self._first_sent = self._first_sent, sent
-            elif self._last_sent is not None and self._last_sent[0] == self.current - 1:
-                posted_like = self._last_sent[1]
-        self._last_sent = (self.current, sent)
+        if self._last_sent is None:
+            posted_like, self._first_sent = self._first_sent, sent
+        else:
+            posted_like = self._last_sent
+        self._last_sent = sent
         p2p.send_activation(hidden, self.ranks[k + 1], self.works, tag=self._tag(0, k + 1, self.current),
                             group=self.act_group, posted_like=posted_like)
-        if len(self.chunks) == 1 and torch.is_grad_enabled() and hidden.requires_grad:
-            # [Note: gradient prefetch] the gradient of this activation will come back: post its receive now,
-            # so the transfer runs while this stage computes, instead of starting when backward asks for it.
-            # With one chunk per rank every schedule here runs its backwards in the order of its forwards,
-            # so receives posted in forward order match the sends in order (NCCL matches by order, not tag).
-            self._grad_recvs[(chunk, self.current)] = p2p.post_recv_grad(
-                hidden, self.ranks[k + 1], tag=self._tag(1, k, self.current), group=self.grad_group)
+        self._post_next_gradient()  # this activation's gradient may be the next one backward waits for
         raise StopStage()
 
     def ghost_output(self, args: tuple, kwargs: dict) -> Any:
@@ -234,14 +224,29 @@ class StageRuntime:
                                           else torch.cuda.current_device()].manual_seed(seed)
 
     # -- running micro-batches --------------------------------------------------------------------
-    def begin_step(self, microbatches: int) -> None:
-        """Start a step of ``microbatches`` micro-batches: with one chunk per rank, a stage that receives
-        posts its first activation's receive now (see [Note: speculative receive])."""
-        self.step_microbatches = microbatches
-        k = self._virtual(0)
-        if len(self.chunks) == 1 and k > 0 and microbatches > 0:
-            self._header_recv = (0, p2p.post_recv_activation(self.ranks[k - 1], self.device, like=self._first_received,
-                                                             tag=self._tag(0, k, 0), group=self.act_group))
+    def begin_step(self, actions: list[tuple[str, int, int]]) -> None:
+        """Start a step that runs ``actions`` (``(kind, chunk, micro-batch)``; kinds "F", "B", "W") and post
+        its first receive (see [Note: receive plan])."""
+        self.step_microbatches = 1 + max((i for _, _, i in actions), default=-1)
+        last = self.num_virtual - 1
+        self._act_plan.begin([(c, i) for kind, c, i in actions if kind == "F" and self._virtual(c) > 0])
+        self._grad_plan.begin([(c, i) for kind, c, i in actions if kind == "B" and self._virtual(c) < last])
+        self._post_next_activation()
+
+    def _post_next_activation(self) -> None:
+        key = self._act_plan.due()
+        if key is not None:
+            k = self._virtual(key[0])
+            like = self._last_received if self._last_received is not None else self._first_received
+            self._act_plan.posted(key, p2p.post_recv_activation(self.ranks[k - 1], self.device, like=like,
+                                                                tag=self._tag(0, k, key[1]), group=self.act_group))
+
+    def _post_next_gradient(self) -> None:
+        key = self._grad_plan.due()
+        if key is not None and key in self.outputs:  # its forward has run (the gradient's shape is known)
+            k = self._virtual(key[0])
+            self._grad_plan.posted(key, p2p.post_recv_grad(self.outputs[key], self.ranks[k + 1],
+                                                           tag=self._tag(1, k, key[1]), group=self.grad_group))
 
     def forward(self, microbatch: int, fn: Callable[[], Any], chunk: int = 0) -> Any:
         """Run the user's step for one micro-batch through ``chunk``; its output on the last virtual stage,
@@ -322,24 +327,60 @@ class StageRuntime:
             self.meter.release((chunk, microbatch))
 
     def _recv_grad(self, out: torch.Tensor, k: int, chunk: int, microbatch: int) -> torch.Tensor:
-        posted = self._grad_recvs.pop((chunk, microbatch), None)
-        if posted is not None:
-            work, buf = posted
-            work.wait()
-            return buf
-        return p2p.recv_grad(out, self.ranks[k + 1], tag=self._tag(1, k, microbatch), group=self.grad_group)
+        self._post_next_gradient()
+        posted = self._grad_plan.take((chunk, microbatch))
+        if posted is None:  # not in this step's plan (cannot happen with the schedules here): receive now
+            return p2p.recv_grad(out, self.ranks[k + 1], tag=self._tag(1, k, microbatch), group=self.grad_group)
+        work, buf = posted
+        work.wait()
+        self._post_next_gradient()
+        return buf
 
     def finish(self) -> None:
         """Wait for this step's sends and drop what the step kept."""
-        self._last_sent = None
-        if self._grad_recvs or self._header_recv:  # every posted receive is taken; one left is a schedule bug
-            raise RuntimeError(f"pipeline stage {self._virtual(0)}: receives posted for micro-batches "
-                               f"{sorted(self._grad_recvs)} (gradients), {self._header_recv and self._header_recv[0]} "
-                               f"(activation) were never used.")
+        self._last_sent = self._last_received = None
+        left = self._act_plan.left() + self._grad_plan.left()
+        if left:  # every planned receive is taken; one left over is a schedule bug
+            raise RuntimeError(f"pipeline stage {self._virtual(0)}: planned receives {left} (chunk, micro-batch) "
+                               f"were never taken.")
         p2p.wait_all(self.works)
         self.inputs.clear()
         self.outputs.clear()
         self._deferred.clear()
+
+
+class ReceivePlan:
+    """[Note: receive plan] The receives of one step on one channel, in the order the schedule takes them,
+    with at most one posted ahead. A receive posted before its send lets the transfer overlap compute (see
+    [Note: speculative receive]); posting in the order of use keeps receives matched to sends on NCCL,
+    which matches by order, not by tag: every schedule here sends and receives in the same order on each
+    channel (``channel_orders``, unit-tested), for interleaved chunks too, whose backwards do not follow
+    their forwards."""
+
+    def __init__(self):
+        self.keys: list = []
+        self.next = 0
+        self._posted: tuple | None = None  # (key, what the post returned)
+
+    def begin(self, keys: list) -> None:
+        self.keys, self.next, self._posted = list(keys), 0, None
+
+    def due(self):
+        """The next key to post, or ``None`` (one is posted already, or none is left)."""
+        return self.keys[self.next] if self._posted is None and self.next < len(self.keys) else None
+
+    def posted(self, key, handle) -> None:
+        self._posted, self.next = (key, handle), self.next + 1
+
+    def take(self, key):
+        """The posted receive of ``key``, or ``None`` when it is not the one posted."""
+        if self._posted is not None and self._posted[0] == key:
+            handle, self._posted = self._posted[1], None
+            return handle
+        return None
+
+    def left(self) -> list:
+        return self.keys[self.next - (self._posted is not None):]
 
 
 class ActivationMeter:

@@ -317,12 +317,13 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         capture = LogCapture(lm)
         scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: one loss scale, see _after_closure
         rt.wait_s = rt.busy_s = 0.0
-        rt.begin_step(len(mbs))
+        actions = self._actions(len(mbs))
+        rt.begin_step(actions)
         payload = None  # the last stage's (result, logs), sent once its last backward has run
         self._post_result()
         start = time.perf_counter()
         with _rng_fork(self.root_device, rt.seeded), capture:
-            for kind, c, i in self._actions(len(mbs)):
+            for kind, c, i in actions:
                 capture.microbatch = i
                 last = rt.is_last and c == len(rt.chunks) - 1  # the chunk that computes the loss
                 if kind == "F":
@@ -488,7 +489,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         mbs = split_batch(batch, self._num_microbatches())
         sizes = [batch_size(mb) for mb in mbs]
         rt.seeded = False
-        rt.begin_step(len(mbs))
+        rt.begin_step([("F", c, i) for i in range(len(mbs)) for c in range(len(rt.chunks))])
         outputs = []
         capture = LogCapture(lm)
         if hook != "predict_step":
