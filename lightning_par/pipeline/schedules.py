@@ -91,6 +91,10 @@ def zero_bubble_actions(*, stage: int, num_stages: int, microbatches: int) -> li
     cool-down backwards to wait for, and run in the gaps between them: stage ``s`` defers at most
     ``p - s - 1`` of them. W needs nothing from other stages, so the order stays deadlock-free.
 
+    [Note: filling waits] The runner treats a W's place as its latest: when a B would wait for its output
+    gradient, W's already due run first (whatever their place), so the wait is filled with work; and the
+    last stage, which never defers, runs B and W as one backward pass (splitting costs a second pass).
+
     Example::
 
         >>> zero_bubble_actions(stage=0, num_stages=2, microbatches=3)

@@ -326,6 +326,15 @@ class StageRuntime:
         if self.meter is not None:
             self.meter.release((chunk, microbatch))
 
+    def gradient_arrived(self, microbatch: int, chunk: int = 0) -> bool:
+        """Whether the output gradient ``backward`` of this micro-batch needs is here already (always on the
+        last virtual stage, which starts from the loss)."""
+        if self._virtual(chunk) == self.num_virtual - 1:
+            return True
+        self._post_next_gradient()
+        posted = self._grad_plan.peek()
+        return posted is not None and posted[0] == (chunk, microbatch) and posted[1][0].is_completed()
+
     def _recv_grad(self, out: torch.Tensor, k: int, chunk: int, microbatch: int) -> torch.Tensor:
         self._post_next_gradient()
         posted = self._grad_plan.take((chunk, microbatch))
@@ -371,6 +380,10 @@ class ReceivePlan:
 
     def posted(self, key, handle) -> None:
         self._posted, self.next = (key, handle), self.next + 1
+
+    def peek(self):
+        """``(key, handle)`` of the posted receive, or ``None``."""
+        return self._posted
 
     def take(self, key):
         """The posted receive of ``key``, or ``None`` when it is not the one posted."""

@@ -319,6 +319,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         rt.wait_s = rt.busy_s = 0.0
         actions = self._actions(len(mbs))
         rt.begin_step(actions)
+        deferred: list[tuple[int, int]] = []  # zero bubble: (chunk, micro-batch) whose B ran and whose W has not
         payload = None  # the last stage's (result, logs), sent once its last backward has run
         self._post_result()
         start = time.perf_counter()
@@ -331,17 +332,22 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
                         out = rt.forward(i, lambda: lm.training_step(mbs[i], *rest, **kwargs), chunk=c)
                     if last:
                         outputs[i] = out
+                elif kind == "W":
+                    if (c, i) in deferred:  # not run early to fill a wait, nor fused with its B
+                        deferred.remove((c, i))
+                        rt.backward_weight(i, chunk=c)
                 else:
-                    loss = _loss_of(outputs[i]) * coefs[i] if last and kind == "B" else None
+                    loss = _loss_of(outputs[i]) * coefs[i] if last else None
                     if loss is not None and scaler is not None:
                         loss = scaler.scale(loss)
-                    if kind == "W":
-                        rt.backward_weight(i, chunk=c)
-                        continue
-                    if self._schedule == "zero_bubble":
-                        rt.backward_input(i, loss, chunk=c)
+                    if self._schedule != "zero_bubble" or rt.is_last:
+                        rt.backward(i, loss, chunk=c)  # zero bubble's last stage: B and W in one pass
                     else:
-                        rt.backward(i, loss, chunk=c)
+                        while deferred and not rt.gradient_arrived(i, chunk=c):  # [Note: filling waits]
+                            early_c, early_i = deferred.pop(0)
+                            rt.backward_weight(early_i, chunk=early_c)
+                        rt.backward_input(i, loss, chunk=c)
+                        deferred.append((c, i))
                     if last:
                         outputs[i] = _detach(outputs[i])
                         if i == len(mbs) - 1:  # every forward has run; sent after the last gradient went upstream
