@@ -20,6 +20,7 @@ their input's gradient back.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from typing import Any, Callable
@@ -195,8 +196,11 @@ class StageRuntime:
     def _probe_output_arity(self, args: tuple, kwargs: dict) -> int:
         # [Note: ghost outputs] Code between blocks may index the block's output (`x = block(x)[0]`). A ghost
         # must then return a tuple too: run this rank's first block once (no grad, hooks and gate bypassed)
-        # on the ghost's input to learn whether blocks return a tensor (0) or a tuple of some length.
+        # on the ghost's input to learn whether blocks return a tensor (0) or a tuple of some length. The
+        # probe gets copies of the non-tensor arguments: a block may update them (a Hugging Face KV cache
+        # appends this layer's keys), and the real call must not find the probe's entries there.
         block = self.container[self.lo]
+        args, kwargs = _copy_objects(args), _copy_objects(kwargs)
         try:
             with torch.no_grad():
                 out = type(block).forward(block, *args, **kwargs)
@@ -356,6 +360,23 @@ class StageRuntime:
         self.inputs.clear()
         self.outputs.clear()
         self._deferred.clear()
+
+
+def _copy_objects(obj: Any) -> Any:
+    """``obj`` with every object that is not a tensor, a number, a string or a container of those deep-copied
+    (left as it is when it cannot be copied); tensors are shared."""
+    if obj is None or isinstance(obj, (torch.Tensor, int, float, bool, str, torch.dtype, torch.device)):
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_copy_objects(o) for o in obj)
+    if isinstance(obj, list):
+        return [_copy_objects(o) for o in obj]
+    if type(obj) is dict:
+        return {k: _copy_objects(v) for k, v in obj.items()}
+    try:
+        return copy.deepcopy(obj)
+    except Exception:
+        return obj
 
 
 class ReceivePlan:

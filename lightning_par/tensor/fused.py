@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_par.tensor.rules import only_spec, wrap_strategy
+
 _registered = False
 
 
@@ -79,35 +81,10 @@ def register_fused_rules() -> None:
     adjusters = getattr(prop, "op_to_scalar_shape_adjuster", None)
     for op in (aten.split.Tensor, aten.split_with_sizes.default):
         # the split sizes are global; the op runs on the local parts, so they are rewritten to local ones
-        if adjusters is not None and op not in adjusters and _wrap(op, _split_parts):
+        if adjusters is not None and op not in adjusters and wrap_strategy(op, _split_parts):
             adjusters[op] = _local_split_sizes
-    _wrap(aten.cat.default, _cat_parts)
+    wrap_strategy(aten.cat.default, _cat_parts)
     _registered = True
-
-
-def _wrap(op, rule) -> bool:
-    prop = DTensor._op_dispatcher.sharding_propagator
-    original = prop.op_strategy_funcs.get(op)
-    if original is None or op in getattr(prop, "op_single_dim_strategy_funcs", {}):
-        return False  # a torch whose strategy for `op` lives elsewhere: keep torch's (correct, with a gather)
-
-    def strategy(op_schema):
-        mine = rule(op_schema)
-        return mine if mine is not None else original(op_schema)
-
-    prop.register_op_strategy(op, strategy, prop.op_to_schema_info.get(op))
-    prop.propagate_op_sharding.cache_clear()
-    return True
-
-
-def _only_spec(strategy):
-    from torch.distributed.tensor._op_schema import OpStrategy
-
-    if isinstance(strategy, OpStrategy) and len(strategy.strategies) == 1:
-        spec = strategy.strategies[0].output_spec
-        if spec.mesh.ndim == 1:
-            return spec
-    return None
 
 
 def _parts_split(spec, args) -> tuple[int, int] | None:
@@ -133,7 +110,7 @@ def _split_parts(op_schema):
     from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 
     args = op_schema.args_schema
-    spec = _only_spec(args[0])
+    spec = only_spec(args[0])
     found = _parts_split(spec, args) if spec is not None else None
     if found is None:
         return None
@@ -165,7 +142,7 @@ def _cat_parts(op_schema):
     args = op_schema.args_schema
     if not isinstance(args[0], TupleStrategy) or len(args[0].children) < 2:
         return None
-    specs = [_only_spec(c) for c in args[0].children]
+    specs = [only_spec(c) for c in args[0].children]
     if any(s is None for s in specs):
         return None
     ndim = len(specs[0].shape)

@@ -18,13 +18,13 @@ class LitQwen2(pl.LightningModule):
     """How a user wraps a Hugging Face causal LM: the model's own forward (rotary tables, causal mask,
     position ids computed before the decoder layers and passed to each), a tied lm head."""
 
-    def __init__(self):
+    def __init__(self, use_cache=False):
         super().__init__()
         import transformers
 
         config = transformers.Qwen2Config(
             vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, use_cache=False,
+            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, use_cache=use_cache,
         )
         self.model = transformers.Qwen2ForCausalLM(config)
 
@@ -40,10 +40,12 @@ class LitQwen2(pl.LightningModule):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_hugging_face_qwen2_decoder(tmp_path):
+@pytest.mark.parametrize("use_cache", [False, True])  # True: the model also fills a KV cache, layer by layer
+def test_hugging_face_qwen2_decoder(tmp_path, use_cache):
     pytest.importorskip("transformers")
-    ref = fit_and_record(seeded(LitQwen2), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"), max_steps=2)[0]
-    got = fit_and_record(seeded(LitQwen2), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
+    factory = lambda: LitQwen2(use_cache)  # noqa: E731
+    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"), max_steps=2)[0]
+    got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2,
                                                            start_method="fork", timeout=120),
                          devices=2, max_steps=2)

@@ -28,7 +28,7 @@ class QwenLM(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         idx, targets = batch
-        # use_cache=False: a KV cache is for generation (under TP it would hold DTensors; see the report)
+        # use_cache=False here; QwenWithLabels below calls the model the other usual way, KV cache included
         logits = self.model(input_ids=idx, use_cache=False).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         self.log("train_loss", loss)
@@ -120,3 +120,29 @@ def test_16_mixed_with_grad_scaler(tmp_path):
 
 
 FP16_ATOL, FP16_RTOL = 3e-4, 4e-3
+
+
+class QwenWithLabels(QwenLM):
+    """The other usual way to call a Hugging Face LM: labels in, loss out, and the config's default
+    `use_cache=True`, so the model builds a KV cache that starts from an empty tensor (see tensor/attention.py)."""
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        out = self.model(input_ids=idx, labels=targets)
+        self.log("train_loss", out.loss)
+        return out  # a ModelOutput (a dict with "loss"), as Lightning accepts
+
+    def configure_optimizers(self):
+        # SGD: its update is linear in the gradients, so parameters inherit their 1e-5 agreement; AdamW's
+        # g/sqrt(v) turns round-off on a near-zero gradient entry into a 1e-5-sized parameter difference
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_hugging_face_default_call_with_its_kv_cache(tmp_path):
+    ref = fit_and_record(seeded(QwenWithLabels), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"),
+                         max_steps=2)[0]
+    got = fit_and_record(seeded(QwenWithLabels), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
+                         strategy=tp2(), devices=2, max_steps=2)
+    for rec in got:
+        assert_close_records(ref, rec)
