@@ -1,14 +1,20 @@
 """Point-to-point transfer of activations between neighbouring stages.
 
-An activation travels as a small int64 header (dtype code, rank, shape) followed by the data, so the
-receiver needs no prior knowledge of shapes (the last micro-batch may be smaller, autocast may change
-dtypes); see [Note: speculative receive] for how the data's receive is still posted ahead of its send. Gradients travel back without a header: their shape and dtype are the sent activation's.
-Sends are asynchronous (``isend``; the caller waits on the handles at the end of the step), receives
-block, bounded by the process group's timeout. Activations and gradients travel in separate process
-groups (``group``): on NCCL each group is its own communicator and stream, so a pending send in one
-direction cannot hold up a receive in the other (a cycle GPipe and 1F1B would otherwise form when a
-send only completes once the peer receives). Every schedule here sends and receives in the same
-order on each channel (checked in the unit tests), so matching does not rely on tags, which NCCL ignores.
+An activation is announced by a small int64 header (dtype code, number of dimensions, a refill flag,
+shape), so the receiver needs no prior knowledge of shapes (the last micro-batch may be smaller, autocast
+may change dtypes); see [Note: speculative receive] for how its receive is still posted ahead of the
+send. Gradients travel back without a header: their shape and dtype are the sent activation's. Sends are
+asynchronous (``isend``; the caller waits on the handles at the end of the step), receives are bounded
+by the process group's timeout. Every schedule here sends and receives in the same order on each
+channel (checked in the unit tests), so matching does not rely on tags, which NCCL ignores.
+
+[Note: one direction per group] On NCCL the point-to-point operations between two ranks of one process
+group share a communicator and a stream and run in the order they were issued, so a receive posted
+ahead from a peer would hold up a later send to that same peer until the receive completes; with both
+ranks doing so the pipeline stops. Each process group therefore carries one kind of transfer in one
+direction between any two ranks: activations to a higher rank, gradients to a lower one, and, where
+interleaved chunks wrap around the ring, activations to a lower and gradients to a higher rank in two
+more groups.
 """
 from __future__ import annotations
 

@@ -60,9 +60,11 @@ class StageRuntime:
     """
 
     def __init__(self, *, container: nn.Module, chunks: list[tuple[int, int, int]], ranks: list[int],
-                 device: torch.device, seed: int = 0, groups: tuple = (None, None)):
+                 device: torch.device, seed: int = 0, groups: tuple = (None, None, None, None)):
         self.container, self.chunks, self.ranks = container, list(chunks), list(ranks)
-        self.act_group, self.grad_group = groups  # process groups of the two directions (see p2p.py)
+        # process groups: activations, gradients, each of them once more for transfers to a lower rank
+        # (interleaved chunks wrap around the ring), see [Note: one direction per group] in p2p.py
+        self._groups = dict(zip([("act", True), ("grad", False), ("act", False), ("grad", True)], groups))
         self.num_virtual = len(ranks)
         self.device, self.seed = device, seed
         self.seeded = False
@@ -106,6 +108,10 @@ class StageRuntime:
 
     def _virtual(self, chunk: int) -> int:
         return self.chunks[chunk][0]
+
+    def _group(self, kind: str, src: int, dst: int):
+        """The process group of a ``kind`` transfer from virtual stage ``src`` to ``dst``."""
+        return self._groups[(kind, self.ranks[dst] > self.ranks[src])]
 
     def _tag(self, kind: int, virtual: int, microbatch: int) -> int:
         # one tag per transfer of a step: out-of-order arrivals between two ranks cannot be confused
@@ -153,7 +159,7 @@ class StageRuntime:
             return None
         t0 = time.perf_counter()
         x = p2p.recv_activation(self.ranks[k - 1], self.device, tag=self._tag(0, k, self.current),
-                                group=self.act_group, posted=self._act_plan.take((chunk, self.current)))
+                                group=self._group("act", k - 1, k), posted=self._act_plan.take((chunk, self.current)))
         like = (tuple(x.shape), x.dtype)
         if self._last_received is None:
             self._first_received = like
@@ -181,7 +187,7 @@ class StageRuntime:
             posted_like = self._last_sent
         self._last_sent = sent
         p2p.send_activation(hidden, self.ranks[k + 1], self.works, tag=self._tag(0, k + 1, self.current),
-                            group=self.act_group, posted_like=posted_like)
+                            group=self._group("act", k, k + 1), posted_like=posted_like)
         self._post_next_gradient()  # this activation's gradient may be the next one backward waits for
         raise StopStage()
 
@@ -243,14 +249,14 @@ class StageRuntime:
             k = self._virtual(key[0])
             like = self._last_received if self._last_received is not None else self._first_received
             self._act_plan.posted(key, p2p.post_recv_activation(self.ranks[k - 1], self.device, like=like,
-                                                                tag=self._tag(0, k, key[1]), group=self.act_group))
+                                                                tag=self._tag(0, k, key[1]), group=self._group("act", k - 1, k)))
 
     def _post_next_gradient(self) -> None:
         key = self._grad_plan.due()
         if key is not None and key in self.outputs:  # its forward has run (the gradient's shape is known)
             k = self._virtual(key[0])
             self._grad_plan.posted(key, p2p.post_recv_grad(self.outputs[key], self.ranks[k + 1],
-                                                           tag=self._tag(1, k, key[1]), group=self.grad_group))
+                                                           tag=self._tag(1, k, key[1]), group=self._group("grad", k + 1, k)))
 
     def forward(self, microbatch: int, fn: Callable[[], Any], chunk: int = 0) -> Any:
         """Run the user's step for one micro-batch through ``chunk``; its output on the last virtual stage,
@@ -291,7 +297,7 @@ class StageRuntime:
         if k > 0:
             x = self.inputs.pop((chunk, microbatch))
             p2p.send_grad(x.grad if x.grad is not None else torch.zeros_like(x), self.ranks[k - 1], self.works,
-                          tag=self._tag(1, k - 1, microbatch), group=self.grad_group)
+                          tag=self._tag(1, k - 1, microbatch), group=self._group("grad", k, k - 1))
         self.busy_s += time.perf_counter() - t0 - (self.wait_s - w0)
         if self.meter is not None:
             self.meter.release((chunk, microbatch))
@@ -314,7 +320,7 @@ class StageRuntime:
             x = self.inputs.pop((chunk, microbatch))
             groups = split_backward.backward_input(out, grad, x, self.weights)
             p2p.send_grad(x.grad if x.grad is not None else torch.zeros_like(x), self.ranks[k - 1], self.works,
-                          tag=self._tag(1, k - 1, microbatch), group=self.grad_group)
+                          tag=self._tag(1, k - 1, microbatch), group=self._group("grad", k, k - 1))
             self._deferred[(chunk, microbatch)] = ("weights", groups, None)
         self.busy_s += time.perf_counter() - t0 - (self.wait_s - w0)
 
@@ -343,7 +349,7 @@ class StageRuntime:
         self._post_next_gradient()
         posted = self._grad_plan.take((chunk, microbatch))
         if posted is None:  # not in this step's plan (cannot happen with the schedules here): receive now
-            return p2p.recv_grad(out, self.ranks[k + 1], tag=self._tag(1, k, microbatch), group=self.grad_group)
+            return p2p.recv_grad(out, self.ranks[k + 1], tag=self._tag(1, k, microbatch), group=self._group("grad", k + 1, k))
         work, buf = posted
         work.wait()
         self._post_next_gradient()

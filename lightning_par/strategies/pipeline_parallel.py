@@ -105,7 +105,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         self._dcp_path: Optional[str] = None  # the sharded checkpoint being resumed (its optimizer states load after setup)
         self._topology: Optional[Topology] = None
         self._pp_group = self._dp_group = None
-        self._p2p_groups: tuple = (None, None)
+        self._p2p_groups: tuple = (None, None, None, None)
         self._runtime: Optional[StageRuntime] = None
         self._mailbox: Optional[ResultMailbox] = None
         self._params: list[torch.nn.Parameter] = []
@@ -152,7 +152,9 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         super().setup_environment()
         self._pp_group = self._new_groups("pp")
         self._dp_group = self._new_groups("dp")
-        self._p2p_groups = (self._new_groups("pp"), self._new_groups("pp"))  # activations, gradients
+        # activations up, gradients down, and with several chunks per rank the same to a lower / higher rank
+        # (the ring wraps around): [Note: one direction per group] in pipeline/p2p.py
+        self._p2p_groups = tuple(self._new_groups("pp") for _ in range(2 if self._stages_per_rank == 1 else 4))
         self._result_group = self._new_groups("pp")  # the last stage's step results: [Note: result mailbox]
 
     def _new_groups(self, axis: str):
