@@ -14,9 +14,10 @@ from test_tensor_parallel import run_pair
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("layout,tp", [("split", 2), ("view", 2), ("split", 4)])
-def test_fused_projections_match_one_process(tmp_path, layout, tp):
-    ref, got = run_pair(tmp_path, tp=tp, factory=lambda: FusedGPT(layout=layout), gradient_clip_val=0.05)
+@pytest.mark.parametrize("layout,tp,sp", [("split", 2, False), ("view", 2, False), ("split", 4, False), ("view", 2, True)])
+def test_fused_projections_match_one_process(tmp_path, layout, tp, sp):
+    ref, got = run_pair(tmp_path, tp=tp, factory=lambda: FusedGPT(layout=layout), gradient_clip_val=0.05,
+                        strategy_kw=dict(sequence_parallel=sp))
     for rec in got:
         assert_close_records(ref, rec)
 
