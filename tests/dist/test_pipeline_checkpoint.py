@@ -113,3 +113,23 @@ def test_sharded_checkpoint_resumes_exactly_and_under_another_layout(tmp_path):
     assert "blocks.0.attn.q_proj.weight" in trained
     for n in trained:
         torch.testing.assert_close(four[0]["params"][n], full[0]["params"][n], atol=1e-5, rtol=1e-5, msg=n)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_sharded_checkpoint_with_data_parallel_replicas(tmp_path):
+    """2 stages × 2 replicas: the first replica writes the directory, every rank reads it back."""
+    data = Subset(TRAIN.dataset, range(16))
+
+    def layout(sharded):
+        return PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, start_method="fork", timeout=120,
+                                        save_distributed_checkpoint=sharded)
+
+    full, _ = run(tmp_path, "pp", DataLoader(data, batch_size=8), 4, strategy=layout(False), devices=4)
+    _, dirs = run(tmp_path, "dcp", DataLoader(data, batch_size=8), 2, strategy=layout(True), devices=4)
+    assert os.path.basename(dirs[-1]) == "epoch=1-step=2.ckpt"
+    resumed, _ = run(tmp_path, "resumed", DataLoader(data, batch_size=8), 4, ckpt_path=dirs[-1],
+                     strategy=layout(True), devices=4)
+    for whole, part in zip(full, resumed):
+        assert part["global_step"] == 4 and part["losses"] == whole["losses"][2:]
+        for n, g in part["grads"][-1].items():
+            assert torch.equal(g, whole["grads"][-1][n]), n
