@@ -94,8 +94,8 @@ def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer)
 
 def save_distributed(path: str, checkpoint: dict, *, is_rank_zero: bool) -> None:
     """Write ``checkpoint`` as a DCP directory: ``state_dict`` and ``optimizer_states`` (as produced by
-    :func:`sharded_model_state` / :func:`sharded_optimizer_state`) sharded, the rest to ``meta.pt`` by
-    rank 0. Every rank calls it."""
+    :func:`sharded_model_state` / :func:`sharded_optimizer_state`, or by a pipeline stage: see
+    [Note: sharded pipeline checkpoint]) sharded, the rest to ``meta.pt`` by rank 0. Every rank calls it."""
     import torch.distributed.checkpoint as dcp
 
     checkpoint = dict(checkpoint)
@@ -127,6 +127,11 @@ def load_distributed(path, module: nn.Module, optimizers: list[torch.optim.Optim
     set_model_state_dict(module, state["state_dict"])
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"])
+    return read_meta(path)
+
+
+def read_meta(path) -> dict:
+    """What :func:`save_distributed` wrote besides the sharded states (loops, schedulers, callbacks, ...)."""
     return torch.load(os.path.join(path, META_FILE), weights_only=False)
 
 

@@ -62,15 +62,7 @@ _HEADER_BYTES = _HEADER * 8
 
 
 def _frame_bytes(like: tuple) -> int:
-    return _HEADER_BYTES + torch.Size(like[0]).numel() * torch.empty((), dtype=like[1]).element_size()
-
-
-def _frame(header: torch.Tensor, data: torch.Tensor | None, nbytes: int) -> torch.Tensor:
-    frame = torch.zeros(nbytes, dtype=torch.uint8, device=header.device)
-    frame[:_HEADER_BYTES] = header.view(torch.uint8)
-    if data is not None:
-        frame[_HEADER_BYTES:] = data.reshape(-1).view(torch.uint8)
-    return frame
+    return _HEADER_BYTES + torch.Size(like[0]).numel() * like[1].itemsize
 
 
 def _announced(header: torch.Tensor) -> tuple[list[int], torch.dtype, bool]:
@@ -90,9 +82,10 @@ def send_activation(tensor: torch.Tensor, dst: int, works: list, tag: int = 0, g
         works.append((dist.isend(data, dst, group=group, tag=tag), data))  # keep the buffers alive until the wait
         return
     if posted_like != (tuple(data.shape), data.dtype):  # the posted frame announces a refill, then the real one
-        refill = _frame(header_of(data, refill=True).to(data.device), None, _frame_bytes(posted_like))
+        refill = torch.zeros(_frame_bytes(posted_like), dtype=torch.uint8, device=data.device)
+        refill[:_HEADER_BYTES] = header_of(data, refill=True).view(torch.uint8)
         works.append((dist.isend(refill, dst, group=group, tag=tag), refill))
-    frame = _frame(header, data, _HEADER_BYTES + data.numel() * data.element_size())
+    frame = torch.cat([header.view(torch.uint8), data.reshape(-1).view(torch.uint8)])
     works.append((dist.isend(frame, dst, group=group, tag=tag), frame))
 
 
@@ -128,8 +121,8 @@ def send_grad(grad: torch.Tensor, dst: int, works: list, tag: int = 0, group=Non
 
 
 def recv_grad(like: torch.Tensor, src: int, tag: int = 0, group=None) -> torch.Tensor:
-    buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    dist.recv(buf, src, group=group, tag=tag)
+    work, buf = post_recv_grad(like, src, tag=tag, group=group)
+    work.wait()
     return buf
 
 

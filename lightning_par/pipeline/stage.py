@@ -89,7 +89,6 @@ class StageRuntime:
         self._last_received: tuple | None = None  # ... and received, and of the previous step's first ones:
         self._first_sent: tuple | None = None  # what a posted receive is shaped like ([Note: speculative receive])
         self._first_received: tuple | None = None
-        self.step_microbatches = 0  # set by begin_step: how many micro-batches this step runs
 
     # -- layout ------------------------------------------------------------------------------------
     @property
@@ -237,7 +236,6 @@ class StageRuntime:
     def begin_step(self, actions: list[tuple[str, int, int]]) -> None:
         """Start a step that runs ``actions`` (``(kind, chunk, micro-batch)``; kinds "F", "B", "W") and post
         its first receive (see [Note: receive plan])."""
-        self.step_microbatches = 1 + max((i for _, _, i in actions), default=-1)
         last = self.num_virtual - 1
         self._act_plan.begin([(c, i) for kind, c, i in actions if kind == "F" and self._virtual(c) > 0])
         self._grad_plan.begin([(c, i) for kind, c, i in actions if kind == "B" and self._virtual(c) < last])

@@ -30,7 +30,6 @@ micro-batch), so out-of-order arrivals between two ranks (interleaving) cannot b
 """
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 from typing import Any, Optional, Sequence, Union
@@ -47,7 +46,7 @@ from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.microbatch import batch_size, check_microbatches, split_batch
 from lightning_par.pipeline.partition import BALANCES, partition_blocks, stage_bounds, stage_costs
 from lightning_par.pipeline.profile import profile_step
-from lightning_par.checkpoint import META_FILE, is_distributed_checkpoint
+from lightning_par.checkpoint import is_distributed_checkpoint, read_meta, save_distributed
 from lightning_par.pipeline import sharded_checkpoint as sharded
 from lightning_par.pipeline.mailbox import ResultMailbox
 from lightning_par.pipeline.routing import LogCapture, combine_outputs, concat_outputs
@@ -621,12 +620,9 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         if self._save_distributed_checkpoint:
-            lm = self.lightning_module
-            names = {id(p): n for n, p in lm.named_parameters()}
-            index = [id(o._optimizer if hasattr(o, "_optimizer") else o) for o in self.optimizers].index(
-                id(getattr(optimizer, "_optimizer", optimizer)))
+            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
             first = self.topology.coordinates(self.global_rank)["dp"] == 0
-            return sharded.optimizer_items(getattr(optimizer, "_optimizer", optimizer), index, names,
+            return sharded.optimizer_items(getattr(optimizer, "_optimizer", optimizer), names,
                                            lambda p: first and self._owns(p, names[id(p)]))
         state = super().optimizer_state(optimizer)
         everyone = [None] * dist.get_world_size()
@@ -637,10 +633,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = self.broadcast(str(filepath))
-        items = sharded.model_items(checkpoint.get("state_dict", {}))
-        for part in checkpoint.get("optimizer_states", []):
-            items.update(part)
-        sharded.save(path, checkpoint, items, is_rank_zero=self.is_global_zero)
+        save_distributed(path, checkpoint, is_rank_zero=self.is_global_zero)
         self.barrier("save_distributed_checkpoint")
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -649,7 +642,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
             self._dcp_path = None
             return super().load_checkpoint(path, weights_only=weights_only)
         self._dcp_path = path
-        meta = torch.load(os.path.join(path, META_FILE), weights_only=False)
+        meta = read_meta(path)
         state = sharded.load_model(path, self.lightning_module.state_dict())
         return {**meta, "state_dict": state, "optimizer_states": [None] * sharded.optimizer_count(path)}
 
