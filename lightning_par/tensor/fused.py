@@ -1,12 +1,14 @@
 """Fused projections: one ``nn.Linear`` that computes ``k`` outputs side by side (nanoGPT's ``c_attn``:
-q, k and v in a ``Linear(C, 3C)``; a fused gate/up ``Linear(C, 2I)``), split across tensor-parallel ranks.
+q, k and v in a ``Linear(C, 3C)``; a fused gate/up ``Linear(C, 2I)``; GPT-2's ``c_attn``, a transposed
+``Conv1D(3C, C)`` whose weight is ``[C, 3C]``), split across tensor-parallel ranks.
 
 [Note: fused projections]
 A plain column-wise split of ``Linear(C, 3C)`` gives rank 0 rows ``[0, 3C/t)``: all of q and part of k on
 two ranks. User code then splits the output with the *global* width (``y.split(C, dim=2)``), so the split
 must keep global semantics. Here the weight is a DTensor with ``_StridedShard(0, split_factor=k)``: the
 rows are cut into the ``k`` parts first and each part is sharded, so rank ``r`` holds ``[q_r; k_r; v_r]``
-and its output ``[q_r | k_r | v_r]`` is the same placement on the last dim. Being a DTensor, every op on
+and its output ``[q_r | k_r | v_r]`` is the same placement on the last dim (a transposed layer, GPT-2's
+``Conv1D``, keeps its output features on dim 1 of the weight: ``_StridedShard(1, k)`` there). Being a DTensor, every op on
 it is right whatever the user's code does next; two sharding rules make the usual ones free:
 
 - ``split`` / ``chunk`` of such a tensor into its ``k`` equal parts along that dim gives each part
@@ -22,29 +24,26 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_par.tensor.rules import only_spec, wrap_strategy
+from lightning_par.tensor.transposed import ColwiseParallel, output_dim
 
 _registered = False
 
 
 class FusedColwiseParallel(ColwiseParallel):
-    """Column-wise parallel for a ``Linear`` whose output is ``parts`` outputs side by side (see
-    [Note: fused projections]); the output stays a DTensor in that layout."""
+    """Column-wise parallel for a linear layer (``nn.Linear``, or a transposed one such as GPT-2's
+    ``Conv1D``: there the output features are the weight's dim 1) whose output is ``parts`` outputs side
+    by side (see [Note: fused projections]); the output stays a DTensor in that layout."""
 
     def __init__(self, parts: int):
         super().__init__(use_local_output=False)
         self.parts = parts
 
-    def _partition_linear_fn(self, name, module, device_mesh):
-        for pname, param in module.named_parameters():
-            placement = _StridedShard(0, split_factor=self.parts)
-            dist_param = nn.Parameter(distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
-                                      requires_grad=param.requires_grad)
-            module.register_parameter(pname, dist_param)
+    def placement(self, module: nn.Module, param_name: str):
+        return _StridedShard(output_dim(module, param_name), split_factor=self.parts)
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):

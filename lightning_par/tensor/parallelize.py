@@ -23,11 +23,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lightning_par.tensor.fused import FusedColwiseParallel, register_fused_rules
 from lightning_par.tensor.plan import BLOCK, FUSED, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan
+# torch's styles, which also split transposed linear layers (GPT-2's Conv1D)
+from lightning_par.tensor.transposed import ColwiseParallel, RowwiseParallel
 
 
 class PrepareBlockInput(ParallelStyle):

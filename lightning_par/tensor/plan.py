@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import torch
 from torch import nn
 
 #: Styles a user may write in ``plan={glob: style}``.
@@ -94,12 +95,12 @@ def _natural(name: str) -> list:
 def find_megatron_pairs(module: nn.Module) -> dict[str, tuple[list[str], str]]:
     """Parents holding a Megatron pair: ``{parent: ([column-wise children], row-wise child)}``.
 
-    A pair is a module (not a ``ModuleList``/``ModuleDict``) whose direct ``nn.Linear`` children are
-    ``C_1 ... C_k, R`` in registration order, where ``R`` is the last one, every ``C_i`` reads the
-    block's width (``in_features == R.out_features``) and ``R`` reads what the first one writes
-    (``R.in_features == C_1.out_features``). That is attention (q, k, v → o; k/v may be narrower, as in
-    grouped-query attention) and the MLP (fc or gate, up → down); a fused qkv is found by
-    :func:`fused_projections` instead.
+    A pair is a module (not a ``ModuleList``/``ModuleDict``) whose direct linear children (``nn.Linear`` or
+    a transposed one, see :func:`linear_features`) are ``C_1 ... C_k, R`` in registration order, where ``R``
+    is the last one, every ``C_i`` reads the block's width (``in_features == R.out_features``) and ``R``
+    reads what the first one writes (``R.in_features == C_1.out_features``). That is attention (q, k, v → o;
+    k/v may be narrower, as in grouped-query attention) and the MLP (fc or gate, up → down); a fused qkv is
+    found by :func:`fused_projections` instead.
 
     Example::
 
@@ -112,8 +113,8 @@ def find_megatron_pairs(module: nn.Module) -> dict[str, tuple[list[str], str]]:
     """
     pairs = {}
     for name, parent, linears in _linear_parents(module):
-        (r_name, r), cols = linears[-1], linears[:-1]
-        if any(c.in_features != r.out_features for _, c in cols) or r.in_features != cols[0][1].out_features:
+        (r_name, (r_in, r_out)), cols = linears[-1], linears[:-1]
+        if any(c_in != r_out for _, (c_in, _) in cols) or r_in != cols[0][1][1]:
             continue
         if isinstance(parent, nn.Sequential) and len(linears) != 2:
             continue  # a Sequential of three Linears chains them; only the 2-layer MLP is a pair
@@ -123,12 +124,13 @@ def find_megatron_pairs(module: nn.Module) -> dict[str, tuple[list[str], str]]:
 
 
 def _linear_parents(module: nn.Module):
-    """``(name, parent, [(child name, nn.Linear)])`` for every module with two or more direct plain
-    ``nn.Linear`` children (containers and nn.MultiheadAttention excluded), registration order."""
+    """``(name, parent, [(child name, (in_features, out_features))])`` for every module with two or more
+    direct linear children (:func:`linear_features`; containers and nn.MultiheadAttention excluded),
+    registration order."""
     for name, parent in module.named_modules():
         if isinstance(parent, _NOT_A_BLOCK) or isinstance(parent, nn.MultiheadAttention):
             continue
-        linears = [(n, c) for n, c in parent.named_children() if _is_plain_linear(c)]
+        linears = [(n, f) for n, f in ((n, linear_features(c)) for n, c in parent.named_children()) if f]
         if len(linears) >= 2:
             yield name, parent, linears
 
@@ -136,6 +138,55 @@ def _linear_parents(module: nn.Module):
 def _is_plain_linear(m: nn.Module) -> bool:
     # nn.Linear subclasses that only rename the class (e.g. NonDynamicallyQuantizableLinear) still count.
     return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+
+
+def is_transposed_linear(m: nn.Module) -> bool:
+    """A linear layer that stores its weight transposed, ``[in, out]``, and computes ``x @ weight + bias``:
+    Hugging Face's ``Conv1D`` (``transformers.pytorch_utils``; GPT-2, OpenAI GPT).
+
+    [Note: transposed linear layers]
+    Recognised by duck typing, so that the package never imports transformers: a module without children
+    whose parameters are a 2-D ``weight`` ``[nx, nf]`` and an optional ``bias`` ``[nf]``, that either
+    stores ``nf`` (``Conv1D(nf, nx)`` keeps ``self.nf``) or is a class named ``Conv1D`` (torch's real
+    convolution is ``nn.Conv1d``, with a 3-D weight). Its output features are the weight's dim 1, so the
+    column-wise split is ``Shard(1)`` of the weight and ``Shard(0)`` of the bias, the row-wise split
+    ``Shard(0)`` of the weight with the bias replicated (:mod:`.transposed`); the plan treats it as an
+    ``nn.Linear(nx, nf)`` otherwise.
+
+    Example::
+
+        >>> import torch
+        >>> class Conv1D(nn.Module):  # transformers.pytorch_utils.Conv1D, reduced to its parameters
+        ...     def __init__(self, nf, nx):
+        ...         super().__init__(); self.nf = nf
+        ...         self.weight, self.bias = nn.Parameter(torch.zeros(nx, nf)), nn.Parameter(torch.zeros(nf))
+        >>> is_transposed_linear(Conv1D(24, 8)), linear_features(Conv1D(24, 8))
+        (True, (8, 24))
+        >>> is_transposed_linear(nn.Linear(8, 24)), is_transposed_linear(nn.Conv1d(8, 24, 1))
+        (False, False)
+    """
+    if isinstance(m, (nn.Linear, nn.Embedding)) or next(m.children(), None) is not None:
+        return False
+    weight, bias = getattr(m, "weight", None), getattr(m, "bias", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+        return False
+    nf = getattr(m, "nf", None)
+    if not (isinstance(nf, int) and nf == weight.shape[1]) and type(m).__name__ != "Conv1D":
+        return False
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[1],)):
+        return False
+    return {n for n, _ in m.named_parameters(recurse=False)} <= {"weight", "bias"}
+
+
+def linear_features(m: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a plain ``nn.Linear`` or a transposed linear layer
+    (:func:`is_transposed_linear`); ``None`` for anything else."""
+    if _is_plain_linear(m):
+        return m.in_features, m.out_features
+    if is_transposed_linear(m):
+        nx, nf = m.weight.shape
+        return int(nx), int(nf)
+    return None
 
 
 def multihead_attention_modules(module: nn.Module) -> list[str]:
@@ -158,8 +209,8 @@ def auto_plan(module: nn.Module) -> TensorPlan:
 
 
 def fused_projections(module: nn.Module) -> dict[str, tuple[str, str, int]]:
-    """Parents whose first ``nn.Linear`` writes ``k ≥ 2`` times what their last one reads (a fused q/k/v,
-    like nanoGPT's ``c_attn``/``c_proj``): ``{parent: (fused child, row child, k)}``.
+    """Parents whose first linear child writes ``k ≥ 2`` times what their last one reads (a fused q/k/v,
+    like nanoGPT's and GPT-2's ``c_attn``/``c_proj``): ``{parent: (fused child, row child, k)}``.
 
     Example::
 
@@ -172,9 +223,9 @@ def fused_projections(module: nn.Module) -> dict[str, tuple[str, str, int]]:
     """
     found = {}
     for name, _, linears in _linear_parents(module):
-        (f_name, f), (r_name, r) = linears[0], linears[-1]
-        k, rest = divmod(f.out_features, r.in_features)
-        if k >= 2 and rest == 0 and f.in_features == r.out_features:
+        (f_name, (f_in, f_out)), (r_name, (r_in, r_out)) = linears[0], linears[-1]
+        k, rest = divmod(f_out, r_in)
+        if k >= 2 and rest == 0 and f_in == r_out:
             prefix = f"{name}." if name else ""
             found[name] = (prefix + f_name, prefix + r_name, k)
     return found
@@ -219,12 +270,14 @@ def check_user_plan(plan: Mapping[str, str]) -> dict[str, str]:
 
 
 def apply_user_plan(plan: TensorPlan, module: nn.Module, user: Mapping[str, str]) -> TensorPlan:
-    """Override ``plan`` with the user's globs; a glob that matches no module warns with the glob."""
+    """Override ``plan`` with the user's globs; a glob that matches no module is a ``ValueError`` naming the
+    glob and module names that exist (a misspelled glob would otherwise leave its layers silently whole)."""
     for glob, style in check_user_plan(user).items():
         targets = _match(module, glob)
         if not targets:
-            warnings.warn(f"tensor-parallel plan glob {glob!r} matches no module of {type(module).__name__}; "
-                          f"it is ignored (module names look like {_example_names(module)}).", stacklevel=3)
+            raise ValueError(f"tensor-parallel plan glob {glob!r} (style {style!r}) matches no module of "
+                             f"{type(module).__name__}. Globs match the names `named_modules()` gives, such as "
+                             f"{_example_names(module)}. Correct the glob or remove the entry from `plan`.")
         for t in targets:
             plan.styles[t] = style
             plan.replicated.pop(t, None)
@@ -236,8 +289,12 @@ def _match(module: nn.Module, glob: str) -> list[str]:
     return [n for n, _ in module.named_modules() if n and fnmatch.fnmatchcase(n, glob)]
 
 
-def _example_names(module: nn.Module, k: int = 4) -> str:
-    return ", ".join(repr(n) for n, _ in list(module.named_modules())[1 : k + 1])
+def _example_names(module: nn.Module, k: int = 10) -> str:
+    """The first ``k`` names of linear layers (what plans shard), or of any modules if there are none."""
+    names = [n for n, m in module.named_modules() if n and linear_features(m) is not None]
+    names = names or [n for n, _ in module.named_modules() if n]
+    more = f" (and {len(names) - k} more)" if len(names) > k else ""
+    return ", ".join(repr(n) for n in names[:k]) + more
 
 
 # -- finalize: prepare entries + divisibility --------------------------------------------------------
@@ -356,13 +413,15 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
 
 
 def _check_shardable(name: str, m: nn.Module, style: str, t: int) -> None:
-    if isinstance(m, nn.Linear):
-        dim, what = (m.out_features, "out_features") if style == "colwise" else (m.in_features, "in_features")
+    features = linear_features(m) if not isinstance(m, nn.Linear) else (m.in_features, m.out_features)
+    if features is not None:
+        dim, what = (features[1], "out_features") if style == "colwise" else (features[0], "in_features")
     elif isinstance(m, nn.Embedding):
         dim, what = (m.embedding_dim, "embedding_dim") if style == "colwise" else (m.num_embeddings, "num_embeddings")
     else:
-        raise ValueError(f"plan entry {name!r}: style {style!r} applies to nn.Linear or nn.Embedding, not "
-                         f"{type(m).__name__}. Give it 'replicate' (or 'sequence' for a norm) instead.")
+        raise ValueError(f"plan entry {name!r}: style {style!r} applies to nn.Linear (or a transposed linear such "
+                         f"as Hugging Face's Conv1D) or nn.Embedding, not {type(m).__name__}. Give it 'replicate' "
+                         f"(or 'sequence' for a norm) instead.")
     if dim % t:
         raise ValueError(f"module {name!r} ({type(m).__name__}) has {what}={dim}, which is not divisible by "
                          f"tensor_parallel_size={t}; {style} sharding needs it to be. Choose a tensor_parallel_size "
@@ -370,10 +429,11 @@ def _check_shardable(name: str, m: nn.Module, style: str, t: int) -> None:
 
 
 def _check_fused(name: str, m: nn.Module, parts: int, t: int) -> None:
-    width = m.out_features // parts
+    out_features = linear_features(m)[1]
+    width = out_features // parts
     if width % t:
         raise ValueError(f"module {name!r} fuses {parts} projections of width {width} (out_features="
-                         f"{m.out_features}); each is split across ranks, so {width} must be divisible by "
+                         f"{out_features}); each is split across ranks, so {width} must be divisible by "
                          f"tensor_parallel_size={t}. Choose a tensor_parallel_size that divides {width}, or map "
                          f"{name!r} and its output projection to 'replicate' in `plan`.")
 

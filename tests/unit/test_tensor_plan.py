@@ -80,12 +80,24 @@ def test_multihead_attention_left_replicated_with_warning():
     assert "attn.out_proj" not in plan.styles
 
 
-def test_user_plan_overrides_and_unmatched_glob_warns():
+def test_user_plan_overrides():
     plan = build_plan(gpt(), 2, {"blocks.*.mlp.*": "replicate"})
     assert plan.styles["blocks.0.mlp.fc"] == "replicate" and "blocks.0.mlp" not in plan.styles
     assert plan.styles["blocks.1.attn.q_proj"] == "colwise"
-    with pytest.warns(UserWarning, match=r"'decoder\.\*\.fc' matches no module"):
-        build_plan(gpt(), 2, {"decoder.*.fc": "colwise"})
+
+
+def test_user_plan_glob_that_matches_nothing_is_refused_with_names_that_exist():
+    with pytest.raises(ValueError) as err:
+        build_plan(gpt(), 2, {"blocks.*.mlp.fc": "colwise", "nowhere.*": "colwise"})
+    msg = str(err.value)
+    assert "plan glob 'nowhere.*' (style 'colwise') matches no module of GPT" in msg
+    # the names it offers are the first ten linear layers, in module order, and how many more there are
+    assert "'blocks.0.attn.q_proj', 'blocks.0.attn.k_proj', 'blocks.0.attn.v_proj', 'blocks.0.attn.out_proj', " \
+           "'blocks.0.mlp.fc', 'blocks.0.mlp.proj', 'blocks.1.attn.q_proj'" in msg
+    assert "(and 3 more)" in msg and "Correct the glob or remove the entry" in msg
+    # a model without linear layers lists its modules instead
+    with pytest.raises(ValueError, match=r"'decoder\.\*' .* such as '0', '1'\."):
+        build_plan(nn.Sequential(nn.Embedding(8, 4), nn.LayerNorm(4)), 2, {"decoder.*": "replicate"})
 
 
 def test_user_plan_bad_style_and_bad_target():
