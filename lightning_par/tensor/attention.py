@@ -1,10 +1,29 @@
-"""Sharding rules DTensor lacks for attention.
+"""Sharding rules DTensor lacks (or gets wrong) for head-parallel attention.
 
-``F.scaled_dot_product_attention`` on CPU dispatches to ``aten._scaled_dot_product_flash_attention_for_cpu``,
-for which DTensor (torch 2.13) has no strategy. Attention is independent per head (dim 1 of
-``(B, H, T, hd)``), so q, k, v, the output and the log-sum-exp may all be sharded by head, or all be
-replicated; a mask, which broadcasts over heads, stays replicated. CUDA's
-flash / memory-efficient kernels already have DTensor strategies and need nothing here.
+Attention is independent per head (dim 1 of ``(B, H, L, E)``), so q, k, v, the output and the log-sum-exp
+may all be sharded by head, or all be replicated. A mask (additive bias) that broadcasts over heads stays
+replicated; one with a row per head is sharded with them (:func:`mask_placement`).
+
+[Note: attention kernels under head parallelism]
+``F.scaled_dot_product_attention`` dispatches to one of these kernels; what DTensor (torch 2.13) does with
+head-sharded q, k, v on each, checked by propagating fake specs (tests/unit/test_attention_rules.py):
+
+- ``_scaled_dot_product_flash_attention_for_cpu`` (+ backward), the CPU kernel: DTensor has no strategy
+  at all; the rules here are registered for it.
+- ``_scaled_dot_product_flash_attention`` (+ backward), CUDA: torch's strategy shards by head; the kernel
+  takes no mask. Nothing is added.
+- ``_scaled_dot_product_efficient_attention`` (+ backward), CUDA: torch's strategy shards by head and the
+  bias with them. SDPA expands any mask to ``(B, H, L, S)`` before calling this kernel (``preprocess_mask``),
+  so a replicated mask is cut by head locally, without communication. Nothing is added.
+- ``_scaled_dot_product_cudnn_attention``, CUDA: torch's head-sharded strategy (and its batch one) list no
+  placement for ``attn_bias``, so with a mask every call fails in DTensor (``input_specs(3) !=
+  strategies(4)``). SDPA hands cuDNN the mask unexpanded — ``(L, S)``, ``(B, 1, L, S)`` or ``(B, H, L, S)``
+  — so the bias is placed by :func:`mask_placement`. Without a mask torch's strategy answers.
+- its backward: torch's head-sharded strategy shards ``attn_bias`` on dim 1, which a mask broadcasting
+  over heads cannot be; DTensor then falls back to replicating all of q, k, v, out and the gradients
+  (correct, but gathers them on every layer). With a mask the rule here places it as the forward does.
+
+The cuDNN rules answer only their case and hand every other call to torch's strategy (:func:`.rules.wrap_strategy`).
 
 A KV cache that starts empty (Hugging Face's ``DynamicLayer``: ``torch.cat([torch.tensor([]), keys],
 dim=-2)``, which a model builds even in training unless called with ``use_cache=False``) concatenates a
@@ -14,44 +33,169 @@ keep the keys' placement.
 """
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from lightning_par.tensor.rules import only_spec, wrap_strategy
 
+HEADS = Shard(1)  # (B, H, L, E)
 _registered = False
+_saved: dict = {}  # op -> (DTensor's strategy before ours or None, its schema info, ours)
+
+#: ``(output placements, input placements)`` alternatives, as ``register_sharding`` takes them.
+Shardings = list[tuple[list, list]]
+
+
+def mask_placement(mask, heads: int):
+    """Where a mask of ``mask.shape`` goes next to q, k, v sharded over ``heads`` heads: split on its head
+    dim (the third from the right) when it holds one row per head, replicated when it broadcasts over
+    heads; ``None`` without a mask.
+
+    Example::
+
+        >>> import torch
+        >>> [mask_placement(torch.empty(s), 4) for s in [(8, 8), (2, 1, 8, 8), (2, 4, 8, 8), (4, 8, 8)]]
+        [Replicate(), Replicate(), Shard(dim=1), Shard(dim=0)]
+    """
+    if mask is None:
+        return None
+    head_dim = len(mask.shape) - 3
+    if head_dim < 0 or mask.shape[head_dim] == 1 or heads == 1:
+        return Replicate()
+    return Shard(head_dim)
+
+
+def _inputs(args: Sequence, placements: dict[int, object]) -> list:
+    """One placement per argument: ``placements[i]`` for the tensors named there, ``Replicate()`` for other
+    tensors (philox seeds, sequence offsets), ``None`` for non-tensors (floats, flags, absent tensors)."""
+    return [placements.get(i, Replicate()) if hasattr(a, "shape") else None for i, a in enumerate(args)]
+
+
+# -- the rule functions: pure, on anything with a ``shape`` (DTensorSpecs at run time) -----------------
+
+def cpu_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None) -> Shardings:
+    """``_scaled_dot_product_flash_attention_for_cpu`` → ``(output, logsumexp)``: all replicated, or by head.
+    The keyword ``attn_mask`` counts after the positional arguments (as DTensor orders them)."""
+    args = (query, key, value, dropout_p, is_causal, attn_mask)
+    heads = {0: HEADS, 1: HEADS, 2: HEADS, 5: mask_placement(attn_mask, query.shape[1])}
+    return [([Replicate()] * 2, _inputs(args, {})), ([HEADS] * 2, _inputs(args, heads))]
+
+
+def cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                 scale=None) -> Shardings:
+    """``_scaled_dot_product_flash_attention_for_cpu_backward`` → ``(grad_q, grad_k, grad_v)``."""
+    args = (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask)
+    heads = {**dict.fromkeys(range(6), HEADS), 8: mask_placement(attn_mask, query.shape[1])}
+    return [([Replicate()] * 3, _inputs(args, {})), ([HEADS] * 3, _inputs(args, heads))]
+
+
+def cudnn_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                  return_debug_mask=False, *, scale=None) -> Shardings | None:
+    """``_scaled_dot_product_cudnn_attention`` with a mask (``None`` without one: torch's strategy answers).
+    Outputs ``(output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset,
+    debug_attn_mask)``, placed as torch's strategy places them."""
+    if attn_bias is None:
+        return None
+    args = (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask)
+
+    def outputs(p):
+        return [p, p if compute_log_sumexp else Replicate()] + [None] * 6 + [p if return_debug_mask else None]
+
+    bias = mask_placement(attn_bias, query.shape[1])
+    return [(outputs(Replicate()), _inputs(args, {})),
+            (outputs(HEADS), _inputs(args, {0: HEADS, 1: HEADS, 2: HEADS, 3: bias}))]
+
+
+def cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
+                   cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None) -> Shardings | None:
+    """``_scaled_dot_product_cudnn_attention_backward`` with a mask (``None`` without: torch's strategy)."""
+    if attn_bias is None:
+        return None
+    args = (grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,
+            cum_seq_k, max_q, max_k, dropout_p, is_causal)
+    heads = {**dict.fromkeys(range(6), HEADS), 8: mask_placement(attn_bias, query.shape[1])}
+    return [([Replicate()] * 3, _inputs(args, {})), ([HEADS] * 3, _inputs(args, heads))]
+
+
+# -- registration ----------------------------------------------------------------------------------
+
+def _strategy(rule: Callable[..., Shardings | None], op_schema):
+    """DTensor's ``OpStrategy`` for ``rule``'s alternatives (what ``register_sharding`` builds), or ``None``."""
+    from torch.distributed.tensor._op_schema import OpStrategy, TupleStrategy
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    def spec(s):
+        if isinstance(s, OpStrategy):
+            return s.strategies[0].output_spec
+        return tuple(spec(c) for c in s.children) if isinstance(s, TupleStrategy) else s
+
+    found = rule(*map(spec, op_schema.args_schema), **{k: spec(v) for k, v in op_schema.kwargs_schema.items()})
+    if found is None:
+        return None
+    return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(validate=False), op_schema,
+                                           [list(outs) + list(ins) for outs, ins in found],
+                                           input_index=len(op_schema.op._schema.returns))
+
+
+def rules() -> dict:
+    """``{op: rule}`` for this torch build: the kernels of [Note: attention kernels under head parallelism]
+    that need a rule here (a build without CUDA kernels still has their schemas)."""
+    aten = torch.ops.aten
+    names = {"_scaled_dot_product_flash_attention_for_cpu": cpu_forward,
+             "_scaled_dot_product_flash_attention_for_cpu_backward": cpu_backward,
+             "_scaled_dot_product_cudnn_attention": cudnn_forward,
+             "_scaled_dot_product_cudnn_attention_backward": cudnn_backward}
+    return {getattr(aten, n).default: rule for n, rule in names.items() if hasattr(aten, n)}
 
 
 def register_attention_rules() -> None:
-    """Register the KV-cache and CPU flash-attention rules once per process (idempotent)."""
+    """Register the KV-cache and attention-kernel rules once per process (idempotent); undone by
+    :func:`unregister_attention_rules`."""
     global _registered
     if _registered:
         return
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import register_sharding
 
+    prop = DTensor._op_dispatcher.sharding_propagator
     aten = torch.ops.aten
+    todo = [(aten.cat.default, None)] + list(rules().items())
+    before = {op: (prop.op_strategy_funcs.get(op), prop.op_to_schema_info.get(op)) for op, _ in todo}
     wrap_strategy(aten.cat.default, _cat_onto_empty)
-    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if fwd is None or bwd is None:  # a torch build without the CPU kernel
-        _registered = True
-        return
-
-    def options(n_out: int, n_in: int, mask: bool):
-        # kwarg tensors (attn_mask) come after the positional ones; non-tensor args are None
-        tail = [Replicate()] if mask else []
-        yield [Replicate()] * n_out, [Replicate()] * n_in + [None, None] + tail
-        yield [Shard(1)] * n_out, [Shard(1)] * n_in + [None, None] + tail  # split by head
-
-    @register_sharding(fwd.default)
-    def _forward(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
-        return list(options(2, 3, attn_mask is not None))
-
-    @register_sharding(bwd.default)
-    def _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=None, scale=None):
-        return list(options(3, 6, attn_mask is not None))
-
+    for op, rule in rules().items():
+        if before[op][0] is None:  # no strategy in DTensor (the CPU kernel): ours is the only one
+            register_sharding(op)(rule)
+        else:  # ours answers its case, torch's every other
+            wrap_strategy(op, lambda op_schema, rule=rule: _strategy(rule, op_schema))
+    for op, (func, info) in before.items():
+        if prop.op_strategy_funcs.get(op) is not func:
+            _saved[op] = (func, info, prop.op_strategy_funcs[op])
+    prop.propagate_op_sharding.cache_clear()
     _registered = True
+
+
+def unregister_attention_rules() -> None:
+    """Give DTensor back the strategies :func:`register_attention_rules` replaced (where nothing was put in
+    front of ours since)."""
+    global _registered
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for op, (func, info, ours) in list(_saved.items()):
+        if prop.op_strategy_funcs.get(op) is not ours:
+            continue  # another rule wraps ours: leave both
+        if func is None:
+            del prop.op_strategy_funcs[op]
+            prop.op_to_schema_info.pop(op, None)
+        else:
+            prop.op_strategy_funcs[op] = func
+            if info is not None:
+                prop.op_to_schema_info[op] = info
+        del _saved[op]
+    prop.propagate_op_sharding.cache_clear()
+    _registered = False
 
 
 def _cat_onto_empty(op_schema):

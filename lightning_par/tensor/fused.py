@@ -8,8 +8,9 @@ two ranks. User code then splits the output with the *global* width (``y.split(C
 must keep global semantics. Here the weight is a DTensor with ``_StridedShard(0, split_factor=k)``: the
 rows are cut into the ``k`` parts first and each part is sharded, so rank ``r`` holds ``[q_r; k_r; v_r]``
 and its output ``[q_r | k_r | v_r]`` is the same placement on the last dim (a transposed layer, GPT-2's
-``Conv1D``, keeps its output features on dim 1 of the weight: ``_StridedShard(1, k)`` there). Being a DTensor, every op on
-it is right whatever the user's code does next; two sharding rules make the usual ones free:
+``Conv1D``, keeps its output features on dim 1 of the weight: ``_StridedShard(1, k)`` there). Being a
+DTensor, every op on it is right whatever the user's code does next; two sharding rules make the usual
+ones free:
 
 - ``split`` / ``chunk`` of such a tensor into its ``k`` equal parts along that dim gives each part
   ``Shard(dim)`` (q, k and v sharded by head, as separate column-wise layers would give them); torch's

@@ -1,0 +1,172 @@
+"""Head-parallel attention rules without processes and without a GPU (see [Note: attention kernels under head
+parallelism]): the rule functions on fake shapes, and every SDPA kernel's sharding propagated through DTensor's
+own propagator on fake specs over a fake two-rank process group (no kernel runs)."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_par.tensor import attention
+from lightning_par.tensor.attention import (cpu_backward, cpu_forward, cudnn_backward, cudnn_forward, mask_placement,
+                                            register_attention_rules, unregister_attention_rules)
+
+B, H, L, E = 2, 4, 8, 8
+R, S = Replicate(), Shard(1)
+aten = torch.ops.aten
+
+
+def meta(*shape, dtype=torch.float32):
+    return torch.empty(shape, device="meta", dtype=dtype)
+
+
+# -- the rule functions ---------------------------------------------------------------------------------
+
+def test_mask_placement_follows_the_head_dim():
+    assert mask_placement(None, H) is None
+    assert mask_placement(meta(L, L), H) == R  # broadcast over batch and heads
+    assert mask_placement(meta(B, 1, L, L), H) == R  # one row for all heads
+    assert mask_placement(meta(B, H, L, L), H) == S  # one row per head: split with them
+    assert mask_placement(meta(H, L, L), H) == Shard(0)  # 3-D: broadcasting aligns dim 0 with the heads
+    assert mask_placement(meta(B, 1, L, L), 1) == R
+
+
+def test_cpu_rules_shard_by_head_and_place_the_mask():
+    q = meta(B, H, L, E)
+    # (outputs, inputs): inputs are q, k, v, dropout_p, is_causal, attn_mask (None: not a tensor)
+    assert cpu_forward(q, q, q, 0.0, True) == [([R, R], [R, R, R, None, None, None]),
+                                               ([S, S], [S, S, S, None, None, None])]
+    assert cpu_forward(q, q, q, attn_mask=meta(B, 1, L, L))[1] == ([S, S], [S, S, S, None, None, R])
+    assert cpu_forward(q, q, q, attn_mask=meta(B, H, L, L))[1] == ([S, S], [S, S, S, None, None, S])
+    lse = meta(B, H, L)
+    assert cpu_backward(q, q, q, q, q, lse, 0.0, False) == [([R] * 3, [R] * 6 + [None] * 3),
+                                                            ([S] * 3, [S] * 6 + [None] * 3)]
+    assert cpu_backward(q, q, q, q, q, lse, 0.0, False, attn_mask=meta(L, L))[1] == ([S] * 3, [S] * 6 + [None, None, R])
+
+
+def test_cudnn_rules_answer_only_with_a_mask():
+    q, lse, seed = meta(B, H, L, E), meta(B, H, L, 1), meta(dtype=torch.int64)
+    assert cudnn_forward(q, q, q, None, True) is None  # torch's strategy is right there
+    assert cudnn_backward(q, q, q, q, q, lse, seed, seed, None, None, None, L, L, 0.0, True) is None
+    heads_out = [S, S] + [None] * 6 + [None]  # output, logsumexp, 6 non-DTensor outputs, no debug mask
+    assert cudnn_forward(q, q, q, meta(B, 1, L, L), True) == [
+        ([R, R] + [None] * 7, [R] * 4 + [None] * 4), (heads_out, [S, S, S, R] + [None] * 4)]
+    assert cudnn_forward(q, q, q, meta(B, H, L, L), True)[1] == (heads_out, [S, S, S, S] + [None] * 4)
+    # without log-sum-exp the kernel returns an empty one: replicated, as torch places it
+    assert cudnn_forward(q, q, q, meta(L, L), False)[1][0][:2] == [S, R]
+    # backward: philox seed and offset replicated, the broadcasting bias too, absent sequence offsets None
+    got = cudnn_backward(q, q, q, q, q, lse, seed, seed, meta(B, 1, L, L), None, None, L, L, 0.0, False)
+    assert got[1] == ([S] * 3, [S] * 6 + [R, R, R] + [None] * 6)
+
+
+# -- through DTensor's propagator -------------------------------------------------------------------------
+
+@pytest.fixture
+def mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    unregister_attention_rules()  # whatever an earlier test in this process registered: start from torch's
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield DeviceMesh("cpu", [0, 1])
+    finally:
+        unregister_attention_rules()
+        dist.destroy_process_group()
+
+
+def spec(mesh, shape, placement, dtype=torch.float32):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    t = meta(*shape, dtype=dtype)
+    return DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))
+
+
+def kernel_calls(mesh, p, mask):
+    """``(op, args, kwargs)`` of every SDPA kernel and its backward with q, k, v (and what derives from them)
+    placed ``p``; ``mask`` (a spec or None) where the kernel takes one."""
+    q, lse, lse4 = (spec(mesh, s, p) for s in [(B, H, L, E), (B, H, L), (B, H, L, 1)])
+    seed = spec(mesh, (), R, torch.int64)
+    calls = {
+        aten._scaled_dot_product_flash_attention_for_cpu.default: ([q, q, q, 0.0, True], {"attn_mask": mask}),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+            ([q, q, q, q, q, lse, 0.0, True], {"attn_mask": mask}),
+        aten._scaled_dot_product_efficient_attention.default: ([q, q, q, mask, True, 0.0, False], {}),
+        aten._scaled_dot_product_efficient_attention_backward.default:
+            ([q, q, q, q, mask, q, lse, seed, seed, 0.0, [True, True, True, False], False], {}),
+        aten._scaled_dot_product_cudnn_attention.default: ([q, q, q, mask, True, 0.0, False, False], {}),
+        aten._scaled_dot_product_cudnn_attention_backward.default:
+            ([q, q, q, q, q, lse4, seed, seed, mask, None, None, L, L, 0.0, False], {}),
+    }
+    if mask is None:  # flash takes no mask
+        calls[aten._scaled_dot_product_flash_attention.default] = ([q, q, q, 0.0, True], {})
+        calls[aten._scaled_dot_product_flash_attention_backward.default] = (
+            [q, q, q, q, q, lse, None, None, L, L, 0.0, True, spec(mesh, (2,), R, torch.int64), seed], {})
+    return calls
+
+
+def propagate(op, args, kwargs):
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return prop.propagate_op_sharding(OpSchema(op, tuple(args), kwargs))
+
+
+def placements(output_spec):
+    specs = output_spec if isinstance(output_spec, tuple) else (output_spec,)
+    return [s.placements[0] for s in specs if s is not None]
+
+
+# the mask as each kernel sees it: the efficient kernel gets it expanded to (B, H, L, S) by SDPA, the CPU and
+# cuDNN kernels as the model gave it
+MASKS = {"none": None, "per-head": (B, H, L, L), "broadcast": (B, 1, L, L), "2-D": (L, L)}
+EXPANDED_ONLY = (aten._scaled_dot_product_efficient_attention.default,
+                 aten._scaled_dot_product_efficient_attention_backward.default)
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("p", [S, R], ids=["heads", "replicated"])
+def test_every_kernel_keeps_its_inputs_layout(mesh, p, mask):
+    register_attention_rules()
+    m = spec(mesh, MASKS[mask], R) if MASKS[mask] else None
+    for op, (args, kwargs) in kernel_calls(mesh, p, m).items():
+        if op in EXPANDED_ONLY and mask in ("broadcast", "2-D"):
+            args = [spec(mesh, (B, H, L, L), R) if a is m else a for a in args]
+        out = propagate(op, args, kwargs)
+        got = placements(out.output_spec)
+        assert got and all(x == p for x in got[:1]), (op, got)
+        # head-sharded q, k, v stay where they are: nothing of them is gathered (a replicated mask is cut locally)
+        if out.redistribute_schema is not None:
+            moved = [(a, b) for a, b in zip(args, out.redistribute_schema.args_schema) if hasattr(a, "placements")
+                     and a.placements != b.placements]
+            assert all(a is m or tuple(a.shape) == (B, H, L, L) for a, _ in moved), (op, moved)
+        if p == S:  # every tensor output that has a head dim is sharded on it
+            assert all(x in (S, R) for x in got) and got[0] == S, (op, got)
+
+
+def test_registrations_exist_for_every_kernel_and_are_given_back(mesh):
+    prop = DTensor._op_dispatcher.sharding_propagator
+    cpu = [aten._scaled_dot_product_flash_attention_for_cpu.default,
+           aten._scaled_dot_product_flash_attention_for_cpu_backward.default]
+    cudnn = [aten._scaled_dot_product_cudnn_attention.default,
+             aten._scaled_dot_product_cudnn_attention_backward.default]
+    torch_only = [aten._scaled_dot_product_flash_attention.default,
+                  aten._scaled_dot_product_flash_attention_backward.default,
+                  aten._scaled_dot_product_efficient_attention.default,
+                  aten._scaled_dot_product_efficient_attention_backward.default]
+    before = dict(prop.op_strategy_funcs)
+    assert not any(op in before for op in cpu)  # DTensor has no strategy for the CPU kernel
+    register_attention_rules()
+    assert set(attention.rules()) == set(cpu + cudnn)
+    for op in cpu + cudnn:  # ours (register_sharding / in front of torch's)
+        assert op in prop.op_strategy_funcs and prop.op_strategy_funcs[op] is not before.get(op), op
+    for op in torch_only:  # torch's strategies serve these kernels as they are
+        assert prop.op_strategy_funcs[op] is before[op], op
+    # cuDNN with a broadcasting mask: torch's strategy fails, ours shards by head
+    calls = kernel_calls(mesh, S, spec(mesh, (B, 1, L, L), R))
+    fwd = aten._scaled_dot_product_cudnn_attention.default
+    assert placements(propagate(fwd, *calls[fwd]).output_spec)[:2] == [S, S]
+    unregister_attention_rules()
+    assert {op: prop.op_strategy_funcs.get(op) for op in cpu + cudnn + torch_only} == \
+           {op: before.get(op) for op in cpu + cudnn + torch_only}
+    with pytest.raises(AssertionError, match=r"input_specs\(3\) != strategies\(4"):
+        propagate(fwd, *calls[fwd])  # what torch 2.13 does without the rule
