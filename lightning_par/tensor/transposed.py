@@ -29,8 +29,10 @@ def output_dim(module: nn.Module, param_name: str) -> int:
 
 
 def _distribute(style, module: nn.Module, device_mesh, placement_of) -> None:
-    for pname, param in list(module.named_parameters(recurse=False)):
-        dist = distribute_tensor(param, device_mesh, [placement_of(pname)], src_data_rank=style.src_data_rank)
+    # placements first: they read the module's parameters, which are replaced one by one below
+    params = [(pname, param, placement_of(pname)) for pname, param in module.named_parameters(recurse=False)]
+    for pname, param, placement in params:
+        dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=style.src_data_rank)
         module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
