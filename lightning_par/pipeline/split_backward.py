@@ -16,13 +16,13 @@ from typing import Any, Optional
 import torch
 
 
-def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor], stage_input: torch.Tensor,
+def backward_input(outputs: list[torch.Tensor], grads: Optional[list[torch.Tensor]], stage_inputs: list[torch.Tensor],
                    weights: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
-    """Set ``stage_input.grad``; return what :func:`backward_weight` needs."""
+    """Set the ``.grad`` of each stage input; return what :func:`backward_weight` needs."""
     from torch.distributed.pipelining import _backward  # imported on first use: it pulls in much of torch
 
-    _, groups = _backward.stage_backward_input([output], None if grad is None else [grad], [stage_input],
-                                               iter(weights))
+    _, groups = _backward.stage_backward_input(list(outputs), None if grads is None else list(grads),
+                                               list(stage_inputs), iter(weights))
     return groups
 
 
