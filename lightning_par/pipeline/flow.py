@@ -47,6 +47,19 @@ class BlockFlow:
     carried: tuple[int, ...] = ()
     warnings: tuple[str, ...] = field(default=())
 
+    def check_stages(self, path: str, bounds: list[tuple[int, int]]) -> None:
+        """``ValueError`` unless every stage but the last ends with a block the step calls (a step that runs
+        only ``layers[:k]`` leaves the blocks from ``k`` on to the last stage)."""
+        called = len(self.arity)
+        for k, (lo, hi) in enumerate(bounds[:-1]):
+            if hi > called:
+                raise ValueError(
+                    f"The step calls only the first {called} blocks of `{path}` (of {bounds[-1][1]}), but pipeline "
+                    f"stage {k} would end at block {hi - 1}, which never runs, so the stages after it would never "
+                    f"receive an activation. Pass `balance=[...]` (blocks per stage) so that the uncalled blocks "
+                    f"are on the last stage, or `blocks=` naming the blocks the step uses."
+                )
+
 
 def hidden_name(block: nn.Module) -> str | None:
     """The name of a block's first parameter (the hidden state when passed by keyword)."""
@@ -111,12 +124,13 @@ class _Call:
 
 def _analyse(path: str, n: int, calls: list[_Call], stacks: list, events: list) -> BlockFlow:
     order = [c.index for c in calls]
-    if order != list(range(n)):
+    if not order or order != list(range(len(order))):
         shown = order if len(order) <= 12 else order[:12] + ["..."]
         raise ValueError(
             f"One step of the user's code called the blocks of `{path}` in the order {shown}; a pipeline needs "
-            f"each of its {n} blocks exactly once, in order 0..{n - 1} (a block that is skipped or called twice "
-            f"cannot be assigned to one stage). Pass `blocks=` naming a stack that the step runs straight through."
+            f"each block called at most once, in order from block 0 (a sliced stack `layers[:k]` is fine; a block "
+            f"called twice or out of order cannot live on one stage). Pass `blocks=` naming a stack that the "
+            f"step runs straight through."
         )
     producer: dict[int, tuple[int, int]] = {}  # id of an object first seen as output slot e of block p
     known: set[int] = set()

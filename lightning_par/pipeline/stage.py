@@ -282,7 +282,7 @@ class StageRuntime:
 
     def _arity(self, index: int, args: tuple, kwargs: dict) -> int:
         if self.flow is not None:
-            return self.flow.arity[index]
+            return self.flow.arity[min(index, len(self.flow.arity) - 1)]
         if self._ghost_tuple_len is None:
             self._ghost_tuple_len = self._probe_output_arity(args, kwargs)
         return self._ghost_tuple_len

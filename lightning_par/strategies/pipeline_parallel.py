@@ -218,6 +218,8 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         counts = partition_blocks(len(container), pp * v, balance=self._balance, costs=costs,
                                   first_extra=ends[0], last_extra=ends[1])
         bounds = stage_bounds(counts)
+        if flow is not None:
+            flow.check_stages(path, bounds)
         self._full_keys = list(lm.state_dict().keys())
         self._block_prefix = f"{path}."
         self._print_table(path, counts, container, lm, times)

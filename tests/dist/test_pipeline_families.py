@@ -101,15 +101,15 @@ class LitBert(LitLM):
         return self.model(input_ids=idx, labels=targets).loss
 
 
-def compare(tmp_path, factory, **strategy_kw):
-    """Fit ``factory()`` on one process and on 2 pipeline ranks; assert they match; return the largest loss
-    difference (printed for the record)."""
+def compare(tmp_path, factory, stages=2, **strategy_kw):
+    """Fit ``factory()`` on one process and on ``stages`` pipeline ranks; assert they match; return every
+    rank's record (the largest loss difference is printed for the record)."""
     ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"), max_steps=STEPS)[0]
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
-                         strategy=PipelineParallelStrategy(pipeline_parallel_size=2, start_method="fork", timeout=120,
-                                                           **strategy_kw),
-                         devices=2, max_steps=STEPS)
-    assert len(got) == 2 and len(ref["losses"]) == STEPS
+                         strategy=PipelineParallelStrategy(pipeline_parallel_size=stages, start_method="fork",
+                                                           timeout=120, **strategy_kw),
+                         devices=stages, max_steps=STEPS)
+    assert len(got) == stages and len(ref["losses"]) == STEPS
     assert_pipeline_matches(ref, got)
     diff = max(abs(a - b) for rec in got for a, b in zip(rec["losses"], ref["losses"]))
     print(f"{factory().__class__.__name__} {strategy_kw}: max |loss diff| = {diff:.2e}")
@@ -120,18 +120,21 @@ T5_BIAS = "model.{}.block.0.layer.0.SelfAttention.relative_attention_bias.weight
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("layers,kw", [
-    (2, dict(microbatches=2)),  # encoder.block split 1 | 1, the decoder whole on the last stage
-    (4, dict(microbatches=2, schedule="interleaved_1f1b", stages_per_rank=2, balance="uniform")),
-    (2, dict(microbatches=2, blocks="model.decoder.block")),  # the decoder split; both its biases travel
-])
-def test_t5_position_bias_travels_with_the_hidden_state(tmp_path, layers, kw):
+@pytest.mark.parametrize("layers,stages,kw", [
+    (2, 2, dict(microbatches=2)),  # encoder.block split 1 | 1, the decoder whole on the last stage
+    (4, 2, dict(microbatches=2, schedule="interleaved_1f1b", stages_per_rank=2, balance="uniform")),
+    (2, 2, dict(microbatches=2, blocks="model.decoder.block")),  # the decoder split; both its biases travel
+    # one decoder block per stage, the encoder on all four; the middle stages split their backward
+    (4, 4, dict(microbatches=4, blocks="model.decoder.block", schedule="zero_bubble", balance="uniform")),
+], ids=["encoder-1f1b", "encoder-interleaved", "decoder-1f1b", "decoder-zero_bubble-4"])
+def test_t5_position_bias_travels_with_the_hidden_state(tmp_path, layers, stages, kw):
     pytest.importorskip("transformers")
-    got = compare(tmp_path, lambda: LitT5(layers), **kw)
+    got = compare(tmp_path, lambda: LitT5(layers), stages, **kw)
     stack = "decoder" if "blocks" in kw else "encoder"
-    # the bias table lives with block 0 on the first stage; its gradient comes back from the last stage too
-    assert T5_BIAS.format(stack) in got[0]["grads"][0] and T5_BIAS.format(stack) not in got[1]["grads"][0]
-    assert any(n.startswith(f"model.{stack}.block.{layers - 1}.") for n in got[1]["grads"][0])
+    # the bias table lives with block 0 on the first stage; its gradient comes back from the later stages too
+    assert T5_BIAS.format(stack) in got[0]["grads"][0]
+    assert not any(T5_BIAS.format(stack) in rec["grads"][0] for rec in got[1:])
+    assert any(n.startswith(f"model.{stack}.block.{layers - 1}.") for n in got[-1]["grads"][0])
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -211,6 +214,16 @@ def test_a_value_that_skips_a_block_is_refused():
 def test_blocks_called_twice_are_refused():
     with pytest.raises(ValueError, match=r"called the blocks of `layers` in the order \[0, 1, 2, 0, 1, 2\]"):
         trace(Net("twice"))
+
+
+def test_a_stage_ending_in_a_block_the_step_never_calls_is_refused():
+    flow = trace(Net("pass"))
+    flow.check_stages("layers", [(0, 2), (2, 3)])  # every block runs
+    sliced = type(flow)(arity=(2, 2))  # a step that runs `layers[:2]` of 4
+    sliced.check_stages("layers", [(0, 2), (2, 4)])
+    with pytest.raises(ValueError, match=r"calls only the first 2 blocks of `layers` \(of 4\), but pipeline stage 0 "
+                                         r"would end at block 2, which never runs"):
+        sliced.check_stages("layers", [(0, 3), (3, 4)])
 
 
 class State:
