@@ -13,8 +13,9 @@ and a tensor. Such slots are *carried*: they travel with the hidden state (and t
 the ghost standing in for the previous stage's last block returns them where that block would have. What
 carrying cannot serve is refused here, naming the blocks and the output: a value that skips a block that
 does not return it, or one that is not a tensor. The trace also checks that one step calls each block
-exactly once, in order, and finds a second block stack (T5's decoder, ``nn.Transformer``'s decoder
-layers), which is not pipelined: it runs whole on the stages that reach it, and the strategy says so.
+at most once, in order from block 0 (a sliced stack ``layers[:k]`` is fine), and finds a second block
+stack (T5's decoder, ``nn.Transformer``'s decoder layers), which is not pipelined: it runs whole on the
+stages that reach it, and the strategy says so.
 
 The step runs once more than the user asked; its side effects are undone where they are state of the
 module: buffers (batch-norm statistics) are restored, torchmetrics objects reset, ``self.log`` captured
@@ -80,15 +81,16 @@ def trace_flow(root: nn.Module, path: str, container: nn.Module, step: Callable[
         hname = hidden_name(block)
 
         def hook(module, args, kwargs):
-            inputs = [(f"`{names[p]}`" if p < len(names) else f"positional argument {p}", a) for p, a in enumerate(args)]
+            inputs = [(f"`{names[p]}`" if p < len(names) else f"positional argument {p}", a)
+                      for p, a in enumerate(args)]
             inputs += [(f"`{k}`", v) for k, v in kwargs.items()]
             calls.append(_Call(i, inputs, args[0] if args else kwargs.get(hname)))
             events.append(("block", i))
         return hook
 
     def post(module, args, kwargs, output):
-        calls[-1].tuple = isinstance(output, (tuple, list))
-        calls[-1].outputs = list(output) if calls[-1].tuple else [output]
+        calls[-1].returns_tuple = isinstance(output, (tuple, list))
+        calls[-1].outputs = list(output) if calls[-1].returns_tuple else [output]
 
     handles = []
     for i, block in enumerate(container):
@@ -105,7 +107,7 @@ def trace_flow(root: nn.Module, path: str, container: nn.Module, step: Callable[
             h.remove()
         with torch.no_grad():
             for name, b in root.named_buffers():
-                if name in buffers:
+                if name in buffers and buffers[name].shape == b.shape:
                     b.copy_(buffers[name])
         _reset_metrics(root)
     return _analyse(path, len(container), calls, [(n, len(s), type(s[0]).__name__) for n, s in stacks], events)
@@ -119,7 +121,7 @@ class _Call:
     inputs: list
     hidden: Any
     outputs: list = field(default_factory=list)
-    tuple: bool = False
+    returns_tuple: bool = False
 
 
 def _analyse(path: str, n: int, calls: list[_Call], stacks: list, events: list) -> BlockFlow:
@@ -132,9 +134,9 @@ def _analyse(path: str, n: int, calls: list[_Call], stacks: list, events: list) 
             f"called twice or out of order cannot live on one stage). Pass `blocks=` naming a stack that the "
             f"step runs straight through."
         )
+    # ids stay unique: `calls` holds every traced object until the analysis ends
     producer: dict[int, tuple[int, int]] = {}  # id of an object first seen as output slot e of block p
     known: set[int] = set()
-    keep: list = []  # the traced objects stay alive, so ids are not reused
     carried: set[int] = set()
     outputs = [c.outputs for c in calls]
     for call in calls:
@@ -146,14 +148,12 @@ def _analyse(path: str, n: int, calls: list[_Call], stacks: list, events: list) 
                     if not (p == j - 1 and e == 0 and obj is call.hidden):
                         carried |= _route(path, obj, p, e, j, label, outputs)
                 known.add(id(obj))
-                keep.append(obj)
         for e, obj in enumerate(call.outputs):
             for o in _flatten(obj):
                 if id(o) not in known:
                     producer[id(o)] = (j, e if o is obj else -1)
                     known.add(id(o))
-                    keep.append(o)
-    arity = tuple(len(c.outputs) if c.tuple else 0 for c in calls)
+    arity = tuple(len(c.outputs) if c.returns_tuple else 0 for c in calls)
     first = next(k for k, (kind, _) in enumerate(events) if kind == "block")
     last = max(k for k, (kind, _) in enumerate(events) if kind == "block")
     warnings = []

@@ -90,12 +90,12 @@ def _frame_bytes(likes) -> int:
     return _offsets(likes, len(likes) * _HEADER_BYTES)[1]
 
 
-def _like(t: torch.Tensor | None) -> tuple | None:
+def like_of(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (tuple(t.shape), t.dtype)
 
 
 def _pack(parts: list, likes, start: int) -> list[torch.Tensor]:
-    """``parts`` (uint8 views, one per present entry) interleaved with the padding of :func:`_offsets`."""
+    """``parts`` (uint8 views, ``None`` for an absent entry) interleaved with the padding of :func:`_offsets`."""
     pieces, device = [], next(p.device for p in parts if p is not None)
     offsets, total = _offsets(likes, start)
     ends = offsets[1:] + [total]
@@ -124,7 +124,8 @@ def _announced(header: torch.Tensor, count: int = 1) -> tuple[list, bool]:
     return likes, bool(rows[0][2])
 
 
-def send_bundle(tensors: list, dst: int, works: list, tag: int = 0, group=None, posted_like: tuple | None = None) -> None:
+def send_bundle(tensors: list, dst: int, works: list, tag: int = 0, group=None,
+                posted_like: tuple | None = None) -> None:
     """Send ``tensors`` (entries may be ``None``) as one bundle ([Note: bundles]); ``posted_like``: the ``like``
     of the frame the peer has already posted for it (see [Note: speculative receive]), or ``None`` when it
     posted only the headers' receive."""
@@ -137,17 +138,19 @@ def send_bundle(tensors: list, dst: int, works: list, tag: int = 0, group=None, 
             if d is not None:
                 works.append((dist.isend(d, dst, group=group, tag=tag), d))
         return
-    likes = tuple(_like(d) for d in data)
+    likes = tuple(like_of(d) for d in data)
     if tuple(posted_like) != likes:  # the posted frame announces a refill, then the real one
         refill = torch.zeros(_frame_bytes(posted_like), dtype=torch.uint8, device=device)
-        refill[:headers.numel() * 8] = torch.cat([header_of(d, refill=k == 0) for k, d in enumerate(data)]).view(torch.uint8)
+        announce = torch.cat([header_of(d, refill=k == 0) for k, d in enumerate(data)])
+        refill[:announce.numel() * 8] = announce.view(torch.uint8)
         works.append((dist.isend(refill, dst, group=group, tag=tag), refill))
     frame = torch.cat([headers.view(torch.uint8)] + _pack([None if d is None else _bytes(d) for d in data], likes,
                                                           len(data) * _HEADER_BYTES))
     works.append((dist.isend(frame, dst, group=group, tag=tag), frame))
 
 
-def post_recv_bundle(src: int, device: torch.device, count: int = 1, tag: int = 0, group=None, like: tuple | None = None):
+def post_recv_bundle(src: int, device: torch.device, count: int = 1, tag: int = 0, group=None,
+                     like: tuple | None = None):
     """Start receiving the next bundle of ``count`` entries now: with ``like`` (that of the previous bundle
     from ``src``) a whole frame shaped so, otherwise its headers. Pass the result to :func:`recv_bundle`."""
     nbytes = _frame_bytes(like) if like is not None else count * _HEADER_BYTES
@@ -199,7 +202,7 @@ def send_grads(grads: list[torch.Tensor], dst: int, works: list, tag: int = 0, g
     """Send the gradients of a bundle's floating entries as one message ([Note: bundles])."""
     data = [g.detach().contiguous() for g in grads]
     if len(data) > 1:
-        data = [torch.cat(_pack([_bytes(d) for d in data], [_like(d) for d in data], 0))]
+        data = [torch.cat(_pack([_bytes(d) for d in data], [like_of(d) for d in data], 0))]
     works.append((dist.isend(data[0], dst, group=group, tag=tag), data[0]))
 
 
@@ -209,7 +212,7 @@ def post_recv_grads(likes: list[torch.Tensor], src: int, tag: int = 0, group=Non
     if len(likes) == 1:
         buf = torch.empty(likes[0].shape, dtype=likes[0].dtype, device=likes[0].device)
         return dist.irecv(buf, src, group=group, tag=tag), [buf]
-    shapes = [_like(t) for t in likes]
+    shapes = [like_of(t) for t in likes]
     buf = torch.empty(_offsets(shapes, 0)[1], dtype=torch.uint8, device=likes[0].device)
     return dist.irecv(buf, src, group=group, tag=tag), _unpack(buf, shapes, 0)
 
@@ -218,20 +221,6 @@ def recv_grads(likes: list[torch.Tensor], src: int, tag: int = 0, group=None) ->
     work, grads = post_recv_grads(likes, src, tag=tag, group=group)
     work.wait()
     return grads
-
-
-def send_grad(grad: torch.Tensor, dst: int, works: list, tag: int = 0, group=None) -> None:
-    send_grads([grad], dst, works, tag=tag, group=group)
-
-
-def recv_grad(like: torch.Tensor, src: int, tag: int = 0, group=None) -> torch.Tensor:
-    return recv_grads([like], src, tag=tag, group=group)[0]
-
-
-def post_recv_grad(like: torch.Tensor, src: int, tag: int = 0, group=None):
-    """Start receiving the gradient of ``like`` now; returns ``(work, buffer)``: wait on the work, then read."""
-    work, grads = post_recv_grads([like], src, tag=tag, group=group)
-    return work, grads[0]
 
 
 def wait_all(works: list) -> None:

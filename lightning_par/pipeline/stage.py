@@ -97,7 +97,8 @@ def shadow_of(module: nn.Module, memo: dict | None = None) -> nn.Module:
             state[key] = meta(value)
     state["_parameters"] = {k: None if v is None else meta(v) for k, v in module._parameters.items()}
     state["_buffers"] = {k: None if v is None else meta(v) for k, v in module._buffers.items()}
-    state["_modules"] = {k: None if v is None else memo.get(id(v)) or shadow_of(v, memo) for k, v in module._modules.items()}
+    state["_modules"] = {k: None if v is None else memo[id(v)] if id(v) in memo else shadow_of(v, memo)
+                         for k, v in module._modules.items()}
     clone.__dict__.update(state)
     memo[id(module)] = clone
     return clone
@@ -226,7 +227,7 @@ class StageRuntime:
         bundle = p2p.recv_bundle(self.ranks[k - 1], self.device, 1 + len(self.carried),
                                  tag=self._tag(0, k, self.current), group=self._group("act", k - 1, k),
                                  posted=self._act_plan.take((chunk, self.current)))
-        like = tuple(p2p._like(t) for t in bundle)
+        like = tuple(p2p.like_of(t) for t in bundle)
         if self._last_received is None:
             self._first_received = like
         self._last_received = like
@@ -252,7 +253,7 @@ class StageRuntime:
             self.outputs[(chunk, self.current)] = floating
         # what the next stage has posted for this activation ([Note: speculative receive]): shaped like the
         # previous one on this channel, this step's or (for the step's first) the previous step's first
-        sent = tuple(p2p._like(t) for t in bundle)
+        sent = tuple(p2p.like_of(t) for t in bundle)
         if self._last_sent is None:
             posted_like, self._first_sent = self._first_sent, sent
         else:
@@ -343,8 +344,9 @@ class StageRuntime:
         key = self._grad_plan.due()
         if key is not None and key in self.outputs:  # its forward has run (the gradient's shape is known)
             k = self._virtual(key[0])
-            self._grad_plan.posted(key, p2p.post_recv_grads(self.outputs[key], self.ranks[k + 1],
-                                                            tag=self._tag(1, k, key[1]), group=self._group("grad", k + 1, k)))
+            posted = p2p.post_recv_grads(self.outputs[key], self.ranks[k + 1], tag=self._tag(1, k, key[1]),
+                                         group=self._group("grad", k + 1, k))
+            self._grad_plan.posted(key, posted)
 
     def forward(self, microbatch: int, fn: Callable[[], Any], chunk: int = 0) -> Any:
         """Run the user's step for one micro-batch through ``chunk``; its output on the last virtual stage,
@@ -440,7 +442,8 @@ class StageRuntime:
         self._post_next_gradient()
         posted = self._grad_plan.take((chunk, microbatch))
         if posted is None:  # not in this step's plan (cannot happen with the schedules here): receive now
-            return p2p.recv_grads(outs, self.ranks[k + 1], tag=self._tag(1, k, microbatch), group=self._group("grad", k + 1, k))
+            return p2p.recv_grads(outs, self.ranks[k + 1], tag=self._tag(1, k, microbatch),
+                                  group=self._group("grad", k + 1, k))
         work, grads = posted
         work.wait()
         self._post_next_gradient()

@@ -276,7 +276,8 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         loop, hook, context = {TrainerFn.FITTING: (t.fit_loop, "training_step", plugin.train_step_context),
                                TrainerFn.VALIDATING: (t.validate_loop, "validation_step", plugin.val_step_context),
                                TrainerFn.TESTING: (t.test_loop, "test_step", plugin.test_step_context),
-                               TrainerFn.PREDICTING: (t.predict_loop, "predict_step", plugin.predict_step_context)}[t.state.fn]
+                               TrainerFn.PREDICTING: (t.predict_loop, "predict_step", plugin.predict_step_context),
+                               }[t.state.fn]
         batch = first_batch(loop._data_source.dataloader() if loop._data_source.is_defined() else None)
         if batch is None:
             return None

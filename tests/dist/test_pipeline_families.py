@@ -3,9 +3,15 @@ Hugging Face T5 (the first block's relative position bias travels to every later
 ``Transformer`` (``nn.TransformerEncoder`` reads ``self.layers[0].self_attn``), HF GPT-2 and BERT; each
 against one process on the same global batches (fp32, 1e-5, several AdamW steps). And what the setup trace
 refuses ([Note: block flow] in lightning_par/pipeline/flow.py), each with its message."""
+import os
+import socket
+from datetime import timedelta
+
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing import ProcessRaisedException
@@ -13,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded, trainer_kwargs
 from lightning_par.data import SyntheticCorpus
+from lightning_par.pipeline import p2p
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.flow import trace_flow
 from lightning_par.pipeline.stage import Ghost, shadow_of
@@ -104,7 +111,8 @@ class LitBert(LitLM):
 def compare(tmp_path, factory, stages=2, **strategy_kw):
     """Fit ``factory()`` on one process and on ``stages`` pipeline ranks; assert they match; return every
     rank's record (the largest loss difference is printed for the record)."""
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"), max_steps=STEPS)[0]
+    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"),
+                         max_steps=STEPS)[0]
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=stages, start_method="fork",
                                                            timeout=120, **strategy_kw),
@@ -256,7 +264,8 @@ def test_t5_reports_its_second_stack():
     path, container = find_blocks(lm)
     flow = trace_flow(lm, path, container, lambda: lm.loss((src[None], tgt[None])))
     assert path == "model.encoder.block" and flow.carried == (1,) and flow.arity == (3, 3)
-    assert len(flow.warnings) == 1 and "`model.decoder.block` (2 × T5Block) is a second block stack" in flow.warnings[0]
+    assert len(flow.warnings) == 1
+    assert "`model.decoder.block` (2 × T5Block) is a second block stack" in flow.warnings[0]
     assert "runs whole on the last stage" in flow.warnings[0] and "blocks='model.decoder.block'" in flow.warnings[0]
 
 
@@ -292,3 +301,54 @@ def test_the_strategy_refuses_at_setup():
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=2, max_steps=1))
     with pytest.raises(ProcessRaisedException, match=r"ValueError: Block `net.layers.2` takes `extra` = output 1"):
         trainer.fit(seeded(LitSkipNet), DataLoader(DATA.train_set, batch_size=8))
+
+
+# -- bundles: the hidden state and the carried outputs in one frame, gradients back in one message --------
+BUNDLES = [  # equal likes (the posted frame fits), a smaller batch and a None (refill), a bool of 3 bytes
+    [torch.arange(24.0).view(2, 3, 4), torch.ones(1, 2, 3, 3)],
+    [torch.arange(24.0).view(2, 3, 4) + 1, torch.ones(1, 2, 3, 3) * 2],
+    [torch.arange(12.0).view(1, 3, 4), None],
+    [torch.tensor([True, False, True]), torch.arange(6, dtype=torch.float64).view(2, 3)],
+]
+
+
+def _bundle_worker(rank, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    works, got = [], []
+    if rank == 0:
+        last = None
+        for i, bundle in enumerate(BUNDLES):
+            p2p.send_bundle(bundle, 1, works, tag=i, posted_like=last)
+            last = tuple(p2p.like_of(t) for t in bundle)
+        floats = [t for t in BUNDLES[0] if t is not None]
+        got = p2p.recv_grads(floats, 1, tag=99)
+    else:
+        posted = None  # the first bundle's headers travel alone, the others into a posted frame
+        for i in range(len(BUNDLES)):
+            got.append(p2p.recv_bundle(0, torch.device("cpu"), 2, tag=i, posted=posted))
+            if i + 1 < len(BUNDLES):
+                like = tuple(p2p.like_of(t) for t in got[-1])
+                posted = p2p.post_recv_bundle(0, torch.device("cpu"), 2, tag=i + 1, like=like)
+        p2p.send_grads([t * 10 for t in got[0]], 0, works, tag=99)
+    p2p.wait_all(works)
+    copies = [[None if t is None else t.clone() for t in b] if isinstance(b, list) else b.clone() for b in got]
+    torch.save(copies, os.path.join(out_dir, f"got{rank}.pt"))  # views of one frame, saved apart
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_bundles_deliver_every_entry_and_their_gradients(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_bundle_worker, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
+    received = torch.load(tmp_path / "got1.pt")
+    assert len(received) == len(BUNDLES)
+    for sent, got in zip(BUNDLES, received):
+        for a, b in zip(sent, got):
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+    grads = torch.load(tmp_path / "got0.pt")
+    assert [torch.equal(g, t * 10) for g, t in zip(grads, BUNDLES[0])] == [True, True]
