@@ -102,6 +102,12 @@ def trace_flow(root: nn.Module, path: str, container: nn.Module, step: Callable[
     try:
         with torch.no_grad(), no_mha_fastpath():
             step()
+    except Exception as error:
+        raise RuntimeError(
+            f"Pipeline setup runs the step once on one micro-batch, without gradients, to learn what the blocks of "
+            f"`{path}` hand each other (see [Note: block flow] in lightning_par/pipeline/flow.py); it raised "
+            f"{type(error).__name__}: {error}"
+        ) from error
     finally:
         for h in handles:
             h.remove()

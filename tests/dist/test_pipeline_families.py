@@ -257,6 +257,27 @@ def test_a_carried_value_that_is_not_a_tensor_is_refused():
         trace_flow(net, "layers", net.layers, step)
 
 
+def test_the_trace_leaves_buffers_as_they_were():
+    net = nn.Sequential()
+    net.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(2)])
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    flow = trace_flow(net, "layers", net.layers, lambda: net.layers[1](net.layers[0](torch.randn(8, 4))))
+    assert flow.arity == (0, 0) and flow.carried == ()
+    after = net.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # batch-norm statistics untouched
+
+
+def test_a_step_that_fails_in_the_trace_says_so():
+    net = Net("pass")
+
+    def step():
+        raise KeyError("no such column")
+
+    with pytest.raises(RuntimeError, match=r"Pipeline setup runs the step once .* blocks of `layers` .* raised "
+                                           r"KeyError: 'no such column'"):
+        trace_flow(net, "layers", net.layers, step)
+
+
 def test_t5_reports_its_second_stack():
     pytest.importorskip("transformers")
     lm = seeded(LitT5)
