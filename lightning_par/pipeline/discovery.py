@@ -56,3 +56,18 @@ def _is_stack(module: nn.Module) -> bool:
 
 def _candidates(module: nn.Module) -> list[str]:
     return [n for n, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and n][:5]
+
+
+def other_stacks(module: nn.Module, path: str) -> list[tuple[str, nn.ModuleList | nn.Sequential]]:
+    """Block stacks of ``module`` besides the one at ``path`` (T5's decoder beside its encoder): stacks of
+    modules that have submodules of their own (not a list of plain layers), neither inside ``path``, nor
+    holding it, nor inside another one listed."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_modules():
+        if name == path or name.startswith(f"{path}.") or path.startswith(f"{name}.") or not _is_stack(child):
+            continue
+        if any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        if all(next(iter(b.children()), None) is not None for b in child):
+            found.append((name, child))
+    return found  # type: ignore[return-value]

@@ -74,3 +74,13 @@ def weighted_mean(values: Sequence[Any], sizes: Sequence[int]) -> Any:
         term = v * (n / total)
         acc = term if acc is None else acc + term
     return acc
+
+
+def first_batch(loaders: Any) -> Any:
+    """The first batch of a data loader, or of the first of several (a list or dict of loaders); ``None``
+    without one."""
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    return None if loaders is None else next(iter(loaders), None)

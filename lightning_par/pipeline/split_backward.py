@@ -16,13 +16,16 @@ from typing import Any, Optional
 import torch
 
 
-def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor], stage_input: torch.Tensor,
+def backward_input(outputs: list[torch.Tensor], grads: Optional[list[torch.Tensor]], stage_inputs: list[torch.Tensor],
                    weights: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
-    """Set ``stage_input.grad``; return what :func:`backward_weight` needs."""
+    """Set the ``.grad`` of each stage input; return what :func:`backward_weight` needs."""
     from torch.distributed.pipelining import _backward  # imported on first use: it pulls in much of torch
 
-    _, groups = _backward.stage_backward_input([output], None if grad is None else [grad], [stage_input],
-                                               iter(weights))
+    # torch detaches the outputs in place afterwards, which a view refuses (T5's carried position bias is a
+    # permuted view): a view goes in as a copy, through which the same gradient flows
+    outputs = [o.clone() if o._is_view() else o for o in outputs]
+    _, groups = _backward.stage_backward_input(outputs, None if grads is None else list(grads),
+                                               list(stage_inputs), iter(weights))
     return groups
 
 

@@ -4,24 +4,24 @@ Every rank keeps the whole LightningModule and runs the user's own ``training_st
 micro-batch. The blocks of other stages are replaced by parameter-free :class:`Ghost` modules (so the
 names of this stage's parameters do not change). Hooks on this stage's blocks do the pipelining:
 
-- the first block (on every stage but the first) swaps its hidden-state argument for the activation
-  received from the previous stage, a leaf that requires grad; the other arguments (masks, rotary
-  tables, position ids) were computed locally by the user's code, since every stage of a pipeline sees
-  the same batch;
-- the last block (on every stage but the last) sends its hidden state on and raises :class:`StopStage`,
-  which ends the user's step there (a ``BaseException``, so a user's ``except Exception`` cannot
-  swallow it);
+- on every stage but the first, the ghost of the previous stage's last block returns what that block
+  returned there: the hidden state received from the previous stage (a leaf that requires grad) and the
+  outputs later blocks take ([Note: block flow] in flow.py), so the user's code hands them to this
+  stage's first block as it would on one device; the other arguments (masks, rotary tables, position
+  ids) were computed locally by the user's code, since every stage of a pipeline sees the same batch;
+- the last block (on every stage but the last) sends its hidden state (and those outputs) on and raises
+  :class:`StopStage`, which ends the user's step there (a ``BaseException``, so a user's
+  ``except Exception`` cannot swallow it);
 - every block reseeds the RNG from (step, micro-batch, block index) when ``seeded``, so dropout masks
   do not depend on the layout or the schedule.
 
 Backward of a micro-batch: the last stage backpropagates its weighted loss; the others backpropagate
-their sent hidden state with the gradient received from the next stage; all but the first then send
-their input's gradient back.
+what they sent with the gradients received from the next stage; all but the first then send their
+inputs' gradients back.
 """
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from typing import Any, Callable
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_par.pipeline import p2p, split_backward
+from lightning_par.pipeline.flow import BlockFlow, hidden_name, no_mha_fastpath
 
 
 class StopStage(BaseException):
@@ -36,18 +37,71 @@ class StopStage(BaseException):
 
 
 class Ghost(nn.Module):
-    """Stand-in for a block that lives on another stage: no parameters, passes the hidden state through."""
+    """Stand-in for a block that lives on another stage: no parameters, passes the hidden state through,
+    and answers what code reads of the block from its ``shadow`` (see [Note: ghost shadow])."""
 
-    def __init__(self, runtime: "StageRuntime", index: int):
+    def __init__(self, runtime: "StageRuntime", index: int, shadow: nn.Module | None = None):
         super().__init__()
-        object.__setattr__(self, "_runtime", runtime)  # a plain reference, not a submodule
+        object.__setattr__(self, "_runtime", runtime)  # plain references, not submodules
+        object.__setattr__(self, "_shadow", shadow)
         self.index = index
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._runtime.ghost_output(args, kwargs)
+        return self._runtime.ghost_output(args, kwargs, self.index)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        shadow = self.__dict__.get("_shadow")
+        if shadow is not None and not name.startswith("__") and hasattr(shadow, name):
+            return getattr(shadow, name)
+        raise AttributeError(
+            f"'Ghost' object has no attribute {name!r}: block {self.__dict__.get('index')} of the pipelined stack "
+            f"lives on another pipeline stage, and neither it nor the block it stands for has {name!r}."
+        )
+
+    def train(self, mode: bool = True) -> "Ghost":
+        super().train(mode)
+        if self._shadow is not None:
+            self._shadow.train(mode)
+        return self
 
     def extra_repr(self) -> str:
         return f"block {self.index}, held by another pipeline stage"
+
+
+def shadow_of(module: nn.Module, memo: dict | None = None) -> nn.Module:
+    """[Note: ghost shadow] Code around a block stack may read its blocks: ``nn.TransformerEncoder.forward``
+    inspects ``self.layers[0].self_attn.batch_first``, its weights and ``training`` to choose its fast path.
+    A ghost answers such reads from a shadow of the block it replaced: an object of the same classes with the
+    same attributes, whose parameters, buffers and tensor attributes are meta tensors (shape, dtype and
+    ``requires_grad`` kept, no memory). The shadow is not a submodule, so the module's parameter names,
+    state dict and optimizer are those of the stage; its ``training`` follows the ghost's. Code that
+    computes with a ghost's tensors fails loudly (meta tensors hold no values) instead of using stale ones.
+    The structure is copied one module at a time (not ``copy.deepcopy``, which would also copy whatever the
+    block's attributes and hooks reference, up to the whole model)."""
+    memo = {} if memo is None else memo
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            m = t.detach().to("meta")
+            memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+        return memo[id(t)]
+
+    clone = object.__new__(type(module))
+    state = dict(module.__dict__)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            state[key] = meta(value)
+    state["_parameters"] = {k: None if v is None else meta(v) for k, v in module._parameters.items()}
+    state["_buffers"] = {k: None if v is None else meta(v) for k, v in module._buffers.items()}
+    state["_modules"] = {k: None if v is None else memo[id(v)] if id(v) in memo else shadow_of(v, memo)
+                         for k, v in module._modules.items()}
+    clone.__dict__.update(state)
+    memo[id(module)] = clone
+    return clone
 
 
 class StageRuntime:
@@ -60,8 +114,13 @@ class StageRuntime:
     """
 
     def __init__(self, *, container: nn.Module, chunks: list[tuple[int, int, int]], ranks: list[int],
-                 device: torch.device, seed: int = 0, groups: tuple = (None, None, None, None)):
+                 device: torch.device, seed: int = 0, groups: tuple = (None, None, None, None),
+                 flow: BlockFlow | None = None):
         self.container, self.chunks, self.ranks = container, list(chunks), list(ranks)
+        # what blocks return and which outputs travel with the hidden state ([Note: block flow]); without a
+        # traced step, a probe learns the arity at the first ghost and only the hidden state travels
+        self.flow = flow
+        self.carried = flow.carried if flow is not None else ()
         # process groups: activations, gradients, each of them once more for transfers to a lower rank
         # (interleaved chunks wrap around the ring), see [Note: one direction per group] in p2p.py
         self._groups = dict(zip([("act", True), ("grad", False), ("act", False), ("grad", True)], groups))
@@ -71,8 +130,9 @@ class StageRuntime:
         self.step = 0
         self.current = 0
         self.active = 0  # index into self.chunks
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.inputs: dict[tuple[int, int], list[torch.Tensor]] = {}  # received floating entries (grad leaves)
+        self.outputs: dict[tuple[int, int], list[torch.Tensor]] = {}  # sent floating entries
+        self._received: dict[tuple[int, int], torch.Tensor] = {}  # hidden states a ghost has taken for its block
         self.works: list = []
         self._ghost_tuple_len: int | None = None
         self._hidden_name: str | None = None
@@ -118,13 +178,11 @@ class StageRuntime:
 
     # -- installation -----------------------------------------------------------------------------
     def install(self) -> None:
-        first_block = self.container[self.lo]
-        params = list(inspect.signature(first_block.forward).parameters.values())
-        self._hidden_name = params[0].name if params else None
+        self._hidden_name = hidden_name(self.container[self.lo])
         chunk_of = {i: c for c, (_, lo, hi) in enumerate(self.chunks) for i in range(lo, hi)}
         for i in range(len(self.container)):
             if i not in chunk_of:
-                self.container[i] = Ghost(self, i)
+                self.container[i] = Ghost(self, i, shadow_of(self.container[i]))
         for i, c in chunk_of.items():
             block = self.container[i]
             self._handles.append(
@@ -134,16 +192,16 @@ class StageRuntime:
                 # [Note: gated chunks] with several chunks on a rank, a block of an inactive chunk must not
                 # compute (its output would be discarded): an instance-level `forward` passes through instead,
                 # which keeps the module, its parameter names and its hooks in place.
-                block.forward = self._gate(c, block.forward)
+                block.forward = self._gate(c, i, block.forward)
         for c, (k, lo, hi) in enumerate(self.chunks):
             if k < self.num_virtual - 1:
                 self._handles.append(self.container[hi - 1].register_forward_hook(
                     lambda m, a, out, c=c: self._post_last_block(c, out)))
 
-    def _gate(self, chunk: int, forward: Callable) -> Callable:
+    def _gate(self, chunk: int, index: int, forward: Callable) -> Callable:
         def gated(*args: Any, **kwargs: Any) -> Any:
             if chunk != self.active:
-                return self.ghost_output(args, kwargs)
+                return self.ghost_output(args, kwargs, index)
             return forward(*args, **kwargs)
         return gated
 
@@ -156,47 +214,79 @@ class StageRuntime:
         k, lo, _ = self.chunks[chunk]
         if index != lo or k == 0:
             return None
+        if self._received.pop((chunk, self.current), None) is not None:
+            return None  # the ghost before this block took the activation and the user's code passed it here
+        # untraced (no step at setup): no ghost took it; the block's hidden-state argument is replaced
+        return self._replace_hidden(args, kwargs, self._receive(chunk)[0])
+
+    def _receive(self, chunk: int) -> list:
+        """The bundle from the previous stage for the active micro-batch through ``chunk``: the hidden state,
+        then the carried outputs ([Note: bundles] in p2p.py); floating entries become leaves that require grad."""
+        k = self._virtual(chunk)
         t0 = time.perf_counter()
-        x = p2p.recv_activation(self.ranks[k - 1], self.device, tag=self._tag(0, k, self.current),
-                                group=self._group("act", k - 1, k), posted=self._act_plan.take((chunk, self.current)))
-        like = (tuple(x.shape), x.dtype)
+        bundle = p2p.recv_bundle(self.ranks[k - 1], self.device, 1 + len(self.carried),
+                                 tag=self._tag(0, k, self.current), group=self._group("act", k - 1, k),
+                                 posted=self._act_plan.take((chunk, self.current)))
+        like = tuple(p2p.like_of(t) for t in bundle)
         if self._last_received is None:
             self._first_received = like
         self._last_received = like
         self._post_next_activation()
         self.wait_s += time.perf_counter() - t0
-        if torch.is_grad_enabled() and x.is_floating_point():
-            x.requires_grad_(True)
-            self.inputs[(chunk, self.current)] = x
-        return self._replace_hidden(args, kwargs, x)
+        floating = [t for t in bundle if t is not None and t.is_floating_point()]
+        if torch.is_grad_enabled() and floating:
+            for t in floating:
+                t.requires_grad_(True)
+            self.inputs[(chunk, self.current)] = floating
+        return bundle
 
     def _post_last_block(self, chunk: int, output: Any):
         if chunk != self.active:
             return None
         k = self._virtual(chunk)
-        hidden = output[0] if isinstance(output, (tuple, list)) else output
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            self.outputs[(chunk, self.current)] = hidden
+        if isinstance(output, (tuple, list)):
+            bundle = [output[0]] + [output[e] if e < len(output) else None for e in self.carried]
+        else:
+            bundle = [output] + [None] * len(self.carried)
+        floating = [t for t in bundle if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if torch.is_grad_enabled() and floating:  # the next stage sends a gradient for each of them
+            self.outputs[(chunk, self.current)] = floating
         # what the next stage has posted for this activation ([Note: speculative receive]): shaped like the
         # previous one on this channel, this step's or (for the step's first) the previous step's first
-        sent = (tuple(hidden.shape), hidden.dtype)
+        sent = tuple(p2p.like_of(t) for t in bundle)
         if self._last_sent is None:
             posted_like, self._first_sent = self._first_sent, sent
         else:
             posted_like = self._last_sent
         self._last_sent = sent
-        p2p.send_activation(hidden, self.ranks[k + 1], self.works, tag=self._tag(0, k + 1, self.current),
-                            group=self._group("act", k, k + 1), posted_like=posted_like)
+        p2p.send_bundle(bundle, self.ranks[k + 1], self.works, tag=self._tag(0, k + 1, self.current),
+                        group=self._group("act", k, k + 1), posted_like=posted_like)
         self._post_next_gradient()  # this activation's gradient may be the next one backward waits for
         raise StopStage()
 
-    def ghost_output(self, args: tuple, kwargs: dict) -> Any:
+    def ghost_output(self, args: tuple, kwargs: dict, index: int) -> Any:
+        """What the ghost (or gated block) of block ``index`` returns: its hidden-state argument passed
+        through, or, standing in for the previous stage's last block, what that block returned there."""
+        k, lo, _ = self.chunks[self.active]
+        arity = self._arity(index, args, kwargs)
+        if index == lo - 1 and k > 0:
+            bundle = self._receive(self.active)
+            self._received[(self.active, self.current)] = bundle[0]
+            if arity == 0:
+                return bundle[0]
+            out = [bundle[0]] + [None] * (arity - 1)
+            for e, value in zip(self.carried, bundle[1:]):
+                out[e] = value
+            return tuple(out)
         hidden = self._hidden(args, kwargs)
+        return hidden if arity == 0 else (hidden,) + (None,) * (arity - 1)
+
+    def _arity(self, index: int, args: tuple, kwargs: dict) -> int:
+        if self.flow is not None:
+            return self.flow.arity[min(index, len(self.flow.arity) - 1)]
         if self._ghost_tuple_len is None:
             self._ghost_tuple_len = self._probe_output_arity(args, kwargs)
-        if self._ghost_tuple_len == 0:
-            return hidden
-        return (hidden,) + (None,) * (self._ghost_tuple_len - 1)
+        return self._ghost_tuple_len
 
     def _probe_output_arity(self, args: tuple, kwargs: dict) -> int:
         # [Note: ghost outputs] Code between blocks may index the block's output (`x = block(x)[0]`). A ghost
@@ -246,15 +336,17 @@ class StageRuntime:
         if key is not None:
             k = self._virtual(key[0])
             like = self._last_received if self._last_received is not None else self._first_received
-            self._act_plan.posted(key, p2p.post_recv_activation(self.ranks[k - 1], self.device, like=like,
-                                                                tag=self._tag(0, k, key[1]), group=self._group("act", k - 1, k)))
+            self._act_plan.posted(key, p2p.post_recv_bundle(self.ranks[k - 1], self.device, 1 + len(self.carried),
+                                                            like=like, tag=self._tag(0, k, key[1]),
+                                                            group=self._group("act", k - 1, k)))
 
     def _post_next_gradient(self) -> None:
         key = self._grad_plan.due()
         if key is not None and key in self.outputs:  # its forward has run (the gradient's shape is known)
             k = self._virtual(key[0])
-            self._grad_plan.posted(key, p2p.post_recv_grad(self.outputs[key], self.ranks[k + 1],
-                                                           tag=self._tag(1, k, key[1]), group=self._group("grad", k + 1, k)))
+            posted = p2p.post_recv_grads(self.outputs[key], self.ranks[k + 1], tag=self._tag(1, k, key[1]),
+                                         group=self._group("grad", k + 1, k))
+            self._grad_plan.posted(key, posted)
 
     def forward(self, microbatch: int, fn: Callable[[], Any], chunk: int = 0) -> Any:
         """Run the user's step for one micro-batch through ``chunk``; its output on the last virtual stage,
@@ -264,11 +356,12 @@ class StageRuntime:
             self._reseed(-1)
         t0, w0 = time.perf_counter(), self.wait_s
         try:
-            if self.meter is not None and torch.is_grad_enabled():
-                with self.meter.track((chunk, microbatch)):
+            with no_mha_fastpath():
+                if self.meter is not None and torch.is_grad_enabled():
+                    with self.meter.track((chunk, microbatch)):
+                        out = fn()
+                else:
                     out = fn()
-            else:
-                out = fn()
         except StopStage:
             return None
         finally:
@@ -287,15 +380,13 @@ class StageRuntime:
         if k == self.num_virtual - 1:
             torch.autograd.backward(loss)
         else:
-            out = self.outputs.pop((chunk, microbatch))
+            outs = self.outputs.pop((chunk, microbatch))
             t1 = time.perf_counter()
-            grad = self._recv_grad(out, k, chunk, microbatch)
+            grads = self._recv_grad(outs, k, chunk, microbatch)
             self.wait_s += time.perf_counter() - t1
-            torch.autograd.backward(out, grad)
+            _backprop(outs, grads)
         if k > 0:
-            x = self.inputs.pop((chunk, microbatch))
-            p2p.send_grad(x.grad if x.grad is not None else torch.zeros_like(x), self.ranks[k - 1], self.works,
-                          tag=self._tag(1, k - 1, microbatch), group=self._group("grad", k, k - 1))
+            self._send_input_grads(chunk, microbatch, self.inputs.pop((chunk, microbatch)))
         self.busy_s += time.perf_counter() - t0 - (self.wait_s - w0)
         if self.meter is not None:
             self.meter.release((chunk, microbatch))
@@ -306,19 +397,18 @@ class StageRuntime:
         t0, w0 = time.perf_counter(), self.wait_s
         k = self._virtual(chunk)
         if k == self.num_virtual - 1:
-            out, grad = loss, None
+            outs, grads = [loss], None
         else:
-            out = self.outputs.pop((chunk, microbatch))
+            outs = self.outputs.pop((chunk, microbatch))
             t1 = time.perf_counter()
-            grad = self._recv_grad(out, k, chunk, microbatch)
+            grads = self._recv_grad(outs, k, chunk, microbatch)
             self.wait_s += time.perf_counter() - t1
         if k == 0:  # nothing upstream waits: all of the backward runs in W
-            self._deferred[(chunk, microbatch)] = ("full", out, grad)
+            self._deferred[(chunk, microbatch)] = ("full", outs, grads)
         else:
-            x = self.inputs.pop((chunk, microbatch))
-            groups = split_backward.backward_input(out, grad, x, self.weights)
-            p2p.send_grad(x.grad if x.grad is not None else torch.zeros_like(x), self.ranks[k - 1], self.works,
-                          tag=self._tag(1, k - 1, microbatch), group=self._group("grad", k, k - 1))
+            xs = self.inputs.pop((chunk, microbatch))
+            groups = split_backward.backward_input(outs, grads, xs, self.weights)
+            self._send_input_grads(chunk, microbatch, xs)
             self._deferred[(chunk, microbatch)] = ("weights", groups, None)
         self.busy_s += time.perf_counter() - t0 - (self.wait_s - w0)
 
@@ -327,7 +417,7 @@ class StageRuntime:
         t0 = time.perf_counter()
         kind, a, b = self._deferred.pop((chunk, microbatch))
         if kind == "full":
-            torch.autograd.backward(a, b)
+            _backprop(a, b)
         else:
             split_backward.backward_weight(self.weights, a)
         self.busy_s += time.perf_counter() - t0
@@ -343,15 +433,21 @@ class StageRuntime:
         posted = self._grad_plan.peek()
         return posted is not None and posted[0] == (chunk, microbatch) and posted[1][0].is_completed()
 
-    def _recv_grad(self, out: torch.Tensor, k: int, chunk: int, microbatch: int) -> torch.Tensor:
+    def _send_input_grads(self, chunk: int, microbatch: int, xs: list[torch.Tensor]) -> None:
+        k = self._virtual(chunk)
+        p2p.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in xs], self.ranks[k - 1],
+                       self.works, tag=self._tag(1, k - 1, microbatch), group=self._group("grad", k, k - 1))
+
+    def _recv_grad(self, outs: list[torch.Tensor], k: int, chunk: int, microbatch: int) -> list[torch.Tensor]:
         self._post_next_gradient()
         posted = self._grad_plan.take((chunk, microbatch))
         if posted is None:  # not in this step's plan (cannot happen with the schedules here): receive now
-            return p2p.recv_grad(out, self.ranks[k + 1], tag=self._tag(1, k, microbatch), group=self._group("grad", k + 1, k))
-        work, buf = posted
+            return p2p.recv_grads(outs, self.ranks[k + 1], tag=self._tag(1, k, microbatch),
+                                  group=self._group("grad", k + 1, k))
+        work, grads = posted
         work.wait()
         self._post_next_gradient()
-        return buf
+        return grads
 
     def finish(self) -> None:
         """Wait for this step's sends and drop what the step kept."""
@@ -363,7 +459,15 @@ class StageRuntime:
         p2p.wait_all(self.works)
         self.inputs.clear()
         self.outputs.clear()
+        self._received.clear()
         self._deferred.clear()
+
+
+def _backprop(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Backpropagate the sent entries that autograd reaches (a carried tensor may be a constant)."""
+    pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _copy_objects(obj: Any) -> Any:

@@ -43,7 +43,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.pipeline.discovery import find_blocks
-from lightning_par.pipeline.microbatch import batch_size, check_microbatches, split_batch
+from lightning_par.pipeline.flow import trace_flow
+from lightning_par.pipeline.microbatch import batch_size, check_microbatches, first_batch, split_batch
 from lightning_par.pipeline.partition import BALANCES, partition_blocks, stage_bounds, stage_costs
 from lightning_par.pipeline.profile import profile_step
 from lightning_par.checkpoint import is_distributed_checkpoint, read_meta, save_distributed
@@ -202,6 +203,11 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
                 f"checkpoint into a fresh module (`{type(lm).__name__}.load_from_checkpoint(path)`)."
             )
         path, container = find_blocks(lm, self._blocks)
+        step = self._sample_step(lm)
+        with _rng_fork(self.root_device, True):  # [Note: block flow] in pipeline/flow.py
+            flow = trace_flow(lm, path, container, step) if step is not None else None
+        for warning in flow.warnings if flow is not None else ():
+            rank_zero_warn(warning)
         costs = [float(sum(p.numel() for p in b.parameters())) for b in container]
         ends, times = (0.0, 0.0), None
         if self._balance == "time":
@@ -212,6 +218,8 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         counts = partition_blocks(len(container), pp * v, balance=self._balance, costs=costs,
                                   first_extra=ends[0], last_extra=ends[1])
         bounds = stage_bounds(counts)
+        if flow is not None:
+            flow.check_stages(path, bounds)
         self._full_keys = list(lm.state_dict().keys())
         self._block_prefix = f"{path}."
         self._print_table(path, counts, container, lm, times)
@@ -219,7 +227,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         virtual = [c * pp + self.stage for c in range(v)]  # virtual stage c·p + s is this rank's chunk c
         self._runtime = StageRuntime(
             container=container, chunks=[(k, *bounds[k]) for k in virtual], ranks=[ring[k % pp] for k in range(pp * v)],
-            device=self.root_device, seed=_base_seed(), groups=self._p2p_groups,
+            device=self.root_device, seed=_base_seed(), groups=self._p2p_groups, flow=flow,
         )
         self._runtime.install()
         self._mailbox = (ResultMailbox(ranks=ring, me=self.global_rank, group=self._result_group,
@@ -262,17 +270,28 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         return mean(pre), [mean(b) for b in zip(*blocks)], mean(post)
 
-    def _profile_locally(self, lm, container):
-        batch = next(iter(lm.trainer.fit_loop._data_source.dataloader()))
-        batch = self.batch_to_device(batch)
-        mb = split_batch(batch, self._num_microbatches())[0]
+    def _sample_step(self, lm):
+        """The user's step (of this trainer function) on one micro-batch of its first batch, or None."""
+        t, plugin = lm.trainer, self.precision_plugin
+        loop, hook, context = {TrainerFn.FITTING: (t.fit_loop, "training_step", plugin.train_step_context),
+                               TrainerFn.VALIDATING: (t.validate_loop, "validation_step", plugin.val_step_context),
+                               TrainerFn.TESTING: (t.test_loop, "test_step", plugin.test_step_context),
+                               TrainerFn.PREDICTING: (t.predict_loop, "predict_step", plugin.predict_step_context),
+                               }[t.state.fn]
+        batch = first_batch(loop._data_source.dataloader() if loop._data_source.is_defined() else None)
+        if batch is None:
+            return None
+        mb = split_batch(self.batch_to_device(batch), self._num_microbatches())[0]
 
         def step():
-            with LogCapture(lm), self.precision_plugin.train_step_context():
-                return _loss_of(lm.training_step(mb, 0))
+            with LogCapture(lm), context():
+                return getattr(lm, hook)(mb, 0)
+        return step
 
+    def _profile_locally(self, lm, container):
+        step = self._sample_step(lm)
         with _rng_fork(self.root_device, True):
-            result = profile_step(container, step, self.root_device, repeats=8)
+            result = profile_step(container, lambda: _loss_of(step()), self.root_device, repeats=8)
         for p in lm.parameters():
             p.grad = None
         return result
