@@ -142,6 +142,29 @@ class Topology:
         return mesh
 
 
+def keep_loader_on_one_process(trainer, world_size: int):
+    """On a world of one process, let the ``trainer`` iterate the user's loaders as they are; returns the
+    function that undoes this (for the strategy's ``teardown``).
+
+    [Note: one process keeps the user's loader]
+    Lightning wraps every loader of a ``DDPStrategy`` (our strategies' base) in a ``DistributedSampler``,
+    even for one process: a sequential loader is then shuffled (seed 0) and a shuffled one follows the
+    sampler's permutation instead of the torch generator, so a run at size 1 would see other batches than
+    plain Lightning on one device. With one process there is nothing to split and no peer to agree with, so
+    the strategy turns Lightning's ``use_distributed_sampler`` off for the run: size 1 trains on exactly
+    the batches of plain Lightning (``Trainer(devices=1)``), and one config serves a laptop and a node.
+    """
+    connector = trainer._accelerator_connector
+    before = connector.use_distributed_sampler
+    if world_size == 1:
+        connector.use_distributed_sampler = False
+
+    def restore() -> None:
+        connector.use_distributed_sampler = before
+
+    return restore
+
+
 _NAMES = {"dp": "data_parallel_size", "pp": "pipeline_parallel_size", "tp": "tensor_parallel_size"}
 
 

@@ -6,8 +6,9 @@ compression hooks on every backend, ZeRO-1 optimizer-state sharding and learning
     Trainer(devices=2, strategy="data_parallel")
 
 With the defaults it *is* Lightning's DDP: same wrapper, same reduction, same logged values (bit for
-bit). The work of each addition lives in :mod:`lightning_par.dp`; this class only calls it from the
-right Lightning hook.
+bit); on a single process it iterates the user's loader as it is, as plain Lightning does ([Note: one
+process keeps the user's loader] in :mod:`lightning_par.topology`). The work of each addition lives in
+:mod:`lightning_par.dp`; this class only calls it from the right Lightning hook.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par.dp import comm_hooks, zero
 from lightning_par.strategies._registry import RegisteredByName
+from lightning_par.topology import keep_loader_on_one_process
 from lightning_par.dp import lr_scaling as scaling
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -114,6 +116,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         self._lr_scaling = lr_scaling
         self._reference_batch_size = reference_batch_size
         self._lr_scale_factor: float | None = None
+        self._restore_loader = lambda: None
 
     # -- public state -------------------------------------------------------------------------------
 
@@ -150,6 +153,15 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
                                f"{type(self.model).__name__}.")
         state, hook = selected
         self.model.register_comm_hook(state, hook)
+
+    def setup(self, trainer) -> None:
+        # [Note: one process keeps the user's loader] in lightning_par/topology.py
+        self._restore_loader = keep_loader_on_one_process(trainer, self.world_size)
+        super().setup(trainer)
+
+    def teardown(self) -> None:
+        self._restore_loader()
+        super().teardown()
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)

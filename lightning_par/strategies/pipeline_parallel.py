@@ -54,7 +54,7 @@ from lightning_par.pipeline.routing import LogCapture, combine_outputs, concat_o
 from lightning_par.pipeline.schedules import (SCHEDULES, interleaved_actions, looped_gpipe_actions,
                                               stage_actions, zero_bubble_actions)
 from lightning_par.pipeline.stage import Ghost, StageRuntime
-from lightning_par.topology import Topology
+from lightning_par.topology import Topology, keep_loader_on_one_process
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -117,6 +117,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         self._full_keys: list[str] = []
         self._block_prefix = ""
         self.last_step_stats: dict[str, float] = {}  # seconds of the last training step's schedule (benchmarks)
+        self._restore_loader = lambda: None
 
     # -- layout -----------------------------------------------------------------------------------
     @property
@@ -144,6 +145,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         self._topology = Topology.resolve(world, data_parallel_size=self._dp_size,
                                           pipeline_parallel_size=self._pp_size, model_axis="pp")
         pp = self._topology.pipeline_parallel_size
+        self._stages_per_rank = 1 if pp == 1 else self._stages_per_rank  # one stage: no chunks to interleave
         if self._schedule == "interleaved_1f1b" and self._microbatches is not None and self._microbatches % pp:
             raise ValueError(
                 f"`schedule='interleaved_1f1b'` sends micro-batches through each chunk in groups of "
@@ -169,6 +171,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
 
     # -- installing the stage ---------------------------------------------------------------------
     def setup(self, trainer) -> None:
+        self._restore_loader = keep_loader_on_one_process(trainer, self.world_size)  # [Note: one process ...]
         if trainer.state.fn == TrainerFn.FITTING and not self.lightning_module.automatic_optimization:
             raise ValueError(
                 "PipelineParallelStrategy supports automatic optimization only: the schedule runs each "
@@ -189,6 +192,10 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         super().setup(trainer)
         if self._runtime is None:  # validate / test / predict: no configure_ddp
             self._install()
+
+    def teardown(self) -> None:
+        self._restore_loader()
+        super().teardown()
 
     def configure_ddp(self) -> None:  # called by DDPStrategy.setup before the optimizers are built
         self._install()

@@ -34,7 +34,7 @@ from lightning_par.tensor.mixed import (average_grads, install_clipping, install
                                         split_step_by_kind)
 from lightning_par.tensor.parallelize import parallelize, to_plain
 from lightning_par.tensor.plan import build_plan, check_user_plan
-from lightning_par.topology import Topology
+from lightning_par.topology import Topology, keep_loader_on_one_process
 
 Size = Union[int, Literal["auto"]]
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -107,6 +107,7 @@ class TensorParallelStrategy(RegisteredByName, DDPStrategy):
         self._mesh = None
         self._plan = None
         self._loaded_distributed = False
+        self._restore_loader = lambda: None
 
     # -- state that exists after setup_environment ------------------------------------------------------
     @property
@@ -155,6 +156,7 @@ class TensorParallelStrategy(RegisteredByName, DDPStrategy):
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        self._restore_loader = keep_loader_on_one_process(trainer, self.world_size)  # [Note: one process ...]
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -173,6 +175,7 @@ class TensorParallelStrategy(RegisteredByName, DDPStrategy):
         # As Lightning's ModelParallelStrategy: the sharded module stays where it is (DDPStrategy would move it
         # to the CPU, which swaps every DTensor parameter and fails when anything holds a weak reference to one).
         assert self.cluster_environment is not None and self.accelerator is not None
+        self._restore_loader()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
