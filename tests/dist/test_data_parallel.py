@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+from torch.multiprocessing.spawn import ProcessRaisedException
 import torch
 import yaml
 from lightning.pytorch import Callback
@@ -273,6 +274,6 @@ def test_lr_scaling_without_batch_size_is_refused(tmp_path):
     data = corpus()
     batches = [list(range(i, i + 4)) for i in range(0, 32, 4)]     # a batch sampler that states no size
     loader = DataLoader(data.train_set, batch_sampler=batches)
-    with pytest.raises(Exception, match="needs the per-device batch size"):
+    with pytest.raises(ProcessRaisedException, match=r"ValueError: `lr_scaling='linear'` needs the per-device batch size"):
         fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / "x"), strategy=ours(lr_scaling="linear"),
                        devices=2, max_steps=1, use_distributed_sampler=False)

@@ -8,6 +8,7 @@ import time
 
 import lightning.pytorch as pl
 import pytest
+from torch.multiprocessing.spawn import ProcessRaisedException
 import torch
 from torch.utils.data import DataLoader
 
@@ -36,14 +37,14 @@ def fit(module, loader, **strategy_kw):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_microbatches_not_dividing_the_batch_fail_when_training_starts():
-    with pytest.raises(Exception, match=r"`microbatches=3` must divide the per-device batch size \(8\)"):
+    with pytest.raises(ProcessRaisedException, match=r"ValueError: `microbatches=3` must divide the per-device batch size \(8\)"):
         fit(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), microbatches=3)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_manual_optimization_is_refused_at_setup():
     module = seeded(lambda: ManualGPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16))
-    with pytest.raises(Exception, match="supports automatic optimization only"):
+    with pytest.raises(ProcessRaisedException, match="ValueError: PipelineParallelStrategy supports automatic optimization only"):
         fit(module, DataLoader(DATA.train_set, batch_size=8))
 
 
