@@ -32,7 +32,7 @@ from lightning_par import checkpoint as ckpt
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.tensor.mixed import (average_grads, install_clipping, install_scaler, reduce_partial_grads,
                                         split_step_by_kind)
-from lightning_par.tensor.parallelize import parallelize, to_plain
+from lightning_par.tensor.parallelize import backward_context, parallelize, to_plain
 from lightning_par.tensor.plan import build_plan, check_user_plan
 from lightning_par.topology import Topology
 
@@ -242,11 +242,7 @@ class TensorParallelStrategy(RegisteredByName, DDPStrategy):
         return self._step("predict_step", *args, **kwargs)
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
-        if not self._loss_parallel:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        with loss_parallel():
+        with backward_context(loss_parallel=self._loss_parallel):  # see [Note: one layout per region]
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):

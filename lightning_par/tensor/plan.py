@@ -63,6 +63,21 @@ class TensorPlan:
     replicated: dict[str, str] = field(default_factory=dict)
     source: str = "auto"
     parts: dict[str, int] = field(default_factory=dict)  # fused projection -> how many outputs it fuses
+    # replicated module inside a region -> that region (see [Note: one layout per region])
+    islands: dict[str, str] = field(default_factory=dict)
+    checked: dict[str, str] = field(default_factory=dict)  # region -> what the setup check found (see .probe)
+
+    def regions(self) -> list[str]:
+        """Modules whose input enters as a DTensor and whose output leaves as plain tensors (``prepare``)."""
+        return [n for n, s in self.styles.items() if s == PREPARE]
+
+    def region_of(self, name: str) -> str | None:
+        """The innermost region holding ``name`` (not ``name`` itself), or ``None``."""
+        while name:
+            name = name.rpartition(".")[0]
+            if self.styles.get(name) == PREPARE:
+                return name
+        return None
 
     def sharded(self) -> dict[str, str]:
         return {n: s for n, s in self.styles.items() if s in _COLUMN + ("rowwise",)}
@@ -74,10 +89,14 @@ class TensorPlan:
             if style != "replicate":
                 parts = f" ({self.parts[name]} parts)" if name in self.parts else ""
                 lines.append(f"  {name or '<root>'}: {style}{parts}")
+        for name, region in sorted(self.islands.items(), key=lambda kv: _natural(kv[0])):
+            lines.append(f"  {name}: replicated inside {region!r} (runs on plain tensors)")
         for name, why in self.replicated.items():
             lines.append(f"  {name}: replicated ({why})")
+        for name, what in self.checked.items():
+            lines.append(f"  setup check of {name!r}: {what}")
         if module is not None:
-            covered = set(self.sharded())
+            covered = set(self.sharded()) | set(self.islands)
             rest = [n for n, m in module.named_modules() if n not in covered and n not in self.replicated
                     and any(True for _ in m.parameters(recurse=False))]
             if rest:
@@ -256,8 +275,14 @@ def add_sequence_parallel(plan: TensorPlan, module: nn.Module) -> TensorPlan:
     in user code that the strategy does not rewrite, e.g. ``pos_emb(arange(T))`` added to the tokens).
     """
     modules = dict(module.named_modules())
-    blocks = sorted({n.rpartition(".")[0] for n, s in plan.styles.items() if s == PREPARE and "." in n},
-                    key=_natural)
+    for region in plan.regions():
+        parent = region.rpartition(".")[0]
+        if "." not in region or isinstance(modules[parent], _NOT_A_BLOCK):
+            raise ValueError(f"sequence_parallel=True: {region!r} ({type(modules[region]).__name__}) holds column-wise "
+                             f"layers but sits directly in {type(modules[parent]).__name__ if parent else 'the root'}, "
+                             f"not inside a block module that receives the residual stream; the sequence could not be "
+                             f"split at a block boundary. Use sequence_parallel=False for this model.")
+    blocks = sorted({n.rpartition(".")[0] for n in plan.regions()}, key=_natural)
     stacks: dict[str, list[str]] = {}
     for b in blocks:
         stacks.setdefault(b.rpartition(".")[0], []).append(b)
@@ -341,11 +366,12 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
                 _check_shardable(name, modules[name], style, tp_size)
             parent = name.rpartition(".")[0]
             if style in _COLUMN and parent and parent in modules and plan.styles.get(parent) is None \
-                    and not isinstance(modules[parent], (nn.Sequential,) + _NOT_A_BLOCK):
+                    and not isinstance(modules[parent], _NOT_A_BLOCK):
                 plan.styles[parent] = PREPARE
     for name, style in plan.styles.items():
         if style == PREPARE:
             _check_heads(name, modules[name], tp_size)
+    add_islands(plan, module)
     if sequence_parallel:
         add_sequence_parallel(plan, module)
     if loss_parallel:
@@ -353,6 +379,49 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
     # parents first: parallelize_module applies them in this order
     plan.styles = dict(sorted(plan.styles.items(), key=lambda kv: (kv[0].count("."), kv[0])))
     return plan
+
+
+def add_islands(plan: TensorPlan, module: nn.Module) -> TensorPlan:
+    """Inside every region, the topmost modules that hold parameters or buffers and nothing sharded become
+    islands: they run on plain tensors, entered and left as replicated DTensors.
+
+    [Note: one layout per region]
+    A sharded module's output must reach every consumer in a layout the consumer takes, in backward too:
+    a replicated nn.MultiheadAttention or LayerNorm beside a sharded FFN (nn.TransformerEncoderLayer), or a
+    row-wise ``value`` whose plain output meets head-sharded q and k in attention (BERT), mix plain tensors
+    and DTensors, and DTensor refuses the mix ("got mixed torch.Tensor and DTensor") when the backward
+    pass, outside the module's call, reaches them. So every region (a ``prepare`` module: the parent of
+    column-wise children) holds one layout throughout: its inputs enter as DTensors, every sharded module
+    in it hands DTensors on (row-wise ones too), each module left replicated in it is an island (plain
+    inside, its outputs replicated DTensors again), parameters the region's own code uses directly become
+    replicated DTensors, and only the region's outputs leave as plain tensors. Backward runs under
+    implicit replication, so constants a region's code builds itself (masks, ``torch.arange``) count as
+    replicated there too. Whatever this does not foresee is caught at setup by :mod:`.probe`.
+    """
+    modules = dict(module.named_modules())
+    busy = {n for n, s in plan.styles.items() if s not in (None, "replicate")}
+    holds_busy = {n.rpartition(".")[0] for n in busy}  # every ancestor of a sharded module (or a region)
+    for n in list(holds_busy):
+        while n:
+            n = n.rpartition(".")[0]
+            holds_busy.add(n)
+    plan.islands = {}
+    for name, m in modules.items():  # parents come before their children
+        region = plan.region_of(name)
+        if region is None or name in busy or name in holds_busy or _has_ancestor(name, plan.islands):
+            continue
+        if any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
+            plan.islands[name] = region
+            plan.styles.pop(name, None)  # a user's "replicate" inside a region is an island
+    return plan
+
+
+def _has_ancestor(name: str, names) -> bool:
+    while name:
+        name = name.rpartition(".")[0]
+        if name in names:
+            return True
+    return False
 
 
 def _check_shardable(name: str, m: nn.Module, style: str, t: int) -> None:
