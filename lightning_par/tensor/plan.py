@@ -290,8 +290,15 @@ def add_sequence_parallel(plan: TensorPlan, module: nn.Module) -> TensorPlan:
         for b in members:
             plan.styles[b] = LAST_BLOCK if b == members[-1] else BLOCK
             for child_name, child in modules[b].named_children():
-                if is_norm(child) and plan.styles.get(f"{b}.{child_name}") in (None, "sequence"):
-                    plan.styles[f"{b}.{child_name}"] = "sequence"
+                name = f"{b}.{child_name}"
+                if is_norm(child) and plan.styles.get(name) in (None, "sequence"):
+                    plan.styles[name] = "sequence"
+                elif plan.styles.get(name) != PREPARE and any(True for _ in child.parameters()):
+                    # it would receive this rank's part of the sequence: only norms and regions know that
+                    raise ValueError(f"sequence_parallel=True: {name!r} ({type(child).__name__}) sits in the block "
+                                     f"{b!r} beside its attention / MLP but is neither one of them nor a norm, so it "
+                                     f"would receive a sequence-split input it was not written for. Use "
+                                     f"sequence_parallel=False for this model.")
     return plan
 
 

@@ -1,0 +1,207 @@
+"""TensorParallelStrategy (tp=2) on model families written by others, as a user wraps them: Lightning's demo
+Transformer (torch's nn.TransformerEncoderLayer / DecoderLayer), Hugging Face BertForMaskedLM and
+T5ForConditionalGeneration built from tiny configs, and two attention modules as a user would write them.
+Each trains equal to one process (fp32, 1e-5, several AdamW steps); what the plan shards, what it leaves
+replicated and what the setup check found are asserted from the plan each run applied."""
+import os
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
+from lightning_par.data import SyntheticCorpus
+from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
+from lightning_par.tensor.plan import build_plan
+
+VOCAB, WIDTH, HEADS = 64, 32, 4
+DATA = SyntheticCorpus(vocab_size=VOCAB, seq_len=16, train_sequences=32, val_sequences=8)
+MATCHES = "sharded copy matches the whole one"
+
+
+class DemoTransformer(pl.LightningModule):
+    """Lightning's own demo model (``lightning.pytorch.demos.Transformer``) with its demo's loss."""
+
+    def __init__(self):
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        self.model = Transformer(vocab_size=VOCAB, ninp=WIDTH, nhead=HEADS, nhid=64, nlayers=2, dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        inputs, target = batch
+        return F.nll_loss(self.model(inputs, target), target.view(-1))
+
+    def configure_optimizers(self):
+        # eps 1e-5 rather than 1e-8: the key third of nn.MultiheadAttention's in_proj_bias has an exact gradient
+        # of 0 (softmax ignores a shift of all of a query's scores), so its computed gradient is rounding noise
+        # (measured: |g| <= 1.1e-8, differing by up to 7e-9 between one process and tp=2, as between any two
+        # summation orders). Adam steps by lr * g / (|g| + eps): with eps 1e-8 that noise moves those biases by
+        # ~lr = 1e-3 (seen, in a direction the noise picks); with eps 1e-5 by <= lr * 1e-3 = 1e-6 per step.
+        # Both runs use the same AdamW; the real gradients here are >= 1e-5.
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, eps=1e-5)
+
+
+class HFLM(pl.LightningModule):
+    """A Hugging Face model called the usual way, with its own loss (``labels=``)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        import transformers
+
+        if kind == "bert":
+            cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=HEADS,
+                                          intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0)
+            self.model = transformers.BertForMaskedLM(cfg)
+        else:
+            cfg = transformers.T5Config(vocab_size=VOCAB, d_model=WIDTH, d_kv=WIDTH // HEADS, d_ff=64, num_layers=2,
+                                        num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+            self.model = transformers.T5ForConditionalGeneration(cfg)
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return self.model(input_ids=inputs, labels=targets).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class TemperedAttention(nn.Module):
+    """Causal attention written out by hand (nanoGPT's slow path): a mask buffer applied with masked_fill and a
+    learned per-head temperature that the module's own code multiplies in."""
+
+    def __init__(self, d=WIDTH, heads=HEADS, block=16):
+        super().__init__()
+        self.heads = heads
+        # no biases (as Llama): a key bias has an exact gradient of 0, which Adam would turn into noise-driven steps
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.temperature = nn.Parameter(torch.linspace(0.5, 1.5, heads).view(heads, 1, 1))
+        self.register_buffer("causal", torch.tril(torch.ones(block, block, dtype=torch.bool)))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (f(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        att = (q @ k.transpose(-2, -1)) * self.temperature / (C // self.heads) ** 0.5
+        att = att.masked_fill(~self.causal[:T, :T], float("-inf")).softmax(-1)
+        return self.o((att @ v).transpose(1, 2).reshape(B, T, C))
+
+
+class WindowAttention(TemperedAttention):
+    """Sliding-window attention over keys gathered with ``Tensor.unfold``, an op DTensor has no rule for."""
+
+    def forward(self, x, window=4):
+        B, T, C = x.shape
+        q, k, v = (f(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        pad = lambda t: F.pad(t, (0, 0, window - 1, 0)).unfold(2, window, 1)  # noqa: E731  (B, H, T, hd, W)
+        att = torch.einsum("bhtd,bhtdw->bhtw", q, pad(k)).softmax(-1) * self.temperature
+        return self.o(torch.einsum("bhtw,bhtdw->bhtd", att, pad(v)).transpose(1, 2).reshape(B, T, C))
+
+
+class UserLM(pl.LightningModule):
+    def __init__(self, attention=TemperedAttention):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(WIDTH), "attn": attention()}) for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        h = self.emb(inputs)
+        for b in self.blocks:
+            h = h + b["attn"](b["ln"](h))
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class PlanRecorder(pl.Callback):
+    """Rank 0 saves the plan its strategy applied (styles, islands, what was left replicated, the setup check)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_fit_start(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            plan = trainer.strategy.plan
+            torch.save({"styles": plan.styles, "islands": plan.islands, "replicated": plan.replicated,
+                        "checked": plan.checked}, self.path)
+
+
+def run_pair(tmp_path, factory, steps=3):
+    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=steps)[0]
+    plan_file = str(tmp_path / "plan.pt")
+    got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
+                         strategy=TensorParallelStrategy(tensor_parallel_size=2, start_method="fork", timeout=120),
+                         devices=2, max_steps=steps, callbacks=[PlanRecorder(plan_file)])
+    assert len(got) == 2 and len(ref["losses"]) == steps
+    for rec in got:
+        assert_close_records(ref, rec)
+    return torch.load(plan_file, weights_only=False)
+
+
+def sharded(plan, style):
+    return {n for n, s in plan["styles"].items() if s == style}
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_lightning_demo_transformer(tmp_path):
+    with pytest.warns(UserWarning, match=r"MultiheadAttention 'model\.transformer\.decoder\.layers\.1\.multihead_attn' "
+                                         r"is left replicated"):
+        build_plan(DemoTransformer(), 2)
+    plan = run_pair(tmp_path, DemoTransformer)
+    layers = [f"model.transformer.{s}.layers.{i}" for s in ("encoder", "decoder") for i in range(2)]
+    assert sharded(plan, "colwise") == {f"{b}.linear1" for b in layers}
+    assert sharded(plan, "rowwise") == {f"{b}.linear2" for b in layers}
+    # the attention and the norms inside each layer run replicated, on plain tensors
+    for b in layers:
+        assert {plan["islands"][f"{b}.self_attn"], plan["islands"][f"{b}.norm1"], plan["islands"][f"{b}.norm2"]} == {b}
+        assert plan["checked"][b] == MATCHES
+    assert plan["islands"]["model.transformer.decoder.layers.0.multihead_attn"] == "model.transformer.decoder.layers.0"
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_hugging_face_bert_for_masked_lm(tmp_path):
+    pytest.importorskip("transformers")
+    plan = run_pair(tmp_path, lambda: HFLM("bert"))
+    attn = [f"model.bert.encoder.layer.{i}.attention.self" for i in range(2)]
+    assert sharded(plan, "colwise") == {f"{a}.{n}" for a in attn for n in ("query", "key")}
+    assert sharded(plan, "rowwise") == {f"{a}.value" for a in attn}
+    assert all(plan["checked"][a] == MATCHES for a in attn)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_hugging_face_t5_for_conditional_generation(tmp_path):
+    pytest.importorskip("transformers")
+    plan = run_pair(tmp_path, lambda: HFLM("t5"))
+    attn = [f"model.{s}.block.{i}.layer.0.SelfAttention" for s in ("encoder", "decoder") for i in range(2)]
+    attn += [f"model.decoder.block.{i}.layer.1.EncDecAttention" for i in range(2)]
+    ffn = [f"model.encoder.block.{i}.layer.1.DenseReluDense" for i in range(2)]
+    ffn += [f"model.decoder.block.{i}.layer.2.DenseReluDense" for i in range(2)]
+    assert sharded(plan, "colwise") == {f"{a}.{n}" for a in attn for n in "qkv"} | {f"{f}.wi" for f in ffn}
+    assert sharded(plan, "rowwise") == {f"{a}.o" for a in attn} | {f"{f}.wo" for f in ffn}
+    assert all(plan["checked"][r] == MATCHES for r in attn + ffn)
+    # the relative position bias (one per stack, in block 0) has every head: it is split like the scores it meets
+    for stack in ("encoder", "decoder"):
+        bias = f"model.{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"
+        assert plan["islands"][bias] == bias.rpartition(".")[0]
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_attention_using_its_own_parameter_and_mask_buffer(tmp_path):
+    plan = run_pair(tmp_path, UserLM)
+    assert sharded(plan, "colwise") == {f"blocks.{i}.attn.{n}" for i in range(2) for n in "qkv"}
+    assert plan["checked"]["blocks.0.attn"] == MATCHES
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_attention_with_an_op_dtensor_cannot_shard_is_left_replicated(tmp_path):
+    plan = run_pair(tmp_path, lambda: UserLM(WindowAttention))
+    assert not sharded(plan, "colwise") and not sharded(plan, "rowwise")
+    for i in range(2):
+        assert "aten.unfold" in plan["replicated"][f"blocks.{i}.attn"]
