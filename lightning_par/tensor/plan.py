@@ -176,6 +176,23 @@ def auto_plan(module: nn.Module) -> TensorPlan:
     return plan
 
 
+def apply_traced_roles(plan: TensorPlan, module: nn.Module) -> TensorPlan:
+    """Replace the shape rule's styles by the dataflow's for every Linear a traced block called (see
+    [Note: pairs from dataflow] in :mod:`.trace`); a fused projection keeps its fused style."""
+    from lightning_par.tensor.trace import traced_roles
+
+    for roles in traced_roles(module).values():
+        for name, role in roles.items():
+            if role == "col":
+                plan.styles[name] = FUSED if plan.styles.get(name) == FUSED else "colwise"
+            elif role == "row":
+                plan.styles[name] = "rowwise"
+            else:
+                plan.styles.pop(name, None)
+                plan.parts.pop(name, None)
+    return plan
+
+
 def fused_projections(module: nn.Module) -> dict[str, tuple[str, str, int]]:
     """Parents whose first ``nn.Linear`` writes ``k ≥ 2`` times what their last one reads (a fused q/k/v,
     like nanoGPT's ``c_attn``/``c_proj``): ``{parent: (fused child, row child, k)}``.
@@ -343,7 +360,7 @@ def add_loss_parallel(plan: TensorPlan, module: nn.Module, tp_size: int) -> Tens
 
 def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> TensorPlan:
-    """Add ``prepare`` for every parent of a column-wise child, leave ``nn.MultiheadAttention`` (and anything
+    """Add ``prepare`` for the region of every column-wise layer (:func:`_region_for`), leave ``nn.MultiheadAttention`` (and anything
     inside it) replicated, and check that every sharded dimension and head count divides by ``tp_size``.
 
     [Note: prepare the block input once]
@@ -363,6 +380,11 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
                                   "go to a functional kernel; the whole module is left replicated.", stacklevel=3)
         warnings.warn(f"tensor parallel: nn.MultiheadAttention {mha!r} is left replicated (its fused in_proj_weight "
                       "and out_proj.weight are used by a functional kernel, not by calling submodules).", stacklevel=3)
+    holds_row = set()  # every module with a row-wise layer below it
+    for name, style in plan.styles.items():
+        while style == "rowwise" and name:
+            name = name.rpartition(".")[0]
+            holds_row.add(name)
     for name, style in list(plan.styles.items()):
         if name not in modules:
             raise ValueError(f"plan entry {name!r} names no module.")
@@ -371,10 +393,9 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
                 _check_fused(name, modules[name], plan.parts[name], tp_size)
             else:
                 _check_shardable(name, modules[name], style, tp_size)
-            parent = name.rpartition(".")[0]
-            if style in _COLUMN and parent and parent in modules and plan.styles.get(parent) is None \
-                    and not isinstance(modules[parent], _NOT_A_BLOCK):
-                plan.styles[parent] = PREPARE
+            region = _region_for(name, modules, holds_row)
+            if style in _COLUMN and region and plan.styles.get(region) is None:
+                plan.styles[region] = PREPARE
     for name, style in plan.styles.items():
         if style == PREPARE:
             _check_heads(name, modules[name], tp_size)
@@ -386,6 +407,19 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
     # parents first: parallelize_module applies them in this order
     plan.styles = dict(sorted(plan.styles.items(), key=lambda kv: (kv[0].count("."), kv[0])))
     return plan
+
+
+def _region_for(column: str, modules: dict, holds_row: set) -> str:
+    """The region of a column-wise layer: its nearest callable ancestor that also holds a row-wise layer (the
+    pair's smallest common module: the parent when both are its children, BERT's ``attention`` for ``self.query``
+    and ``output.dense``), else its parent; ``""`` (none) at the root."""
+    name = column
+    while name:
+        name = name.rpartition(".")[0]
+        if name in holds_row and not isinstance(modules[name], _NOT_A_BLOCK):
+            return name
+    parent = column.rpartition(".")[0]
+    return parent if parent and not isinstance(modules[parent], _NOT_A_BLOCK) else ""
 
 
 def add_islands(plan: TensorPlan, module: nn.Module) -> TensorPlan:
@@ -478,8 +512,8 @@ def _check_heads(name: str, m: nn.Module, t: int) -> None:
 
 def build_plan(module: nn.Module, tp_size: int, user: Mapping[str, str] | str = "auto",
                sequence_parallel: bool = False, loss_parallel: bool = False) -> TensorPlan:
-    """auto → Hugging Face plan (if any) → user globs → :func:`finalize`."""
-    plan = auto_plan(module)
+    """auto (shapes, then dataflow) → Hugging Face plan (if any) → user globs → :func:`finalize`."""
+    plan = apply_traced_roles(auto_plan(module), module)
     hf = hf_plan(module)
     if hf is not None:
         # A Hugging Face plan replaces what auto found inside that model.

@@ -20,7 +20,6 @@ agreed with one all-reduce, so all ranks keep the same plan.
 from __future__ import annotations
 
 import copy
-import inspect
 import warnings
 
 import torch
@@ -31,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.tensor.mixed import reduce_partial_grads
 from lightning_par.tensor.plan import FUSED, PREPARE, TensorPlan, add_islands
+from lightning_par.tensor.trace import required_positional
 
 PROBE_SHAPE = (2, 4)  # batch, sequence of the probe's hidden state
 _OK, _TRUSTED, _FAILED = 0, 1, 2
@@ -89,7 +89,7 @@ def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*PROBE_SHAPE, width, generator=g).to(weight.device, weight.dtype)
     # further required positional inputs (a decoder layer's ``memory``) get other random hidden states
-    extra = [torch.randn(*PROBE_SHAPE, width, generator=g).to(x) for _ in range(_required_positional(m) - 1)]
+    extra = [torch.randn(*PROBE_SHAPE, width, generator=g).to(x) for _ in range(required_positional(m) - 1)]
     try:
         whole = _run(copy.deepcopy(m), x, extra)
     except Exception as e:  # noqa: BLE001 -- any failure means "cannot be called with a hidden state alone"
@@ -100,15 +100,6 @@ def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -
     except Exception as e:  # noqa: BLE001 -- reported as the reason the region stays replicated
         return _FAILED, f"the sharded module raised {_first_line(e)}"
     return _compare(whole, got, weight.dtype)
-
-
-def _required_positional(m: nn.Module) -> int:
-    try:
-        params = inspect.signature(m.forward).parameters.values()
-    except (TypeError, ValueError):
-        return 1
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return max(1, sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty))
 
 
 def _run(m: nn.Module, x: torch.Tensor, extra: list[torch.Tensor]) -> dict[str, torch.Tensor]:

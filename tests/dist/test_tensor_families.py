@@ -169,10 +169,16 @@ def test_lightning_demo_transformer(tmp_path):
 def test_hugging_face_bert_for_masked_lm(tmp_path):
     pytest.importorskip("transformers")
     plan = run_pair(tmp_path, lambda: HFLM("bert"))
-    attn = [f"model.bert.encoder.layer.{i}.attention.self" for i in range(2)]
-    assert sharded(plan, "colwise") == {f"{a}.{n}" for a in attn for n in ("query", "key")}
-    assert sharded(plan, "rowwise") == {f"{a}.value" for a in attn}
-    assert all(plan["checked"][a] == MATCHES for a in attn)
+    # Megatron's layout, found from dataflow: q, k, v -> attention.output.dense; intermediate -> output
+    layers = [f"model.bert.encoder.layer.{i}" for i in range(2)]
+    assert sharded(plan, "colwise") == {f"{b}.attention.self.{n}" for b in layers for n in ("query", "key", "value")} | \
+        {f"{b}.intermediate.dense" for b in layers}
+    assert sharded(plan, "rowwise") == {f"{b}.{n}.dense" for b in layers for n in ("attention.output", "output")}
+    # each pair runs in the smallest module holding both of its sides; the norms there run replicated
+    assert sharded(plan, "prepare") == set(layers) | {f"{b}.attention" for b in layers}
+    assert plan["islands"]["model.bert.encoder.layer.0.attention.output.LayerNorm"] == "model.bert.encoder.layer.0.attention"
+    assert plan["islands"]["model.bert.encoder.layer.1.output.LayerNorm"] == "model.bert.encoder.layer.1"
+    assert all(plan["checked"][r] == MATCHES for r in sharded(plan, "prepare"))
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -205,3 +211,89 @@ def test_attention_with_an_op_dtensor_cannot_shard_is_left_replicated(tmp_path):
     assert not sharded(plan, "colwise") and not sharded(plan, "rowwise")
     for i in range(2):
         assert "aten.unfold" in plan["replicated"][f"blocks.{i}.attn"]
+
+
+# -- the same rules without processes -----------------------------------------------------------------
+
+def test_sequence_parallel_refuses_blocks_it_cannot_split():
+    pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the MultiheadAttention warnings
+        with pytest.raises(ValueError, match=r"'model\.transformer\.encoder\.layers\.0' \(TransformerEncoderLayer\) "
+                                             r"holds column-wise layers but sits directly in ModuleList"):
+            build_plan(DemoTransformer(), 2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"'model\.bert\.encoder\.layer\.0' \(BertLayer\) holds column-wise layers"):
+        build_plan(HFLM("bert"), 2, sequence_parallel=True)
+
+    class Block(nn.Module):  # a per-token projection after the attention, inside the block
+        def __init__(self):
+            super().__init__()
+            self.ln, self.attn, self.extra = nn.LayerNorm(WIDTH), TemperedAttention(), nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x):
+            return x + self.extra(self.attn(self.ln(x)))
+
+    model = nn.ModuleDict({"blocks": nn.ModuleList([Block(), Block()])})
+    assert build_plan(model, 2).styles["blocks.0.attn"] == "prepare" and "blocks.0.extra" not in build_plan(model, 2).styles
+    with pytest.raises(ValueError, match=r"'blocks\.0\.extra' \(Linear\) sits in the block 'blocks\.0' beside its "
+                                         r"attention / MLP but is neither one of them nor a norm.*sequence_parallel=False"):
+        build_plan(model, 2, sequence_parallel=True)
+
+
+def test_pairs_are_read_from_dataflow_where_a_block_can_be_run():
+    pytest.importorskip("transformers")
+    from lightning_par.tensor.plan import auto_plan
+    from lightning_par.tensor.trace import traced_roles
+
+    bert = HFLM("bert")
+    # by shapes alone, BERT's square query, key, value look like a column pair with value as its row
+    assert auto_plan(bert).styles["model.bert.encoder.layer.0.attention.self.value"] == "rowwise"
+    roles = traced_roles(bert)
+    assert set(roles) == {"model.bert.encoder.layer.0", "model.bert.encoder.layer.1"}
+    assert roles["model.bert.encoder.layer.1"] == {
+        **{f"model.bert.encoder.layer.1.attention.self.{n}": "col" for n in ("query", "key", "value")},
+        "model.bert.encoder.layer.1.attention.output.dense": "row",
+        "model.bert.encoder.layer.1.intermediate.dense": "col", "model.bert.encoder.layer.1.output.dense": "row"}
+    # the MLM head after the stack is traced nowhere: it keeps the shape rule (no pair there)
+    assert not any(n.startswith("model.cls") for n in build_plan(bert, 2).styles)
+
+
+def test_attention_mask_placement_follows_the_heads():
+    from types import SimpleNamespace as Spec
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from lightning_par.tensor.attention import _head_split_mask
+
+    assert _head_split_mask(None) == []
+    assert _head_split_mask(Spec(shape=(2, 1, 16, 16), placements=(Replicate(),))) == [Replicate()]  # broadcasts
+    assert _head_split_mask(Spec(shape=(16, 16), placements=(Replicate(),))) == [Replicate()]
+    assert _head_split_mask(Spec(shape=(1, 4, 16, 16), placements=(Shard(1),))) == [Shard(1)]
+    assert _head_split_mask(Spec(shape=(4, 16, 16), placements=(Shard(0),))) == [Shard(0)]
+    # a head dim not split like the heads: the split option is not offered (a keyword is never redistributed)
+    assert _head_split_mask(Spec(shape=(1, 4, 16, 16), placements=(Replicate(),))) is None
+
+
+def test_setup_check_leaves_a_failing_region_replicated_with_a_warning():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_par.tensor.probe import check_regions
+
+    # a one-rank process group is enough: DTensor dispatch (and its missing rule) is the same on one rank
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        model = UserLM(WindowAttention)
+        plan = build_plan(model, 1)
+        assert plan.styles["blocks.0.attn"] == "prepare" and plan.islands == {}
+        with pytest.warns(UserWarning, match=r"'blocks\.0\.attn', 'blocks\.1\.attn' \(WindowAttention\) left replicated: "
+                                             r"running it sharded on a copy at setup, the sharded module raised "
+                                             r"NotImplementedError: Operator aten\.unfold"):
+            check_regions(model, plan, mesh)
+        assert not plan.sharded() and "blocks.0.attn" not in plan.styles
+        good = UserLM()
+        plan = check_regions(good, build_plan(good, 1), mesh)
+        assert plan.checked == {"blocks.0.attn": MATCHES, "blocks.1.attn": MATCHES}
+    finally:
+        dist.destroy_process_group()
