@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lightning_par.tensor.attention import SplitAttentionMasks
 from lightning_par.tensor.fused import FusedColwiseParallel, register_fused_rules
-from lightning_par.tensor.plan import BLOCK, FUSED, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan
+from lightning_par.tensor.plan import BLOCK, FUSED, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan, under
 
 
 class PrepareBlockInput(ParallelStyle):
@@ -271,9 +271,8 @@ def _replicate_region_params(module: nn.Module, plan: TensorPlan, mesh: DeviceMe
         counts[id(p)] = counts.get(id(p), 0) + 1
     sharded = set(plan.sharded()) | {n for n, s in plan.styles.items() if s in (VOCAB_HEAD, VOCAB_EMBEDDING)}
     for name, m in module.named_modules():
-        if name in sharded or name in plan.islands or (plan.styles.get(name) != PREPARE and plan.region_of(name) is None):
-            continue
-        if plan.region_of(name) is not None and any(name.startswith(i + ".") for i in plan.islands):
+        in_region = plan.styles.get(name) == PREPARE or plan.region_of(name) is not None
+        if not in_region or name in sharded or name in plan.islands or under(name, plan.islands):
             continue
         for attr, p in list(m.named_parameters(recurse=False)):
             if not isinstance(p, DTensor) and counts[id(p)] == 1:

@@ -360,8 +360,9 @@ def add_loss_parallel(plan: TensorPlan, module: nn.Module, tp_size: int) -> Tens
 
 def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> TensorPlan:
-    """Add ``prepare`` for the region of every column-wise layer (:func:`_region_for`), leave ``nn.MultiheadAttention`` (and anything
-    inside it) replicated, and check that every sharded dimension and head count divides by ``tp_size``.
+    """Add ``prepare`` for the region of every column-wise layer (:func:`_region_for`), leave
+    ``nn.MultiheadAttention`` (and anything inside it) replicated, add the islands (:func:`add_islands`), and
+    check that every sharded dimension and head count divides by ``tp_size``.
 
     [Note: prepare the block input once]
     Column-wise layers that read the same input (q, k, v; gate, up) each turn their replicated input into a
@@ -380,11 +381,9 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
                                   "go to a functional kernel; the whole module is left replicated.", stacklevel=3)
         warnings.warn(f"tensor parallel: nn.MultiheadAttention {mha!r} is left replicated (its fused in_proj_weight "
                       "and out_proj.weight are used by a functional kernel, not by calling submodules).", stacklevel=3)
-    holds_row = set()  # every module with a row-wise layer below it
-    for name, style in plan.styles.items():
-        while style == "rowwise" and name:
-            name = name.rpartition(".")[0]
-            holds_row.add(name)
+    holds_row = _ancestors(n for n, s in plan.styles.items() if s == "rowwise")
+    stacks = {n for n, m in modules.items() if _is_container(m)}
+    holds_stack = stacks | _ancestors(stacks)  # a region never spans a stack of blocks
     for name, style in list(plan.styles.items()):
         if name not in modules:
             raise ValueError(f"plan entry {name!r} names no module.")
@@ -393,13 +392,14 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
                 _check_fused(name, modules[name], plan.parts[name], tp_size)
             else:
                 _check_shardable(name, modules[name], style, tp_size)
-            region = _region_for(name, modules, holds_row)
+            region = _region_for(name, modules, holds_row, holds_stack)
             if style in _COLUMN and region and plan.styles.get(region) is None:
                 plan.styles[region] = PREPARE
-    for name, style in plan.styles.items():
-        if style == PREPARE:
-            _check_heads(name, modules[name], tp_size)
     add_islands(plan, module)
+    for name in modules:  # every region and what runs sharded in it (BERT keeps its head count one level down)
+        if plan.styles.get(name) == PREPARE or (plan.region_of(name) is not None and name not in plan.islands
+                                                 and not under(name, plan.islands)):
+            _check_heads(name, modules[name], tp_size)
     if sequence_parallel:
         add_sequence_parallel(plan, module)
     if loss_parallel:
@@ -409,17 +409,37 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
     return plan
 
 
-def _region_for(column: str, modules: dict, holds_row: set) -> str:
-    """The region of a column-wise layer: its nearest callable ancestor that also holds a row-wise layer (the
-    pair's smallest common module: the parent when both are its children, BERT's ``attention`` for ``self.query``
-    and ``output.dense``), else its parent; ``""`` (none) at the root."""
+def _region_for(column: str, modules: dict, holds_row: set, holds_stack: set) -> str:
+    """The region of a column-wise layer: its nearest ancestor that also holds a row-wise layer (the pair's
+    smallest common module: the parent when both are its children, BERT's ``attention`` for ``self.query`` and
+    ``output.dense``), never one holding a block stack or container; else its parent (``""``: none)."""
     name = column
     while name:
         name = name.rpartition(".")[0]
-        if name in holds_row and not isinstance(modules[name], _NOT_A_BLOCK):
+        if name in holds_stack:
+            break
+        if name in holds_row:
             return name
     parent = column.rpartition(".")[0]
     return parent if parent and not isinstance(modules[parent], _NOT_A_BLOCK) else ""
+
+
+def _is_container(m: nn.Module) -> bool:
+    """A ModuleList / ModuleDict, or a Sequential of two or more modules of one class (a stack of blocks)."""
+    return isinstance(m, _NOT_A_BLOCK) or (isinstance(m, nn.Sequential) and len(m) >= 2
+                                            and len({type(c) for c in m}) == 1)
+
+
+def _ancestors(names) -> set[str]:
+    """Every proper ancestor of the modules ``names`` (``""``, the root, included)."""
+    found = set()
+    for name in names:
+        while name:
+            name = name.rpartition(".")[0]
+            if name in found:
+                break
+            found.add(name)
+    return found
 
 
 def add_islands(plan: TensorPlan, module: nn.Module) -> TensorPlan:
@@ -431,8 +451,8 @@ def add_islands(plan: TensorPlan, module: nn.Module) -> TensorPlan:
     a replicated nn.MultiheadAttention or LayerNorm beside a sharded FFN (nn.TransformerEncoderLayer), or a
     row-wise ``value`` whose plain output meets head-sharded q and k in attention (BERT), mix plain tensors
     and DTensors, and DTensor refuses the mix ("got mixed torch.Tensor and DTensor") when the backward
-    pass, outside the module's call, reaches them. So every region (a ``prepare`` module: the parent of
-    column-wise children) holds one layout throughout: its inputs enter as DTensors, every sharded module
+    pass, outside the module's call, reaches them. So every region (a ``prepare`` module: the smallest one
+    holding a column-wise layer and its row-wise partner) holds one layout throughout: its inputs enter as DTensors, every sharded module
     in it hands DTensors on (row-wise ones too), each module left replicated in it is an island (plain
     inside, its outputs replicated DTensors again), parameters the region's own code uses directly become
     replicated DTensors, and only the region's outputs leave as plain tensors. Backward runs under
@@ -441,15 +461,11 @@ def add_islands(plan: TensorPlan, module: nn.Module) -> TensorPlan:
     """
     modules = dict(module.named_modules())
     busy = {n for n, s in plan.styles.items() if s not in (None, "replicate")}
-    holds_busy = {n.rpartition(".")[0] for n in busy}  # every ancestor of a sharded module (or a region)
-    for n in list(holds_busy):
-        while n:
-            n = n.rpartition(".")[0]
-            holds_busy.add(n)
+    holds_busy = _ancestors(busy)  # every ancestor of a sharded module (or a region)
     plan.islands = {}
     for name, m in modules.items():  # parents come before their children
         region = plan.region_of(name)
-        if region is None or name in busy or name in holds_busy or _has_ancestor(name, plan.islands):
+        if region is None or name in busy or name in holds_busy or under(name, plan.islands):
             continue
         if any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
             plan.islands[name] = region
@@ -457,7 +473,8 @@ def add_islands(plan: TensorPlan, module: nn.Module) -> TensorPlan:
     return plan
 
 
-def _has_ancestor(name: str, names) -> bool:
+def under(name: str, names) -> bool:
+    """Whether an ancestor of module ``name`` is in ``names``."""
     while name:
         name = name.rpartition(".")[0]
         if name in names:

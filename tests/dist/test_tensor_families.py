@@ -256,6 +256,10 @@ def test_pairs_are_read_from_dataflow_where_a_block_can_be_run():
         "model.bert.encoder.layer.1.intermediate.dense": "col", "model.bert.encoder.layer.1.output.dense": "row"}
     # the MLM head after the stack is traced nowhere: it keeps the shape rule (no pair there)
     assert not any(n.startswith("model.cls") for n in build_plan(bert, 2).styles)
+    # the region is BertAttention; the head count it splits is kept by its child, and is checked there
+    with pytest.raises(ValueError, match=r"'model\.bert\.encoder\.layer\.0\.attention\.self' \(BertSelfAttention\) "
+                                         r"has num_attention_heads=4, which is not divisible by tensor_parallel_size=8"):
+        build_plan(bert, 8)
 
 
 def test_attention_mask_placement_follows_the_heads():
