@@ -102,11 +102,36 @@ class WindowAttention(TemperedAttention):
         return self.o(torch.einsum("bhtw,bhtdw->bhtd", att, pad(v)).transpose(1, 2).reshape(B, T, C))
 
 
+class ShortConv(nn.Module):
+    """A causal depthwise convolution over the last few tokens, written with ``Tensor.unfold``."""
+
+    def __init__(self, d=WIDTH, k=3):
+        super().__init__()
+        self.k, self.weight = k, nn.Parameter(torch.randn(k, d) / k)
+
+    def forward(self, x):  # (B, T, C)
+        return torch.einsum("btck,kc->btc", F.pad(x, (0, 0, self.k - 1, 0)).unfold(1, self.k, 1), self.weight)
+
+
+class ConvMLP(nn.Module):
+    """An MLP with a short convolution beside it (as in Hyena- / RWKV-style blocks)."""
+
+    def __init__(self, d=WIDTH):
+        super().__init__()
+        self.fc, self.proj, self.conv = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), ShortConv(d)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x))) + self.conv(x)
+
+
 class UserLM(pl.LightningModule):
-    def __init__(self, attention=TemperedAttention):
+    def __init__(self, attention=TemperedAttention, shared_temperature=False, mlp=False):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(WIDTH), "attn": attention()}) for _ in range(2))
+        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(WIDTH), "attn": attention(),
+                                                   **({"mlp": ConvMLP()} if mlp else {})}) for _ in range(2))
+        if shared_temperature:  # one parameter every block's attention uses
+            self.blocks[1]["attn"].temperature = self.blocks[0]["attn"].temperature
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def training_step(self, batch, batch_idx):
@@ -114,6 +139,7 @@ class UserLM(pl.LightningModule):
         h = self.emb(inputs)
         for b in self.blocks:
             h = h + b["attn"](b["ln"](h))
+            h = h + b["mlp"](h) if "mlp" in b else h
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
     def configure_optimizers(self):
@@ -199,10 +225,24 @@ def test_hugging_face_t5_for_conditional_generation(tmp_path):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_attention_using_its_own_parameter_and_mask_buffer(tmp_path):
-    plan = run_pair(tmp_path, UserLM)
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
+def test_attention_using_its_own_parameter_and_mask_buffer(tmp_path, shared):
+    # its own temperature becomes a replicated DTensor; one shared by both blocks stays plain and its gradient,
+    # a DTensor from the regions' backward, is made plain again before the optimizer step
+    plan = run_pair(tmp_path, lambda: UserLM(shared_temperature=shared))
     assert sharded(plan, "colwise") == {f"blocks.{i}.attn.{n}" for i in range(2) for n in "qkv"}
     assert plan["checked"]["blocks.0.attn"] == MATCHES
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_replicated_module_inside_a_region_runs_on_plain_tensors(tmp_path):
+    # the convolution sits in the MLP's region but is not split: it runs on plain tensors, where Tensor.unfold
+    # (which DTensor has no rule for) works
+    plan = run_pair(tmp_path, lambda: UserLM(mlp=True))
+    for i in range(2):
+        assert plan["styles"][f"blocks.{i}.mlp.fc"] == "colwise" and plan["styles"][f"blocks.{i}.mlp.proj"] == "rowwise"
+        assert plan["islands"][f"blocks.{i}.mlp.conv"] == f"blocks.{i}.mlp"
+        assert plan["checked"][f"blocks.{i}.mlp"] == MATCHES
 
 
 @pytest.mark.timeout(TIMEOUT_S)
