@@ -210,8 +210,8 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
                 f"checkpoint into a fresh module (`{type(lm).__name__}.load_from_checkpoint(path)`)."
             )
         path, container = find_blocks(lm, self._blocks)
-        step = self._sample_step(lm)
-        with _rng_fork(self.root_device, True):  # [Note: block flow] in pipeline/flow.py
+        with _rng_fork(self.root_device, True):  # [Note: block flow] in pipeline/flow.py; the batch drawn too
+            step = self._sample_step(lm)  # (a shuffling sampler draws its seed from the global generator)
             flow = trace_flow(lm, path, container, step) if step is not None else None
         for warning in flow.warnings if flow is not None else ():
             rank_zero_warn(warning)
@@ -296,8 +296,8 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         return step
 
     def _profile_locally(self, lm, container):
-        step = self._sample_step(lm)
         with _rng_fork(self.root_device, True):
+            step = self._sample_step(lm)
             result = profile_step(container, lambda: _loss_of(step()), self.root_device, repeats=8)
         for p in lm.parameters():
             p.grad = None

@@ -29,10 +29,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par import checkpoint as ckpt
+from lightning_par.tensor.rules import restore_rules
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.tensor.mixed import (average_grads, install_clipping, install_scaler, reduce_partial_grads,
                                         split_step_by_kind)
-from lightning_par.tensor.parallelize import parallelize, to_plain
+from lightning_par.tensor.parallelize import backward_context, parallelize, register_rules, to_plain
 from lightning_par.tensor.plan import build_plan, check_user_plan
 from lightning_par.topology import Topology, keep_loader_on_one_process
 
@@ -176,6 +177,7 @@ class TensorParallelStrategy(RegisteredByName, DDPStrategy):
         # to the CPU, which swaps every DTensor parameter and fails when anything holds a weak reference to one).
         assert self.cluster_environment is not None and self.accelerator is not None
         self._restore_loader()
+        restore_rules()  # DTensor's propagator is process-global: no rule of ours outlives the run
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -183,6 +185,7 @@ class TensorParallelStrategy(RegisteredByName, DDPStrategy):
 
     def _parallelize(self) -> None:
         module = self.lightning_module
+        register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
         if getattr(module, "_lp_tensor_parallel", None) is not None:
             self._plan = module._lp_tensor_parallel
             return
@@ -245,11 +248,7 @@ class TensorParallelStrategy(RegisteredByName, DDPStrategy):
         return self._step("predict_step", *args, **kwargs)
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
-        if not self._loss_parallel:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        with loss_parallel():
+        with backward_context(loss_parallel=self._loss_parallel):  # see [Note: one layout per region]
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):

@@ -9,7 +9,11 @@ replicated; one with a row per head is sharded with them (:func:`mask_placement`
 head-sharded q, k, v on each, checked by propagating fake specs (tests/unit/test_attention_rules.py):
 
 - ``_scaled_dot_product_flash_attention_for_cpu`` (+ backward), the CPU kernel: DTensor has no strategy
-  at all; the rules here are registered for it.
+  at all; the rules here are registered for it. Its mask is a keyword argument, and DTensor never
+  redistributes keyword arguments: the rules offer only layouts that keep the mask where it is (a mask
+  with a row per head is split before the call by :class:`SplitAttentionMasks`; one still replicated
+  there makes q, k and v gather), and the all-replicated option only for a replicated mask (offered
+  beside a split one, torch reports the re-sharded output's strides wrongly and a later ``.view`` fails).
 - ``_scaled_dot_product_flash_attention`` (+ backward), CUDA: torch's strategy shards by head; the kernel
   takes no mask. Nothing is added.
 - ``_scaled_dot_product_efficient_attention`` (+ backward), CUDA: torch's strategy shards by head and the
@@ -38,11 +42,10 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from lightning_par.tensor.rules import only_spec, wrap_strategy
+from lightning_par.tensor.rules import install_strategy, only_spec, remember, restore_rules, wrap_strategy
 
 HEADS = Shard(1)  # (B, H, L, E)
 _registered = False
-_saved: dict = {}  # op -> (DTensor's strategy before ours or None, its schema info, ours)
 
 #: ``(output placements, input placements)`` alternatives, as ``register_sharding`` takes them.
 Shardings = list[tuple[list, list]]
@@ -61,10 +64,24 @@ def mask_placement(mask, heads: int):
     """
     if mask is None:
         return None
-    head_dim = len(mask.shape) - 3
-    if head_dim < 0 or mask.shape[head_dim] == 1 or heads == 1:
-        return Replicate()
-    return Shard(head_dim)
+    head_dim = head_dim_of_mask(tuple(mask.shape))
+    return Replicate() if head_dim is None or heads == 1 else Shard(head_dim)
+
+
+def head_dim_of_mask(shape) -> int | None:
+    """The dim of an attention mask that lines up with the heads of ``(B, H, L, S)`` (masks broadcast from the
+    right), or ``None`` when the mask has no such dim or size 1 there (it broadcasts over heads)."""
+    return len(shape) - 3 if len(shape) >= 3 and shape[-3] > 1 else None
+
+
+def _keyword_mask_options(mask, heads: int) -> tuple[bool, bool]:
+    """Whether the all-replicated and the head-split alternatives may be offered for a keyword ``mask``
+    (see the CPU kernel in [Note: attention kernels under head parallelism]): each only where the mask already
+    has the placement that alternative gives it. Specs without placements (the unit tests' shapes) allow both."""
+    current = tuple(getattr(mask, "placements", ())) if mask is not None else ()
+    if mask is None or not current:
+        return True, True
+    return current == (Replicate(),), current == (mask_placement(mask, heads),)
 
 
 def _inputs(args: Sequence, placements: dict[int, object]) -> list:
@@ -80,7 +97,9 @@ def cpu_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=
     The keyword ``attn_mask`` counts after the positional arguments (as DTensor orders them)."""
     args = (query, key, value, dropout_p, is_causal, attn_mask)
     heads = {0: HEADS, 1: HEADS, 2: HEADS, 5: mask_placement(attn_mask, query.shape[1])}
-    return [([Replicate()] * 2, _inputs(args, {})), ([HEADS] * 2, _inputs(args, heads))]
+    replicated, split = _keyword_mask_options(attn_mask, query.shape[1])
+    return ([([Replicate()] * 2, _inputs(args, {}))] if replicated else []) + \
+        ([([HEADS] * 2, _inputs(args, heads))] if split else [])
 
 
 def cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
@@ -88,7 +107,9 @@ def cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_caus
     """``_scaled_dot_product_flash_attention_for_cpu_backward`` → ``(grad_q, grad_k, grad_v)``."""
     args = (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask)
     heads = {**dict.fromkeys(range(6), HEADS), 8: mask_placement(attn_mask, query.shape[1])}
-    return [([Replicate()] * 3, _inputs(args, {})), ([HEADS] * 3, _inputs(args, heads))]
+    replicated, split = _keyword_mask_options(attn_mask, query.shape[1])
+    return ([([Replicate()] * 3, _inputs(args, {}))] if replicated else []) + \
+        ([([HEADS] * 3, _inputs(args, heads))] if split else [])
 
 
 def cudnn_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
@@ -151,51 +172,37 @@ def rules() -> dict:
 
 
 def register_attention_rules() -> None:
-    """Register the KV-cache and attention-kernel rules once per process (idempotent); undone by
-    :func:`unregister_attention_rules`."""
+    """Register the KV-cache and attention-kernel rules once per process (idempotent); undone, with every
+    other rule of ours, by :func:`.rules.restore_rules`."""
     global _registered
     if _registered:
         return
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.experimental import register_sharding
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    aten = torch.ops.aten
-    todo = [(aten.cat.default, None)] + list(rules().items())
-    before = {op: (prop.op_strategy_funcs.get(op), prop.op_to_schema_info.get(op)) for op, _ in todo}
-    wrap_strategy(aten.cat.default, _cat_onto_empty)
+    remember(_forget_registration)
+    wrap_strategy(torch.ops.aten.cat.default, _cat_onto_empty)
     for op, rule in rules().items():
-        if before[op][0] is None:  # no strategy in DTensor (the CPU kernel): ours is the only one
-            register_sharding(op)(rule)
+        strategy = lambda op_schema, rule=rule: _strategy(rule, op_schema)  # noqa: E731
+        if prop.op_strategy_funcs.get(op) is None:  # no strategy in DTensor (the CPU kernel): ours is the only one
+            # [Note: keyword masks in the sharding cache] DTensor caches a decision by the arguments its
+            # schema info names; naming no keyword, a call with a split ``attn_mask`` would reuse the decision
+            # made for a replicated one (same q, k, v): the mask and the scale are part of the key.
+            install_strategy(op, strategy, RuntimeSchemaInfo(static_argnum=100, static_kwargkey=["attn_mask", "scale"],
+                                                             needs_pytree=True))
         else:  # ours answers its case, torch's every other
-            wrap_strategy(op, lambda op_schema, rule=rule: _strategy(rule, op_schema))
-    for op, (func, info) in before.items():
-        if prop.op_strategy_funcs.get(op) is not func:
-            _saved[op] = (func, info, prop.op_strategy_funcs[op])
-    prop.propagate_op_sharding.cache_clear()
+            wrap_strategy(op, strategy)
     _registered = True
 
 
-def unregister_attention_rules() -> None:
-    """Give DTensor back the strategies :func:`register_attention_rules` replaced (where nothing was put in
-    front of ours since)."""
+def _forget_registration() -> None:
     global _registered
-    from torch.distributed.tensor import DTensor
-
-    prop = DTensor._op_dispatcher.sharding_propagator
-    for op, (func, info, ours) in list(_saved.items()):
-        if prop.op_strategy_funcs.get(op) is not ours:
-            continue  # another rule wraps ours: leave both
-        if func is None:
-            del prop.op_strategy_funcs[op]
-            prop.op_to_schema_info.pop(op, None)
-        else:
-            prop.op_strategy_funcs[op] = func
-            if info is not None:
-                prop.op_to_schema_info[op] = info
-        del _saved[op]
-    prop.propagate_op_sharding.cache_clear()
     _registered = False
+
+
+#: Give DTensor back every strategy the rules here (and the other rules of ours) replaced.
+unregister_attention_rules = restore_rules
 
 
 def _cat_onto_empty(op_schema):
@@ -222,3 +229,39 @@ def _cat_onto_empty(op_schema):
     inputs = [DTensorSpec(mesh, (Replicate(),), tensor_meta=s.tensor_meta) if e else s for s, e in zip(specs, empty)]
     return OpStrategy([OpSpec(output_specs=DTensorSpec(mesh, placements), input_specs=tuple(inputs),
                               redistribute_cost=[generate_redistribute_costs(c, i) for c, i in zip(children, inputs)])])
+
+
+class SplitAttentionMasks(torch.overrides.TorchFunctionMode):
+    """Active while a region runs (:class:`~lightning_par.tensor.parallelize.PrepareBlockInput`): before
+    ``F.scaled_dot_product_attention`` with head-split q, a mask with a head dim (T5's position bias, a plain
+    tensor the region built or a replicated DTensor) is split by head too, differentiably, so the kernel runs on
+    each rank's heads (see the top of this module: DTensor would not split it, a keyword argument)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            args, kwargs = _split_mask(list(args), kwargs)
+        return func(*args, **kwargs)
+
+
+def _split_mask(args: list, kwargs: dict):
+    from torch.distributed.tensor import DTensor
+
+    query = args[0] if args else kwargs.get("query")
+    in_args = len(args) > 3
+    mask = args[3] if in_args else kwargs.get("attn_mask")
+    if not isinstance(query, DTensor) or tuple(query.placements) != (Shard(1),) or not isinstance(mask, torch.Tensor):
+        return args, kwargs
+    d = head_dim_of_mask(tuple(mask.shape))
+    if d is None or (isinstance(mask, DTensor) and tuple(mask.placements) == (Shard(d),)):
+        return args, kwargs
+    if not isinstance(mask, DTensor):
+        mask = DTensor.from_local(mask, query.device_mesh, (Replicate(),), run_check=False)
+    if tuple(mask.placements) != (Replicate(),):
+        return args, kwargs  # some other layout: left to the rule (which then gathers)
+    mask = mask.redistribute(query.device_mesh, (Shard(d),))
+    if in_args:
+        args[3] = mask
+    else:
+        kwargs["attn_mask"] = mask
+    return args, kwargs

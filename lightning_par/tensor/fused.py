@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_par.tensor.rules import only_spec, wrap_strategy
+from lightning_par.tensor.rules import only_spec, remember, wrap_strategy
 from lightning_par.tensor.transposed import ColwiseParallel, output_dim
 
 _registered = False
@@ -79,12 +79,19 @@ def register_fused_rules() -> None:
     aten = torch.ops.aten
     prop = DTensor._op_dispatcher.sharding_propagator
     adjusters = getattr(prop, "op_to_scalar_shape_adjuster", None)
+    remember(_forget_registration)
     for op in (aten.split.Tensor, aten.split_with_sizes.default):
         # the split sizes are global; the op runs on the local parts, so they are rewritten to local ones
         if adjusters is not None and op not in adjusters and wrap_strategy(op, _split_parts):
             adjusters[op] = _local_split_sizes
+            remember(lambda op=op: adjusters.pop(op, None))
     wrap_strategy(aten.cat.default, _cat_parts)
     _registered = True
+
+
+def _forget_registration() -> None:
+    global _registered
+    _registered = False
 
 
 def _parts_split(spec, args) -> tuple[int, int] | None:

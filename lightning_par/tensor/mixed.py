@@ -134,17 +134,23 @@ def reduce_partial_grads(parameters: Iterable[torch.Tensor], group) -> int:
     """Turn ``Partial(sum)`` DTensor gradients into their parameter's placement with one all-reduce for all.
 
     Under sequence parallelism a replicated norm weight sees only this rank's part of the sequence, so its
-    gradient comes out of backward as a partial sum over the tensor-parallel ranks. Returns how many were
-    reduced.
+    gradient comes out of backward as a partial sum over the tensor-parallel ranks. A plain parameter that a
+    region's code used directly (not through its module) gets a DTensor gradient, computed under implicit
+    replication (see [Note: one layout per region]); it becomes the plain full gradient. Returns how many
+    gradients were changed.
     """
+    parameters = list(parameters)
+    plain = [p for p in parameters if isinstance(p.grad, DTensor) and not isinstance(p, DTensor)]
+    for p in plain:
+        p.grad = p.grad.full_tensor()
     pending = [p for p in parameters if isinstance(p.grad, DTensor)
                and any(pl.is_partial() for pl in p.grad.placements)]
     if not pending:
-        return 0
+        return len(plain)
     if any(getattr(pl, "reduce_op", "sum") != "sum" for p in pending for pl in p.grad.placements if pl.is_partial()):
         for p in pending:  # not a sum: let DTensor do it one by one
             p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
-        return len(pending)
+        return len(plain) + len(pending)
     locals_ = [p.grad.to_local() for p in pending]
     flat = torch.cat([g.reshape(-1) for g in locals_])
     dist.all_reduce(flat, group=group)
@@ -153,7 +159,7 @@ def reduce_partial_grads(parameters: Iterable[torch.Tensor], group) -> int:
         chunk = flat[offset : offset + g.numel()].view_as(g)
         offset += g.numel()
         p.grad = DTensor.from_local(chunk, p.grad.device_mesh, p.placements, run_check=False)
-    return len(pending)
+    return len(plain) + len(pending)
 
 
 def average_grads(parameters: Iterable[torch.Tensor], group, size: int) -> None:

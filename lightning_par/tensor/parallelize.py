@@ -14,9 +14,12 @@ Style by style (plan name → torch style):
 - ``vocab_head`` / ``vocab_embedding`` → vocabulary-sharded logits / embedding (``loss_parallel=True``);
   a weight the two share is tied again after sharding.
 - ``replicate`` → nothing: parameters stay plain tensors (see :mod:`.mixed` for what that implies).
+- an island (``TensorPlan.islands``) → :class:`ReplicatedIsland`: a module left replicated inside a region
+  runs on plain tensors (see [Note: one layout per region]).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -26,8 +29,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from lightning_par.tensor.attention import SplitAttentionMasks
 from lightning_par.tensor.fused import FusedColwiseParallel, register_fused_rules
-from lightning_par.tensor.plan import BLOCK, FUSED, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan
+from lightning_par.tensor.plan import BLOCK, FUSED, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan, under
 # torch's styles, which also split transposed linear layers (GPT-2's Conv1D)
 from lightning_par.tensor.transposed import ColwiseParallel, RowwiseParallel
 
@@ -53,8 +57,8 @@ class PrepareBlockInput(ParallelStyle):
 
         @functools.wraps(inner)
         def forward(*args, **kwargs):
-            from torch.distributed.tensor.experimental import implicit_replication
-
+            # a region inside a region hands its outputs on as DTensors (see [Note: one layout per region])
+            nested = _has_dtensor(args[:1] or kwargs.get("hidden_states"))
             if args:
                 args = (_enter(args[0], device_mesh, layout), *_replicate(args[1:], device_mesh))
                 kwargs = _replicate(kwargs, device_mesh)
@@ -63,14 +67,72 @@ class PrepareBlockInput(ParallelStyle):
                     (k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
                 kwargs = {k: (_enter(v, device_mesh, layout) if k == key else _replicate(v, device_mesh))
                           for k, v in kwargs.items()}
-            with implicit_replication():  # tensors the module creates itself count as replicated
+            # tensors the module creates itself count as replicated; attention masks follow the heads' split
+            with implicit_replication(), SplitAttentionMasks():
                 out = inner(*args, **kwargs)
             # under sequence parallelism the output stays a sequence-sharded DTensor for the residual stream
-            return out if keep_dtensor else to_plain(out)
+            return out if keep_dtensor or nested else to_plain(out)
 
         module.forward = forward
         module._lp_prepared = True
         return module
+
+
+class ReplicatedIsland(ParallelStyle):
+    """A module left replicated inside a region: called with DTensors, it runs on their full plain tensors
+    and hands its tensor outputs back as replicated DTensors; called with plain tensors (from outside any
+    region), it is untouched. Its parameters stay plain."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if getattr(module, "_lp_island", False):
+            return module
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            if not _has_dtensor((args, kwargs)):
+                return inner(*args, **kwargs)
+            return _replicate(inner(*to_plain(args), **to_plain(kwargs)), device_mesh)
+
+        module.forward = forward
+        module._lp_island = True
+        return module
+
+
+@contextlib.contextmanager
+def implicit_replication():
+    """torch's ``implicit_replication`` (plain tensors meeting DTensors count as replicated), but restoring the
+    previous setting on exit, so that it nests (a region inside a region, backward inside a step)."""
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = before
+
+
+@contextlib.contextmanager
+def backward_context(*, loss_parallel: bool = False):
+    """What a tensor-parallel backward runs under: implicit replication (constants a region's code made are
+    replicated, see [Note: one layout per region]) and, with ``loss_parallel``, torch's ``loss_parallel()``."""
+    with contextlib.ExitStack() as stack:
+        if loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel
+
+            stack.enter_context(_loss_parallel())
+        stack.enter_context(implicit_replication())
+        yield
+
+
+def _has_dtensor(obj) -> bool:
+    if isinstance(obj, DTensor):
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any(_has_dtensor(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(_has_dtensor(o) for o in obj.values())
+    return False
 
 
 def _enter(x, mesh, layout):
@@ -154,9 +216,9 @@ def torch_styles(plan: TensorPlan, *, sequence_parallel: bool = False) -> dict[s
             out[name] = ColwiseParallel(use_local_output=False)
         elif style == FUSED:
             out[name] = FusedColwiseParallel(plan.parts[name])
-        elif style == "rowwise":
+        elif style == "rowwise":  # inside a region the output stays a DTensor ([Note: one layout per region])
             out[name] = RowwiseParallel(input_layouts=Shard(-1), output_layouts=seq if sequence_parallel else Replicate(),
-                                        use_local_output=not sequence_parallel)
+                                        use_local_output=not sequence_parallel and plan.region_of(name) is None)
         elif style == PREPARE:
             out[name] = PrepareBlockInput(input_layout=seq if sequence_parallel else Replicate())
         elif style == "sequence":
@@ -168,15 +230,30 @@ def torch_styles(plan: TensorPlan, *, sequence_parallel: bool = False) -> dict[s
             out[name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         elif style == VOCAB_EMBEDDING:  # each rank looks up its vocabulary rows, then all-reduce
             out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    for name in plan.islands:
+        out[name] = ReplicatedIsland()
     return out
 
 
-def parallelize(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
-    """Apply ``plan`` in place (parents before children) and return ``module``."""
+def register_rules() -> None:
+    """The sharding rules our plans need in DTensor's propagator (idempotent; :func:`.rules.restore_rules`
+    takes them out again): every setup calls it, also of a module parallelized by an earlier run."""
     from lightning_par.tensor.attention import register_attention_rules
 
     register_attention_rules()
     register_fused_rules()
+
+
+def parallelize(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
+                check: bool = True) -> nn.Module:
+    """Apply ``plan`` in place (parents before children) and return ``module``. With ``check``, every kind of
+    region is first tried on a copy (:func:`~lightning_par.tensor.probe.check_regions`); one that fails is
+    left replicated with a warning (``plan`` is updated)."""
+    from lightning_par.tensor.probe import check_regions
+
+    register_rules()
+    if check:
+        check_regions(module, plan, tp_mesh, sequence_parallel=sequence_parallel)
     styles = torch_styles(plan, sequence_parallel=sequence_parallel)
     ties = _ties(module, [n for n, s in plan.styles.items() if s in ("colwise", "rowwise", FUSED, VOCAB_HEAD, VOCAB_EMBEDDING)])
     for name, style in styles.items():
@@ -190,7 +267,26 @@ def parallelize(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, *, seq
             raise ValueError(f"{owner}.{attr} shares its weight with {src_owner}.{src_attr}, but the plan shards "
                              f"them differently; give both the same style or leave both replicated.")
         setattr(a, attr, getattr(b, src_attr))
+    _replicate_region_params(module, plan, tp_mesh)
     return module
+
+
+def _replicate_region_params(module: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
+    """Parameters that a region's own code uses directly (held by the region or by a module in it that is
+    neither sharded nor an island) become replicated DTensors ([Note: one layout per region]); a parameter
+    shared with a module elsewhere stays as it is (re-tying it would change the other module)."""
+    counts: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    sharded = set(plan.sharded()) | {n for n, s in plan.styles.items() if s in (VOCAB_HEAD, VOCAB_EMBEDDING)}
+    for name, m in module.named_modules():
+        in_region = plan.styles.get(name) == PREPARE or plan.region_of(name) is not None
+        if not in_region or name in sharded or name in plan.islands or under(name, plan.islands):
+            continue
+        for attr, p in list(m.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor) and counts[id(p)] == 1:
+                m.register_parameter(attr, nn.Parameter(DTensor.from_local(p.data, mesh, (Replicate(),), run_check=False),
+                                                        requires_grad=p.requires_grad))
 
 
 def _ties(module: nn.Module, sharded: list[str]) -> dict[tuple[str, str], tuple[str, str]]:

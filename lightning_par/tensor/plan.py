@@ -64,6 +64,21 @@ class TensorPlan:
     replicated: dict[str, str] = field(default_factory=dict)
     source: str = "auto"
     parts: dict[str, int] = field(default_factory=dict)  # fused projection -> how many outputs it fuses
+    # replicated module inside a region -> that region (see [Note: one layout per region])
+    islands: dict[str, str] = field(default_factory=dict)
+    checked: dict[str, str] = field(default_factory=dict)  # region -> what the setup check found (see .probe)
+
+    def regions(self) -> list[str]:
+        """Modules whose input enters as a DTensor and whose output leaves as plain tensors (``prepare``)."""
+        return [n for n, s in self.styles.items() if s == PREPARE]
+
+    def region_of(self, name: str) -> str | None:
+        """The innermost region holding ``name`` (not ``name`` itself), or ``None``."""
+        while name:
+            name = name.rpartition(".")[0]
+            if self.styles.get(name) == PREPARE:
+                return name
+        return None
 
     def sharded(self) -> dict[str, str]:
         return {n: s for n, s in self.styles.items() if s in _COLUMN + ("rowwise",)}
@@ -75,10 +90,14 @@ class TensorPlan:
             if style != "replicate":
                 parts = f" ({self.parts[name]} parts)" if name in self.parts else ""
                 lines.append(f"  {name or '<root>'}: {style}{parts}")
+        for name, region in sorted(self.islands.items(), key=lambda kv: _natural(kv[0])):
+            lines.append(f"  {name}: replicated inside {region!r} (runs on plain tensors)")
         for name, why in self.replicated.items():
             lines.append(f"  {name}: replicated ({why})")
+        for name, what in self.checked.items():
+            lines.append(f"  setup check of {name!r}: {what}")
         if module is not None:
-            covered = set(self.sharded())
+            covered = set(self.sharded()) | set(self.islands)
             rest = [n for n, m in module.named_modules() if n not in covered and n not in self.replicated
                     and any(True for _ in m.parameters(recurse=False))]
             if rest:
@@ -208,6 +227,23 @@ def auto_plan(module: nn.Module) -> TensorPlan:
     return plan
 
 
+def apply_traced_roles(plan: TensorPlan, module: nn.Module) -> TensorPlan:
+    """Replace the shape rule's styles by the dataflow's for every Linear a traced block called (see
+    [Note: pairs from dataflow] in :mod:`.trace`); a fused projection keeps its fused style."""
+    from lightning_par.tensor.trace import traced_roles
+
+    for roles in traced_roles(module).values():
+        for name, role in roles.items():
+            if role == "col":
+                plan.styles[name] = FUSED if plan.styles.get(name) == FUSED else "colwise"
+            elif role == "row":
+                plan.styles[name] = "rowwise"
+            else:
+                plan.styles.pop(name, None)
+                plan.parts.pop(name, None)
+    return plan
+
+
 def fused_projections(module: nn.Module) -> dict[str, tuple[str, str, int]]:
     """Parents whose first linear child writes ``k ≥ 2`` times what their last one reads (a fused q/k/v,
     like nanoGPT's and GPT-2's ``c_attn``/``c_proj``): ``{parent: (fused child, row child, k)}``.
@@ -313,8 +349,14 @@ def add_sequence_parallel(plan: TensorPlan, module: nn.Module) -> TensorPlan:
     in user code that the strategy does not rewrite, e.g. ``pos_emb(arange(T))`` added to the tokens).
     """
     modules = dict(module.named_modules())
-    blocks = sorted({n.rpartition(".")[0] for n, s in plan.styles.items() if s == PREPARE and "." in n},
-                    key=_natural)
+    for region in plan.regions():
+        parent = region.rpartition(".")[0]
+        if "." not in region or isinstance(modules[parent], _NOT_A_BLOCK):
+            raise ValueError(f"sequence_parallel=True: {region!r} ({type(modules[region]).__name__}) holds column-wise "
+                             f"layers but sits directly in {type(modules[parent]).__name__ if parent else 'the root'}, "
+                             f"not inside a block module that receives the residual stream; the sequence could not be "
+                             f"split at a block boundary. Use sequence_parallel=False for this model.")
+    blocks = sorted({n.rpartition(".")[0] for n in plan.regions()}, key=_natural)
     stacks: dict[str, list[str]] = {}
     for b in blocks:
         stacks.setdefault(b.rpartition(".")[0], []).append(b)
@@ -322,8 +364,15 @@ def add_sequence_parallel(plan: TensorPlan, module: nn.Module) -> TensorPlan:
         for b in members:
             plan.styles[b] = LAST_BLOCK if b == members[-1] else BLOCK
             for child_name, child in modules[b].named_children():
-                if is_norm(child) and plan.styles.get(f"{b}.{child_name}") in (None, "sequence"):
-                    plan.styles[f"{b}.{child_name}"] = "sequence"
+                name = f"{b}.{child_name}"
+                if is_norm(child) and plan.styles.get(name) in (None, "sequence"):
+                    plan.styles[name] = "sequence"
+                elif plan.styles.get(name) != PREPARE and any(True for _ in child.parameters()):
+                    # it would receive this rank's part of the sequence: only norms and regions know that
+                    raise ValueError(f"sequence_parallel=True: {name!r} ({type(child).__name__}) sits in the block "
+                                     f"{b!r} beside its attention / MLP but is neither one of them nor a norm, so it "
+                                     f"would receive a sequence-split input it was not written for. Use "
+                                     f"sequence_parallel=False for this model.")
     return plan
 
 
@@ -368,8 +417,9 @@ def add_loss_parallel(plan: TensorPlan, module: nn.Module, tp_size: int) -> Tens
 
 def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> TensorPlan:
-    """Add ``prepare`` for every parent of a column-wise child, leave ``nn.MultiheadAttention`` (and anything
-    inside it) replicated, and check that every sharded dimension and head count divides by ``tp_size``.
+    """Add ``prepare`` for the region of every column-wise layer (:func:`_region_for`), leave
+    ``nn.MultiheadAttention`` (and anything inside it) replicated, add the islands (:func:`add_islands`), and
+    check that every sharded dimension and head count divides by ``tp_size``.
 
     [Note: prepare the block input once]
     Column-wise layers that read the same input (q, k, v; gate, up) each turn their replicated input into a
@@ -388,6 +438,9 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
                                   "go to a functional kernel; the whole module is left replicated.", stacklevel=3)
         warnings.warn(f"tensor parallel: nn.MultiheadAttention {mha!r} is left replicated (its fused in_proj_weight "
                       "and out_proj.weight are used by a functional kernel, not by calling submodules).", stacklevel=3)
+    holds_row = _ancestors(n for n, s in plan.styles.items() if s == "rowwise")
+    stacks = {n for n, m in modules.items() if _is_container(m)}
+    holds_stack = stacks | _ancestors(stacks)  # a region never spans a stack of blocks
     for name, style in list(plan.styles.items()):
         if name not in modules:
             raise ValueError(f"plan entry {name!r} names no module.")
@@ -396,12 +449,13 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
                 _check_fused(name, modules[name], plan.parts[name], tp_size)
             else:
                 _check_shardable(name, modules[name], style, tp_size)
-            parent = name.rpartition(".")[0]
-            if style in _COLUMN and parent and parent in modules and plan.styles.get(parent) is None \
-                    and not isinstance(modules[parent], (nn.Sequential,) + _NOT_A_BLOCK):
-                plan.styles[parent] = PREPARE
-    for name, style in plan.styles.items():
-        if style == PREPARE:
+            region = _region_for(name, modules, holds_row, holds_stack)
+            if style in _COLUMN and region and plan.styles.get(region) is None:
+                plan.styles[region] = PREPARE
+    add_islands(plan, module)
+    for name in modules:  # every region and what runs sharded in it (BERT keeps its head count one level down)
+        if plan.styles.get(name) == PREPARE or (plan.region_of(name) is not None and name not in plan.islands
+                                                 and not under(name, plan.islands)):
             _check_heads(name, modules[name], tp_size)
     if sequence_parallel:
         add_sequence_parallel(plan, module)
@@ -410,6 +464,79 @@ def finalize(plan: TensorPlan, module: nn.Module, tp_size: int, sequence_paralle
     # parents first: parallelize_module applies them in this order
     plan.styles = dict(sorted(plan.styles.items(), key=lambda kv: (kv[0].count("."), kv[0])))
     return plan
+
+
+def _region_for(column: str, modules: dict, holds_row: set, holds_stack: set) -> str:
+    """The region of a column-wise layer: its nearest ancestor that also holds a row-wise layer (the pair's
+    smallest common module: the parent when both are its children, BERT's ``attention`` for ``self.query`` and
+    ``output.dense``), never one holding a block stack or container; else its parent (``""``: none)."""
+    name = column
+    while name:
+        name = name.rpartition(".")[0]
+        if name in holds_stack:
+            break
+        if name in holds_row:
+            return name
+    parent = column.rpartition(".")[0]
+    return parent if parent and not isinstance(modules[parent], _NOT_A_BLOCK) else ""
+
+
+def _is_container(m: nn.Module) -> bool:
+    """A ModuleList / ModuleDict, or a Sequential of two or more modules of one class (a stack of blocks)."""
+    return isinstance(m, _NOT_A_BLOCK) or (isinstance(m, nn.Sequential) and len(m) >= 2
+                                            and len({type(c) for c in m}) == 1)
+
+
+def _ancestors(names) -> set[str]:
+    """Every proper ancestor of the modules ``names`` (``""``, the root, included)."""
+    found = set()
+    for name in names:
+        while name:
+            name = name.rpartition(".")[0]
+            if name in found:
+                break
+            found.add(name)
+    return found
+
+
+def add_islands(plan: TensorPlan, module: nn.Module) -> TensorPlan:
+    """Inside every region, the topmost modules that hold parameters or buffers and nothing sharded become
+    islands: they run on plain tensors, entered and left as replicated DTensors.
+
+    [Note: one layout per region]
+    A sharded module's output must reach every consumer in a layout the consumer takes, in backward too:
+    a replicated nn.MultiheadAttention or LayerNorm beside a sharded FFN (nn.TransformerEncoderLayer), or a
+    row-wise ``value`` whose plain output meets head-sharded q and k in attention (BERT), mix plain tensors
+    and DTensors, and DTensor refuses the mix ("got mixed torch.Tensor and DTensor") when the backward
+    pass, outside the module's call, reaches them. So every region (a ``prepare`` module: the smallest one
+    holding a column-wise layer and its row-wise partner) holds one layout throughout: its inputs enter as DTensors, every sharded module
+    in it hands DTensors on (row-wise ones too), each module left replicated in it is an island (plain
+    inside, its outputs replicated DTensors again), parameters the region's own code uses directly become
+    replicated DTensors, and only the region's outputs leave as plain tensors. Backward runs under
+    implicit replication, so constants a region's code builds itself (masks, ``torch.arange``) count as
+    replicated there too. Whatever this does not foresee is caught at setup by :mod:`.probe`.
+    """
+    modules = dict(module.named_modules())
+    busy = {n for n, s in plan.styles.items() if s not in (None, "replicate")}
+    holds_busy = _ancestors(busy)  # every ancestor of a sharded module (or a region)
+    plan.islands = {}
+    for name, m in modules.items():  # parents come before their children
+        region = plan.region_of(name)
+        if region is None or name in busy or name in holds_busy or under(name, plan.islands):
+            continue
+        if any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
+            plan.islands[name] = region
+            plan.styles.pop(name, None)  # a user's "replicate" inside a region is an island
+    return plan
+
+
+def under(name: str, names) -> bool:
+    """Whether an ancestor of module ``name`` is in ``names``."""
+    while name:
+        name = name.rpartition(".")[0]
+        if name in names:
+            return True
+    return False
 
 
 def _check_shardable(name: str, m: nn.Module, style: str, t: int) -> None:
@@ -462,8 +589,8 @@ def _check_heads(name: str, m: nn.Module, t: int) -> None:
 
 def build_plan(module: nn.Module, tp_size: int, user: Mapping[str, str] | str = "auto",
                sequence_parallel: bool = False, loss_parallel: bool = False) -> TensorPlan:
-    """auto → Hugging Face plan (if any) → user globs → :func:`finalize`."""
-    plan = auto_plan(module)
+    """auto (shapes, then dataflow) → Hugging Face plan (if any) → user globs → :func:`finalize`."""
+    plan = apply_traced_roles(auto_plan(module), module)
     hf = hf_plan(module)
     if hf is not None:
         # A Hugging Face plan replaces what auto found inside that model.

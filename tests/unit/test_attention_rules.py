@@ -107,8 +107,8 @@ def kernel_calls(mesh, p, mask):
 def propagate(op, args, kwargs):
     from torch.distributed.tensor._op_schema import OpSchema
 
-    prop = DTensor._op_dispatcher.sharding_propagator
-    return prop.propagate_op_sharding(OpSchema(op, tuple(args), kwargs))
+    prop = DTensor._op_dispatcher.sharding_propagator  # the schema info as DTensor's dispatcher passes it
+    return prop.propagate_op_sharding(OpSchema(op, tuple(args), kwargs, schema_info=prop.op_to_schema_info.get(op)))
 
 
 def placements(output_spec):
@@ -123,6 +123,10 @@ EXPANDED_ONLY = (aten._scaled_dot_product_efficient_attention.default,
                  aten._scaled_dot_product_efficient_attention_backward.default)
 
 
+CPU_KERNELS = (aten._scaled_dot_product_flash_attention_for_cpu.default,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("p", [S, R], ids=["heads", "replicated"])
 def test_every_kernel_keeps_its_inputs_layout(mesh, p, mask):
@@ -131,6 +135,10 @@ def test_every_kernel_keeps_its_inputs_layout(mesh, p, mask):
     for op, (args, kwargs) in kernel_calls(mesh, p, m).items():
         if op in EXPANDED_ONLY and mask in ("broadcast", "2-D"):
             args = [spec(mesh, (B, H, L, L), R) if a is m else a for a in args]
+        if op in CPU_KERNELS and mask == "per-head" and p == S:
+            # the CPU kernel's mask is a keyword argument, which DTensor never redistributes: a mask with a row
+            # per head reaches it split with the heads (SplitAttentionMasks does that before the call)
+            kwargs = {"attn_mask": spec(mesh, MASKS[mask], S)}
         out = propagate(op, args, kwargs)
         got = placements(out.output_spec)
         assert got and all(x == p for x in got[:1]), (op, got)
@@ -170,3 +178,39 @@ def test_registrations_exist_for_every_kernel_and_are_given_back(mesh):
            {op: before.get(op) for op in cpu + cudnn + torch_only}
     with pytest.raises(AssertionError, match=r"input_specs\(3\) != strategies\(4"):
         propagate(fwd, *calls[fwd])  # what torch 2.13 does without the rule
+
+
+def test_cpu_kernel_never_needs_its_keyword_mask_moved(mesh):
+    """A per-head mask still replicated (not split before the call) cannot be split by DTensor (a keyword
+    argument): the rule then offers only the replicated layout, so q, k and v are gathered, never computed
+    against a mask with the wrong heads; a split mask offers only the split layout."""
+    register_attention_rules()
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = spec(mesh, (B, H, L, E), S)
+    whole = propagate(fwd, [q, q, q, 0.0, False], {"attn_mask": spec(mesh, (B, H, L, L), R)})
+    assert placements(whole.output_spec) == [R, R]
+    assert [a.placements[0] for a in whole.redistribute_schema.args_schema[:3]] == [R, R, R]
+    # the same q, k, v with the mask split: a decision of its own (DTensor's cache keys the keyword mask)
+    split = propagate(fwd, [q, q, q, 0.0, False], {"attn_mask": spec(mesh, (B, H, L, L), S)})
+    assert placements(split.output_spec) == [S, S]
+    assert cpu_forward(q, q, q, attn_mask=spec(mesh, (B, H, L, L), S)) == [([S, S], [S, S, S, None, None, S])]
+
+
+def test_every_rule_of_ours_is_taken_out_again(mesh):
+    """The strategy's teardown calls restore_rules: DTensor's strategies, schema infos and split-size adjusters
+    are then what they were before our first registration (fused split/cat rules and the KV-cache cat too)."""
+    from lightning_par.tensor.parallelize import register_rules
+    from lightning_par.tensor.rules import restore_rules
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    tables = lambda: (dict(prop.op_strategy_funcs), dict(prop.op_to_schema_info),  # noqa: E731
+                      dict(getattr(prop, "op_to_scalar_shape_adjuster", {})))
+    before = tables()
+    register_rules()
+    during = tables()
+    assert during[0][aten.cat.default] is not before[0][aten.cat.default]  # wrapped (KV cache, fused parts)
+    assert aten._scaled_dot_product_flash_attention_for_cpu.default in during[0]
+    restore_rules()
+    assert tables() == before
+    register_rules()  # a later run registers them again
+    assert aten._scaled_dot_product_flash_attention_for_cpu.default in prop.op_strategy_funcs

@@ -1,0 +1,185 @@
+"""The setup check of a tensor-parallel plan: every kind of region is run once, sharded, on a copy, before
+the real module is touched, and compared with the same copy unsharded.
+
+[Note: the region probe]
+The plan is built from the module tree alone; what a module's code does with its sharded outputs is only
+known by running it. A family nobody tried can still meet an op DTensor has no rule for, mix plain
+tensors and DTensors in a way [Note: one layout per region] does not foresee, or compute something else
+on shards than on the whole (a tensor built with a stored head count). So at setup, before the real module
+is parallelized, :func:`check_regions` takes one region of each kind (same class, parameter shapes and
+plan inside), copies it twice, shards one copy exactly as the plan would and runs both copies forward and
+backward on the same small random hidden state ``(2, 4, width)`` (and another for each further required
+positional input, such as a decoder layer's ``memory``) in eval mode (no dropout: the two runs must agree). The sharded copy must not raise and must give the same outputs, input gradient and parameter
+gradients as the whole one; otherwise every region of that kind is left replicated, with a warning that
+names it and says what failed. Under ``sequence_parallel=True`` a failure is refused instead (a replicated
+region cannot take a sequence-split residual stream). A region whose forward needs more than its hidden
+state (HF Llama's attention takes the rotary tables) cannot be called this way and is trusted; the plan
+says so (``TensorPlan.checked``). Every tensor-parallel rank runs the same check and the verdicts are
+agreed with one all-reduce, so all ranks keep the same plan.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_par.tensor.mixed import reduce_partial_grads
+from lightning_par.tensor.plan import FUSED, PREPARE, TensorPlan, add_islands
+from lightning_par.tensor.trace import required_positional
+
+PROBE_SHAPE = (2, 4)  # batch, sequence of the probe's hidden state
+_OK, _TRUSTED, _FAILED = 0, 1, 2
+
+
+def check_regions(module: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> TensorPlan:
+    """Run [Note: the region probe] on ``module`` (unchanged) and update ``plan`` in place; returns it."""
+    kinds: dict[tuple, list[str]] = {}
+    for region in plan.regions():
+        kinds.setdefault(_kind(module, plan, region), []).append(region)
+    if not kinds:
+        return plan
+    verdicts = [_probe(module, plan, regions[0], mesh) for regions in kinds.values()]
+    codes = torch.tensor([code for code, _ in verdicts], dtype=torch.int64, device=_device(module))
+    if mesh.size() > 1:
+        dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    for (code, what), agreed, regions in zip(verdicts, codes.tolist(), kinds.values()):
+        if agreed == _FAILED and code != _FAILED:
+            what = "failed on another tensor-parallel rank"
+        for region in regions:
+            plan.checked[region] = {_OK: "sharded copy matches the whole one", _TRUSTED: what}.get(agreed, what)
+        if agreed == _FAILED:
+            _leave_replicated(module, plan, regions, what, sequence_parallel)
+    add_islands(plan, module)  # a region left replicated inside another one is now an island of it
+    return plan
+
+
+def _kind(module: nn.Module, plan: TensorPlan, region: str) -> tuple:
+    m = module.get_submodule(region)
+    inside = lambda names: tuple(sorted((n[len(region):], s) for n, s in names.items()  # noqa: E731
+                                        if n.startswith(region + ".")))
+    return (type(m).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()),
+            inside(plan.styles), inside(plan.islands))
+
+
+def _sub_plan(plan: TensorPlan, region: str) -> TensorPlan:
+    """The part of ``plan`` inside ``region``, with names relative to it (the region itself is ``""``)."""
+    def rel(names):
+        return {n[len(region) + 1:]: v for n, v in names.items() if n.startswith(region + ".")}
+
+    sub = TensorPlan(styles={"": PREPARE, **rel(plan.styles)}, parts=rel(plan.parts), source=plan.source)
+    sub.islands = {n: (r[len(region) + 1:] if r != region else "") for n, r in rel(plan.islands).items()}
+    return sub
+
+
+def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -> tuple[int, str]:
+    from lightning_par.tensor.parallelize import parallelize
+
+    m = module.get_submodule(region)
+    sub = _sub_plan(plan, region)
+    first = next((n for n, s in sub.styles.items() if s in ("colwise", FUSED)), None)  # reads the region's input
+    weight = getattr(m.get_submodule(first), "weight", None) if first else None
+    width = getattr(m.get_submodule(first), "in_features", None) if first else None
+    if weight is None or not isinstance(width, int):
+        return _TRUSTED, "not checked (no input width found)"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*PROBE_SHAPE, width, generator=g).to(weight.device, weight.dtype)
+    # further required positional inputs (a decoder layer's ``memory``) get other random hidden states
+    extra = [torch.randn(*PROBE_SHAPE, width, generator=g).to(x) for _ in range(required_positional(m) - 1)]
+    try:
+        whole = _run(copy.deepcopy(m), x, extra)
+    except Exception as e:  # noqa: BLE001 -- any failure means "cannot be called with a hidden state alone"
+        return _TRUSTED, f"not checked (its forward needs more than a hidden state: {_first_line(e)})"
+    try:
+        sharded = parallelize(copy.deepcopy(m), sub, mesh, check=False)
+        got = _run(sharded, x, extra)
+    except Exception as e:  # noqa: BLE001 -- reported as the reason the region stays replicated
+        return _FAILED, f"the sharded module raised {_first_line(e)}"
+    return _compare(whole, got, weight.dtype)
+
+
+def _run(m: nn.Module, x: torch.Tensor, extra: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    from lightning_par.tensor.parallelize import backward_context, to_plain
+
+    m.eval()
+    x = x.clone().requires_grad_(True)
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        outputs = [t for t in _tensors(to_plain(m(x, *extra))) if t.is_floating_point()]
+    if not outputs:
+        raise ValueError("no floating-point output")
+    # a fixed random weighting of every output: each output element gets its own gradient
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in outputs)
+    with backward_context():
+        loss.backward()
+    if any(isinstance(p, DTensor) for p in m.parameters()):
+        mesh = next(p.device_mesh for p in m.parameters() if isinstance(p, DTensor))
+        reduce_partial_grads(m.parameters(), mesh.get_group())  # as the strategy does after backward
+    found = {f"output {i}": o.detach() for i, o in enumerate(outputs)}
+    found["input gradient"] = x.grad
+    for name, p in m.named_parameters():
+        if isinstance(p, DTensor) and p.grad is not None and not isinstance(p.grad, DTensor):
+            raise RuntimeError(f"the DTensor parameter {name} got a plain gradient")
+        found[f"gradient of {name}"] = None if p.grad is None else _full(p.grad)
+    return found
+
+
+def _compare(whole: dict, got: dict, dtype: torch.dtype) -> tuple[int, str]:
+    rtol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    for key, ref in whole.items():
+        mine = got.get(key)
+        if ref is None:
+            continue
+        if mine is None or tuple(mine.shape) != tuple(ref.shape):
+            return _FAILED, f"the sharded module gives no {key} of shape {tuple(ref.shape)}"
+        err = (mine.float() - ref.float()).abs().max().item()
+        if err > rtol * (1.0 + ref.float().abs().max().item()):
+            return _FAILED, f"the sharded module's {key} differs from the whole module's by {err:.2e}"
+    return _OK, "sharded copy matches the whole one"
+
+
+def _leave_replicated(module: nn.Module, plan: TensorPlan, regions: list[str], what: str, sequence_parallel: bool):
+    name = type(module.get_submodule(regions[0])).__name__
+    if sequence_parallel:
+        raise ValueError(f"tensor parallel: the setup check of {regions[0]!r} ({name}) failed: {what}. Under "
+                         f"sequence_parallel=True it cannot be left replicated; use sequence_parallel=False (it is "
+                         f"then left replicated), or give `plan` entries 'replicate' for its layers.")
+    for region in regions:
+        for n in [n for n in plan.styles if n == region or n.startswith(region + ".")]:
+            del plan.styles[n]
+            plan.parts.pop(n, None)
+        for n in [n for n, r in plan.islands.items() if r == region or n.startswith(region + ".")]:
+            del plan.islands[n]
+        plan.replicated[region] = f"left replicated: the setup check failed ({what})"
+    shown = ", ".join(repr(r) for r in regions[:3]) + (f" and {len(regions) - 3} more" if len(regions) > 3 else "")
+    warnings.warn(f"tensor parallel: {shown} ({name}) left replicated: running it sharded on a copy at setup, "
+                  f"{what}. Every rank computes it whole; give `plan` entries to shard it differently.", stacklevel=4)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def _device(module: nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
