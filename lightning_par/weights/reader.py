@@ -25,13 +25,14 @@ Example:
 from __future__ import annotations
 
 import fnmatch
-import os
 from typing import Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from lightning_par.weights.regions import Index, as_region, dtensor_region, region_shape, shard_region  # noqa: F401
+from lightning_par.weights.regions import Index, as_region, dtensor_region, region_shape
+from lightning_par.weights.regions import shard_region  # noqa: F401  (the module docstring's example uses it)
 from lightning_par.weights.sources import DEFAULT_BUFFER_BYTES, Source, TensorInfo, open_source
 
 _SHOWN = 10  # names listed per kind of mismatch; the rest are counted
@@ -154,7 +155,8 @@ class WeightsReader:
             parts.append(f"{len(mismatched)} mis-shaped: {_listed(shown)}")
         hint = _prefix_hint(missing, [self._file_names[n] for n in unexpected])
         parts.append((hint + " " if hint else "") + "Map names with prefix=/strip_prefix=, leave names out with "
-                     "ignore=, accept tied weights with tied=, or allow missing and unexpected names with strict=False.")
+                     "ignore=, accept tied weights with tied=, or allow missing and unexpected names with "
+                     "strict=False.")
         return "\n  ".join(parts)
 
     def read_into(self, name: str, target: torch.Tensor, index: Index = None) -> torch.Tensor:
@@ -167,14 +169,15 @@ class WeightsReader:
         unless ``index`` says otherwise. Reads go through a buffer of at most ``buffer_bytes``.
         """
         self._known(name)
-        info = self.tensors[name]
+        info = self.source.tensors[self._file_names[name]]
         local = target
-        from torch.distributed.tensor import DTensor
-
         if isinstance(target, DTensor):
             if index is None:
                 index = dtensor_region(target)
             local = target.to_local()
+        if local.device.type == "meta":
+            raise ValueError(f"the target for {name!r} is on the meta device: materialize it (e.g. to_empty) "
+                             f"before reading weights into it")
         region = as_region(index, info.shape)
         if tuple(local.shape) != region_shape(region):
             raise ValueError(f"{self.path}: the box {region} of {name!r} (file shape {info.shape}) has the shape "

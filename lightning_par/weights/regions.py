@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from typing import Iterator, Optional, Sequence, Union
 
-import torch
-
 from lightning_par import _compat
 
 Region = tuple[tuple[int, int], ...]

@@ -71,8 +71,8 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
 class SafetensorsSource(Source):
     """``files``: tensor name -> the ``.safetensors`` file holding it (one file for a single-file source).
 
-    A file is opened for one :meth:`read` and closed after it, so the pages its mapping touched are not
-    held while other tensors are read.
+    A file is opened for each piece of a read and closed after it: the pages that ``safe_open``'s mapping
+    touched are held no longer than the piece's buffer, so a read holds about twice ``buffer_bytes``.
     """
 
     kind = "safetensors"
@@ -82,7 +82,6 @@ class SafetensorsSource(Source):
 
         super().__init__(path, buffer_bytes)
         self._files = dict(files)
-        self._open_file: Optional[object] = None
         wanted: dict[str, set] = {}
         for name, file in self._files.items():
             wanted.setdefault(file, set()).add(name)
@@ -124,18 +123,11 @@ class SafetensorsSource(Source):
         folder = os.path.dirname(os.fspath(index_path))
         return cls(folder, {n: os.path.join(folder, file) for n, file in weight_map.items()}, buffer_bytes)
 
-    def read(self, name: str, region: Region, out: torch.Tensor) -> None:
+    def _read_piece(self, name: str, piece: Region) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(self._files[name], framework="pt") as f:
-            self._open_file = f.get_slice(name)
-            try:
-                super().read(name, region, out)
-            finally:
-                self._open_file = None
-
-    def _read_piece(self, name: str, piece: Region) -> torch.Tensor:
-        data = self._open_file[region_slices(piece)]
+        with safe_open(self._files[name], framework="pt") as f:  # unmapped again when the piece is copied
+            data = f.get_slice(name)[region_slices(piece)]
         self.counter.data += data.numel() * data.element_size()  # the bytes of the box: what get_slice reads
         return data
 

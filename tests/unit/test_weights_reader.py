@@ -301,6 +301,8 @@ def test_bad_reads_and_bad_files_are_refused(sources, tmp_path):
             reader.read_into("tok_emb.weight", torch.empty(3, 10), (0, 29, 3))
         with pytest.raises(ValueError, match="step 2"):
             reader.read_into("tok_emb.weight", torch.empty(15, 10), (slice(0, 30, 2),))
+        with pytest.raises(ValueError, match="on the meta device"):
+            reader.read_into("tok_emb.weight", torch.empty(30, 10, device="meta"))
         with pytest.raises(ValueError, match="not converted to integer"):
             reader.read_into("tok_emb.weight", torch.empty(30, 10, dtype=torch.int64))
     truncated = tmp_path / "truncated.pt"
