@@ -88,29 +88,15 @@ class SafetensorsSource(Source):
         for file, names in wanted.items():
             if not os.path.isfile(file):
                 raise ValueError(f"{self.path} names the file {file}, which does not exist")
-            with safe_open(file, framework="pt") as f:
-                held = set(f.keys())
-                if names - held:
-                    raise ValueError(f"{self.path}: {file} does not hold {sorted(names - held)[:10]}, which the "
-                                     f"index places there")
-                for name in sorted(names):
-                    sl = f.get_slice(name)
-                    code = sl.get_dtype()
-                    if code not in _SAFETENSORS_DTYPES:
-                        raise ValueError(f"{file}: tensor {name!r} has the dtype {code}, which this reader does "
-                                         f"not know")
-                    self.tensors[name] = TensorInfo(tuple(sl.get_shape()), _SAFETENSORS_DTYPES[code])
+            for name, shape, code in _header(file, names):
+                if code not in _SAFETENSORS_DTYPES:
+                    raise ValueError(f"{file}: tensor {name!r} has the dtype {code}, which this reader does not know")
+                self.tensors[name] = TensorInfo(shape, _SAFETENSORS_DTYPES[code])
 
     @classmethod
     def from_file(cls, path, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> "SafetensorsSource":
-        from safetensors import safe_open
-
-        try:
-            with safe_open(os.fspath(path), framework="pt") as f:
-                names = list(f.keys())
-        except Exception as err:  # safetensors raises its own SafetensorError on a bad header
-            raise ValueError(f"cannot read {os.fspath(path)} as a safetensors file: {err}") from err
-        return cls(path, {n: os.fspath(path) for n in names}, buffer_bytes)
+        path = os.fspath(path)
+        return cls(path, {name: path for name, _, _ in _header(path)}, buffer_bytes)
 
     @classmethod
     def from_index(cls, index_path, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> "SafetensorsSource":
@@ -126,10 +112,28 @@ class SafetensorsSource(Source):
     def _read_piece(self, name: str, piece: Region) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(self._files[name], framework="pt") as f:  # unmapped again when the piece is copied
+        with safe_open(self._files[name], framework="pt") as f:  # closed (unmapped) before the piece is copied
             data = f.get_slice(name)[region_slices(piece)]
         self.counter.data += data.numel() * data.element_size()  # the bytes of the box: what get_slice reads
         return data
+
+
+def _header(file: str, names: Optional[set] = None) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype code) of the tensors ``names`` (all if ``None``) of a safetensors file; no data read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            held = list(f.keys())
+            if names is not None and set(names) - set(held):
+                raise ValueError(f"{file} does not hold {sorted(set(names) - set(held))[:10]}, which its index "
+                                 f"places there")
+            return [(n, tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype())
+                    for n in held if names is None or n in names]
+    except ValueError:
+        raise
+    except Exception as err:  # safetensors raises its own SafetensorError on a bad or truncated file
+        raise ValueError(f"cannot read {file} as a safetensors file: {err}") from err
 
 
 # -- torch.save files (state dicts, Lightning checkpoints) --------------------------------------------------

@@ -309,11 +309,19 @@ def test_bad_reads_and_bad_files_are_refused(sources, tmp_path):
     truncated.write_bytes(open(path, "rb").read()[:-100])
     with pytest.raises(ValueError, match=f"{truncated}.*truncated"):
         open_weights(truncated)
+    cut = tmp_path / "truncated.safetensors"
+    cut.write_bytes(open(sources["safetensors"][0], "rb").read()[:-100])
+    with pytest.raises(ValueError, match=f"cannot read {cut} as a safetensors file"):
+        open_weights(cut)
     with pytest.raises(ValueError, match="does not exist"):
         open_weights(tmp_path / "absent.safetensors")
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(ValueError, match="without a torch.distributed.checkpoint"):
         open_weights(tmp_path / "empty_dir")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text('{"weight_map": {"w": "model-1.safetensors"}}')
+    with pytest.raises(ValueError, match="names the file .*model-1.safetensors, which does not exist"):
+        open_weights(tmp_path / "hf")
     torch.save({"model": state}, tmp_path / "nested.pt")
     with pytest.raises(ValueError, match=r"neither a state dict .* \(found: \['model'\]\)"):
         open_weights(tmp_path / "nested.pt")
