@@ -63,17 +63,22 @@ def summarize(case: Path, layout: str, ref_losses: list[float]) -> dict:
 
 def run(cfg, out_dir: Path, command: str) -> Report:
     layouts, rates = list(cfg.layouts), list(cfg.rates)
-    for rate in rates:
+    for rate in rates:  # settings fail here, before anything starts
         if rate != UNSHAPED:
-            rate_bits_per_s(rate)  # a malformed rate fails here, before anything starts
-    # 1. the one-device reference (no link)
-    subprocess.run([sys.executable, *job_args(cfg, out_dir, ["single"])], check=True, timeout=cfg.timeout_s,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    ref = load_records(case_dir(out_dir, "single"))[0]
-    # 2. two nodes, every rate × layout in one launch
-    with TwoNodeLink() as link:
+            rate_bits_per_s(rate)
+    if not layouts or set(layouts) - set(NAMES):
+        raise ValueError(f"`layouts={layouts}` must be a non-empty list of {sorted(NAMES)}.")
+    if cfg.steps <= TIMED_FROM:
+        raise ValueError(f"`steps={cfg.steps}` must be at least {TIMED_FROM + 1}: step 0 warms up, step 1 is counted "
+                         f"by lightning_par.comm, steps {TIMED_FROM}.. are timed.")
+    with TwoNodeLink() as link:  # first: without root it refuses at once, naming the reason
+        # 1. the one-device reference, in this process's own namespace (no link)
+        subprocess.run([sys.executable, *job_args(cfg, out_dir, ["single"])], check=True, timeout=cfg.timeout_s,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        # 2. two nodes, every rate × layout in one launch
         link.torchrun(job_args(cfg, out_dir, layouts, rates), log_dir=out_dir / "logs", timeout=cfg.timeout_s)
         nodes = [f"{n.namespace} ({n.addr}, {n.ifname})" for n in link.nodes]
+    ref = load_records(case_dir(out_dir, "single"))[0]
     res = {layout: {rate: summarize(case_dir(out_dir, layout, rate), layout, ref["losses"]) for rate in rates}
            for layout in layouts}
     return _report(cfg, command, out_dir, res, nodes, n_params=sum(p.numel() for p in ref["params"].values()))
