@@ -90,7 +90,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lightning_par.recipes._node_job", description=__doc__.split("\n")[0])
     p.add_argument("--layouts", required=True, help=f"comma-separated, each one of {LAYOUTS}")
     p.add_argument("--rates", default=UNSHAPED, help=f"comma-separated tc rates ('100mbit') or {UNSHAPED!r}: "
-                   "each rank shapes its own interface (GLOO_SOCKET_IFNAME) before the layouts run at that rate")
+                   "each rank shapes its veth end (LIGHTNING_PAR_NETNS) before the layouts run at that rate")
     p.add_argument("--delay-ms", type=float, default=0.0, help="netem delay per packet, where the kernel has netem")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=4)
@@ -137,8 +137,9 @@ def fit_case(args, layout: str, out_dir: Path) -> None:
         sizes = {"pp": {"pipeline_parallel_size": world, "microbatches": args.microbatches},
                  "tp": {"tensor_parallel_size": world}, "dp": {}}[layout]
         # [Note: popen under torchrun] start_method stays "popen": its launcher starts nothing when the cluster
-        # environment (torchrun's) created the processes; "fork"/"spawn" would fork a second process per rank,
-        # which initialises its own process group on torchrun's store and the next fit's finds stale keys there.
+        # environment (torchrun's) created the processes; "fork"/"spawn" fork one more process per rank and fit,
+        # each with a process group of its own on torchrun's shared store (seen here: the third fit's gloo dialled
+        # a port an earlier fit had closed, "Connection refused").
         strategy = STRATEGIES[layout](timeout=args.timeout, **sizes)
         devices, nodes = world // args.nodes, args.nodes
     ifname = os.environ.get("GLOO_SOCKET_IFNAME") if layout != "single" else None
