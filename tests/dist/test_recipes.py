@@ -49,6 +49,21 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
         for layout, res in results.items():
             # the formulas, plus only small control messages (loss broadcast, activation headers)
             assert 0 <= res["measured"] - res["predicted"] < 0.06 * res["predicted"] + 1024, (layout, res)
+    if name == "network":  # two namespaces joined by a veth pair, the link shaped with tc (see test_two_nodes)
+        res, grad_bytes = results["results"], results["gradient_bytes"]
+        for layout, by_rate in res.items():
+            for rate, r in by_rate.items():
+                assert r["max_loss_diff_vs_one_device"] < 1e-5, (layout, rate, r)
+                assert len(r["nodes"]) == 2 and r["drops"] == 0, (layout, rate, r)
+                # what crossed the veth is what lightning_par.comm counted plus TCP/IP headers and acks
+                counted = r["counted_bytes_per_step"]
+                assert counted <= r["link_bytes_per_step"] < 1.1 * counted + 4096, (layout, rate, r)
+            slow = by_rate["20mbit"]
+            assert "tbf" in slow["qdisc"] and "rate 20Mbit" in slow["qdisc"], slow["qdisc"]
+            # a token bucket passes at most its 16 KiB bucket ahead of the rate: the step cannot beat the wire
+            assert slow["step_s"] >= (slow["link_bytes_per_step"] - 16 * 1024) * 8 / 20e6, (layout, slow)
+        assert res["dp"]["unshaped"]["link_bytes_per_step"] >= grad_bytes  # every gradient, once (ring, N=2)
+        assert res["pp"]["unshaped"]["link_bytes_per_step"] < 0.5 * grad_bytes  # a pipeline sends far less
     if name == "scaling":
         rows = {(r[0], r[1]): r for r in results["rows"]}
         assert rows[(1, "single")][5] == 1.0
