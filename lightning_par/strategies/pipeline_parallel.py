@@ -20,13 +20,11 @@ from datetime import timedelta
 from typing import Any, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_par.checkpoint import is_distributed_checkpoint, read_meta, save_distributed
+from lightning_par.checkpoint import read_meta
 from lightning_par.pipeline import sharded_checkpoint as sharded
 from lightning_par.pipeline.consolidate import consolidate, gather_optimizer_state, optimizer_state_of, owned_state
 from lightning_par.pipeline.discovery import find_blocks
@@ -40,13 +38,11 @@ from lightning_par.pipeline.routing import LogCapture, ResultRouter, confine_met
 from lightning_par.pipeline.runner import ScheduleRunner, base_seed, loss_of, rng_fork
 from lightning_par.pipeline.shared import SharedParameters, sync_found_inf
 from lightning_par.pipeline.stage import Ghost, StageRuntime
-from lightning_par.strategies._registry import RegisteredByName
-from lightning_par.topology import Topology
-
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+from lightning_par.strategies._base import LayoutStrategy
+from lightning_par.topology import Topology, check_sizes
 
 
-class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
+class PipelineParallelStrategy(LayoutStrategy):
     """Split the model's repeated blocks into ``pipeline_parallel_size`` stages, ``data_parallel_size``
     replicas of the pipeline; micro-batches flow through the stages in a ``gpipe``, ``1f1b``,
     ``interleaved_1f1b`` (``stages_per_rank`` ≥ 2 chunks per rank) or ``zero_bubble`` order."""
@@ -74,30 +70,17 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         precision_plugin=None,
         process_group_backend: Optional[str] = None,
     ):
-        for name, value in (("pipeline_parallel_size", pipeline_parallel_size), ("data_parallel_size", data_parallel_size)):
-            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"`{name}={value!r}` must be a positive integer or 'auto'.")
+        check_sizes(pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size)
         check_options(microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank, blocks=blocks,
                       balance=balance)
-        if start_method not in _START_METHODS:
-            raise ValueError(f"`start_method={start_method!r}` must be one of {_START_METHODS}.")
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
-            raise ValueError(f"`timeout={timeout!r}` must be a finite positive number of seconds (or a timedelta).")
-        if not isinstance(save_distributed_checkpoint, bool):
-            raise ValueError(f"`save_distributed_checkpoint={save_distributed_checkpoint!r}` must be True or False.")
         super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method, timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, start_method=start_method,
-            timeout=timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout)),
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
         )
         self._pp_size, self._dp_size = pipeline_parallel_size, data_parallel_size
         self._microbatches, self._schedule, self._stages_per_rank = microbatches, schedule, stages_per_rank
         self._blocks, self._balance = blocks, list(balance) if not isinstance(balance, str) else balance
-        self._save_distributed_checkpoint = save_distributed_checkpoint
-        self._dcp_path: Optional[str] = None  # a sharded checkpoint being resumed (optimizer states load after setup)
-        self._topology: Optional[Topology] = None
         self._pp_group = self._dp_group = None
         self._p2p_groups: tuple = (None, None, None, None)
         self._runtime: Optional[StageRuntime] = None
@@ -108,12 +91,6 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         self._block_prefix = ""
 
     # -- layout -----------------------------------------------------------------------------------
-    @property
-    def topology(self) -> Topology:
-        if self._topology is None:
-            raise RuntimeError("The pipeline layout exists only after the strategy's `setup_environment`.")
-        return self._topology
-
     @property
     def stage(self) -> int:
         return self.topology.coordinates(self.global_rank)["pp"]
@@ -129,10 +106,6 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         """Seconds of the last training step's schedule (benchmarks, the bubble callback)."""
         return self._runner.last_step_stats if self._runner is not None else {}
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.topology.sampler_kwargs(self.global_rank)  # every stage of a pipeline sees the same batch
-
     def setup_environment(self) -> None:
         world = self.num_nodes * len(self.parallel_devices or [None])
         self._topology = Topology.resolve(world, data_parallel_size=self._dp_size,
@@ -146,16 +119,6 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
         # (the ring wraps around): [Note: one direction per group] in pipeline/p2p.py
         self._p2p_groups = tuple(self._new_groups("pp") for _ in range(2 if self._stages_per_rank == 1 else 4))
         self._result_group = self._new_groups("pp")  # the last stage's step results: [Note: result mailbox]
-
-    def _new_groups(self, axis: str):
-        mine = None
-        for ranks in self.topology.all_groups(axis):  # same order on every rank, as new_group requires
-            if len(ranks) == 1:
-                continue
-            group = dist.new_group(ranks, timeout=self._timeout)
-            if self.global_rank in ranks:
-                mine = group
-        return mine
 
     # -- installing the stage ---------------------------------------------------------------------
     def setup(self, trainer) -> None:
@@ -210,8 +173,9 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
             flow.check_stages(path, bounds)
         self._full_keys = list(lm.state_dict().keys())
         self._block_prefix = f"{path}."
-        rank_zero_info(stage_table(counts, params, times, path=path,
-                                   total_params=sum(p.numel() for p in lm.parameters()), replicas=topo.data_parallel_size, schedule=self._schedule, balance=self._balance))
+        total = sum(p.numel() for p in lm.parameters())
+        rank_zero_info(stage_table(counts, params, times, path=path, total_params=total,
+                                   replicas=topo.data_parallel_size, schedule=self._schedule, balance=self._balance))
         # 3. this rank's stage: its chunks' blocks stay, the others become ghosts
         ring = topo.group_ranks("pp", self.global_rank)
         virtual = [c * pp + self.stage for c in range(v)]  # virtual stage c·p + s is this rank's chunk c
@@ -357,19 +321,7 @@ class PipelineParallelStrategy(RegisteredByName, DDPStrategy):
                                            lambda p: first and self._owns(p, names[id(p)]))
         return gather_optimizer_state(super().optimizer_state(optimizer), self.topology.shape)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if not self._save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = self.broadcast(str(filepath))
-        save_distributed(path, checkpoint, is_rank_zero=self.is_global_zero)
-        self.barrier("save_distributed_checkpoint")
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = self.broadcast(str(checkpoint_path))
-        if not is_distributed_checkpoint(path):
-            self._dcp_path = None
-            return super().load_checkpoint(path, weights_only=weights_only)
-        self._dcp_path = path
+    def _load_distributed(self, path: str) -> dict[str, Any]:  # the optimizer states load after setup
         meta = read_meta(path)
         state = sharded.load_model(path, self.lightning_module.state_dict())
         return {**meta, "state_dict": state, "optimizer_states": [None] * sharded.optimizer_count(path)}
