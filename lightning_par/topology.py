@@ -53,9 +53,7 @@ class Topology:
         it is ``"auto"``; ``data_parallel_size="auto"`` is then world size / (pp × tp).
         """
         sizes = {"dp": data_parallel_size, "pp": pipeline_parallel_size, "tp": tensor_parallel_size}
-        for axis, value in sizes.items():
-            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"`{_NAMES[axis]}={value!r}` must be a positive integer or 'auto'.")
+        check_sizes(**{_NAMES[axis]: value for axis, value in sizes.items()})
         for axis in ("pp", "tp"):
             if sizes[axis] == "auto":
                 if axis != model_axis:
@@ -166,6 +164,22 @@ def keep_loader_on_one_process(trainer, world_size: int):
 
 
 _NAMES = {"dp": "data_parallel_size", "pp": "pipeline_parallel_size", "tp": "tensor_parallel_size"}
+
+
+def check_sizes(**sizes: Size) -> None:
+    """A ``ValueError`` for a size argument that is neither a positive integer nor ``"auto"``.
+
+    Example::
+
+        >>> check_sizes(tensor_parallel_size=2, data_parallel_size="auto")
+        >>> check_sizes(pipeline_parallel_size=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `pipeline_parallel_size=0` must be a positive integer or 'auto'.
+    """
+    for name, value in sizes.items():
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"`{name}={value!r}` must be a positive integer or 'auto'.")
 
 
 def _check_axis(axis: str) -> str:

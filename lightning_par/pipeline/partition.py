@@ -121,3 +121,32 @@ def stage_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
         bounds.append((lo, lo + c))
         lo += c
     return bounds
+
+
+def stage_table(counts: Sequence[int], block_params: Sequence[int],
+                times: tuple[float, Sequence[float], float] | None = None, *, path: str = "blocks",
+                total_params: int | None = None, replicas: int = 1, schedule: str = "", balance: Balance = "") -> str:
+    """A table of a split: blocks, parameters and ~MB of fp32 Adam state per stage, and with ``times``
+    (seconds before the stack, per block, after it: ``balance="time"``) the profiled ms.
+
+    Example::
+
+        >>> print(stage_table([3, 1], [10, 10, 10, 30], total_params=100, schedule="1f1b", balance="params"))
+        Pipeline: 2 stages over `blocks` (4 blocks), 1 data-parallel replica(s), schedule=1f1b, balance=params
+        stage    blocks  block params  ~MB (fp32 Adam)
+            0       0-2            30             0.00
+            1       3-3            30             0.00
+        non-block parameters (40: embeddings, head) live on the stages that use them
+    """
+    lines = [f"Pipeline: {len(counts)} stages over `{path}` ({len(block_params)} blocks), "
+             f"{replicas} data-parallel replica(s), schedule={schedule}, balance={balance}",
+             f"{'stage':>5} {'blocks':>9} {'block params':>13} {'~MB (fp32 Adam)':>16}"
+             + (f" {'profiled ms':>12}" if times else "")]
+    stage_ms = stage_costs(counts, times[1], times[0], times[2]) if times else None
+    for s, (lo, hi) in enumerate(stage_bounds(counts)):
+        n = sum(block_params[lo:hi])
+        lines.append(f"{s:>5} {f'{lo}-{hi - 1}':>9} {n:>13,} {n * 16 / 2**20:>16.2f}"
+                     + (f" {stage_ms[s] * 1e3:>12.2f}" if stage_ms else ""))
+    other = (total_params if total_params is not None else sum(block_params)) - sum(block_params)
+    lines.append(f"non-block parameters ({other:,}: embeddings, head) live on the stages that use them")
+    return "\n".join(lines)

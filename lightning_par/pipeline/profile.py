@@ -72,3 +72,16 @@ def profile_step(container: nn.Module, step: Callable[[], torch.Tensor], device:
     post = statistics.median(s[2] for s in samples)
     blocks = [statistics.median(s[1][i] for s in samples) for i in range(n)]
     return pre, blocks, post
+
+
+def mean_over_ranks(measure: Callable[[], tuple[float, list[float], float]]) -> tuple[float, list[float], float]:
+    """Every rank runs ``measure`` (a :func:`profile_step`) at once and gets the mean over ranks, so all
+    choose the same split (see [Note: profiling the unchanged step]). Every rank calls it."""
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.barrier()  # start together: every repetition runs while the other ranks run theirs
+    dist.all_gather_object(everyone, measure())
+    pre, blocks, post = zip(*everyone)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return mean(pre), [mean(b) for b in zip(*blocks)], mean(post)

@@ -16,10 +16,12 @@ the same way; the object itself is never synchronised over ranks that did not up
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
+from lightning_par.pipeline.mailbox import ResultMailbox
 from lightning_par.pipeline.microbatch import weighted_mean
 
 
@@ -97,3 +99,95 @@ def concat_outputs(outputs: Sequence[Any]) -> Any:
     if isinstance(first, (tuple, list)):
         return type(first)(concat_outputs([o[i] for o in outputs]) for i in range(len(first)))
     return list(outputs)
+
+
+class ResultRouter:
+    """Every rank of a pipeline returns and logs what its last stage's step produced: the last stage sends
+    it through the ``mailbox`` ([Note: result mailbox]; ``None`` with one stage), the others receive it,
+    and with data-parallel replicas (``dp_group``) the scalars are averaged over them."""
+
+    def __init__(self, *, mailbox: Optional[ResultMailbox], is_last: bool, device: torch.device,
+                 dp_group=None, dp_size: int = 1, pp_group=None, last_rank: int = 0):
+        self.mailbox, self.is_last, self.device = mailbox, is_last, device
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.pp_group, self.last_rank = pp_group, last_rank
+
+    def post(self) -> None:
+        """Receivers: post this step's receive early (see [Note: result mailbox])."""
+        if self.mailbox is not None:
+            self.mailbox.post()
+
+    def send(self, outputs: list, sizes: list[int], capture: LogCapture) -> tuple:
+        """The last stage: combine the micro-batches' results and logs, and send them on."""
+        result = None if outputs[0] is None else combine_outputs(outputs, sizes)
+        payload = (map_tensors(result, lambda t: t.detach().cpu()), capture.combined(sizes))
+        if self.mailbox is not None:
+            self.mailbox.send(payload)
+        return payload
+
+    def route(self, payload: Optional[tuple], module: torch.nn.Module) -> Any:
+        """Every rank: log the last stage's ``payload`` (received here on the other stages) through
+        ``module.log`` and return its result."""
+        if self.mailbox is not None:
+            if self.is_last:
+                self.mailbox.finish()
+            else:
+                payload = self.mailbox.receive()
+        result, logs = payload
+        result = map_tensors(result, lambda t: t.to(self.device))
+        logs = [(n, v.to(self.device), kw) for n, v, kw in logs]
+        if self.dp_group is not None:
+            result, logs = self.mean_over_replicas(result, logs)
+        for name, value, kw in logs:
+            module.log(name, value, **kw)
+        return result
+
+    def mean_over_replicas(self, result: Any, logs: list) -> tuple[Any, list]:
+        """The replicas' values averaged (they train equal shares of the global batch), so every rank
+        returns and logs what one device would for the global batch and ``callback_metrics`` agree on all
+        ranks (see [Note: log routing])."""
+        keys = [k for k, v in (result.items() if isinstance(result, dict) else [(None, result)])
+                if isinstance(v, torch.Tensor) and v.numel() == 1]
+        picked = [result[k] if k is not None else result for k in keys] + [v for _, v, _ in logs]
+        if not picked:
+            return result, logs
+        vec = torch.stack([v.detach().float().reshape(()) for v in picked])
+        dist.all_reduce(vec, group=self.dp_group)
+        vec /= self.dp_size
+        for i, k in enumerate(keys):
+            if k is None:
+                result = vec[i]
+            else:
+                result = {**result, k: vec[i]}
+        return result, [(n, vec[len(keys) + j], kw) for j, (n, _, kw) in enumerate(logs)]
+
+    def broadcast_from_last(self, obj: Any) -> Any:
+        """Predictions: the last stage's ``obj`` on every rank of the pipeline."""
+        if self.pp_group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.last_rank, group=self.pp_group)
+        return box[0]
+
+
+def confine_metrics(module: torch.nn.Module, *, is_last: bool, dp_group) -> None:
+    """torchmetrics objects are updated by the last stage only: sync them over the last stages of the
+    replicas (the ranks that updated them), never over ranks that did not (that would hang)."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover
+        return
+    for metric in (m for m in module.modules() if isinstance(m, Metric)):
+        if is_last and dp_group is not None:
+            metric.process_group = dp_group
+        else:
+            metric.sync_on_compute = False
+
+
+def map_tensors(obj: Any, fn) -> Any:
+    """``fn`` applied to a tensor, or to the tensors of a dict (a step's result); anything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj

@@ -13,7 +13,6 @@ process keeps the user's loader] in :mod:`lightning_par.topology`). The work of 
 from __future__ import annotations
 
 import datetime
-import math
 from typing import Any, Literal
 
 import torch.distributed
@@ -22,19 +21,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par.dp import comm_hooks, zero
+from lightning_par.strategies._base import as_timeout, check_start_method
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import keep_loader_on_one_process
 from lightning_par.dp import lr_scaling as scaling
-
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
-
-def _as_timeout(timeout: float | datetime.timedelta) -> datetime.timedelta:
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"`timeout={timeout!r}` must be a finite positive number of seconds (or a timedelta): "
-                         f"every collective must give up eventually. The default is 1800.0 (30 minutes).")
-    return datetime.timedelta(seconds=seconds)
 
 
 class DataParallelStrategy(RegisteredByName, DDPStrategy):
@@ -90,10 +80,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         comm_hooks.validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
         zero.validate_zero_stage(zero_stage)
         scaling.validate_lr_scaling(lr_scaling, reference_batch_size)
-        if start_method not in START_METHODS:
-            raise ValueError(f"`start_method={start_method!r}` must be one of "
-                             f"{', '.join(repr(m) for m in START_METHODS)} ('popen' is Lightning's default; "
-                             f"'fork' starts CPU ranks fastest).")
+        check_start_method(start_method)
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or not bucket_cap_mb > 0):
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB or None (DDP's "
@@ -107,7 +94,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
                                           gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
         if bucket_cap_mb is not None:  # None leaves DDP's own bucketing (as Lightning's DDPStrategy does)
             ddp_kwargs["bucket_cap_mb"] = float(bucket_cap_mb)
-        super().__init__(process_group_backend=process_group_backend, timeout=_as_timeout(timeout),
+        super().__init__(process_group_backend=process_group_backend, timeout=as_timeout(timeout),
                          start_method=start_method, **ddp_kwargs)
         self._comm_hook = comm_hook
         self._powersgd_rank = powersgd_rank

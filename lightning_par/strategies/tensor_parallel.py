@@ -23,26 +23,24 @@ from typing import Any, Literal, Mapping, Optional, Union
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par import checkpoint as ckpt
-from lightning_par.tensor.rules import restore_rules
-from lightning_par.strategies._registry import RegisteredByName
+from lightning_par.strategies._base import LayoutStrategy, check_flags
 from lightning_par.tensor.mixed import (average_grads, install_clipping, install_scaler, reduce_partial_grads,
                                         split_step_by_kind)
 from lightning_par.tensor.parallelize import backward_context, parallelize, register_rules, to_plain
 from lightning_par.tensor.plan import build_plan, check_user_plan
-from lightning_par.topology import Topology, keep_loader_on_one_process
+from lightning_par.tensor.rules import restore_rules
+from lightning_par.topology import Topology, check_sizes, keep_loader_on_one_process
 
 Size = Union[int, Literal["auto"]]
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 DEFAULT_TIMEOUT_S = 1800
 
 
-class TensorParallelStrategy(RegisteredByName, DDPStrategy):
+class TensorParallelStrategy(LayoutStrategy):
     """Tensor parallel over ``tensor_parallel_size`` ranks × ``data_parallel_size`` replicas.
 
     Args:
@@ -80,43 +78,22 @@ class TensorParallelStrategy(RegisteredByName, DDPStrategy):
         checkpoint_io=None,
         precision_plugin=None,
     ) -> None:
-        for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
-            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"`{name}={value!r}` must be a positive integer or 'auto'.")
+        check_sizes(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
         if plan != "auto":
             plan = check_user_plan(plan)
-        for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel),
-                            ("save_distributed_checkpoint", save_distributed_checkpoint)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}={value!r}` must be True or False.")
-        if start_method not in _START_METHODS:
-            raise ValueError(f"`start_method={start_method!r}` must be one of {_START_METHODS}.")
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-            timeout = timedelta(seconds=timeout)
-        if not isinstance(timeout, timedelta):
-            raise ValueError(f"`timeout={timeout!r}` must be a positive number of seconds (collectives must not "
-                             f"wait forever).")
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+        check_flags(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
+                         timeout=timeout, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=timeout, start_method=start_method)
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend)
         self._tp_size, self._dp_size = tensor_parallel_size, data_parallel_size
         self._plan_arg = plan
         self._sequence_parallel, self._loss_parallel = sequence_parallel, loss_parallel
-        self._save_distributed_checkpoint = save_distributed_checkpoint
-        self._topology: Optional[Topology] = None
         self._mesh = None
         self._plan = None
-        self._loaded_distributed = False
         self._restore_loader = lambda: None
 
     # -- state that exists after setup_environment ------------------------------------------------------
-    @property
-    def topology(self) -> Topology:
-        if self._topology is None:
-            raise RuntimeError("The topology exists once processes are set up (Trainer.fit / validate / ...).")
-        return self._topology
-
     @property
     def device_mesh(self):
         if self._mesh is None:
@@ -133,10 +110,6 @@ class TensorParallelStrategy(RegisteredByName, DDPStrategy):
         if self._plan is None:
             raise RuntimeError("The tensor-parallel plan is applied in Trainer setup; it does not exist yet.")
         return self._plan
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.topology.sampler_kwargs(self.global_rank)  # tensor-parallel peers see the same batch
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -281,29 +254,17 @@ class TensorParallelStrategy(RegisteredByName, DDPStrategy):
             return ckpt.sharded_optimizer_state(self.lightning_module, optimizer)
         return ckpt.full_state(optimizer.state_dict())
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if not self._save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = self.broadcast(str(filepath))
-        ckpt.save_distributed(path, checkpoint, is_rank_zero=self.is_global_zero)
-        self.barrier("save_distributed_checkpoint")
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = self.broadcast(str(checkpoint_path))
-        if not ckpt.is_distributed_checkpoint(path):
-            self._loaded_distributed = False
-            return super().load_checkpoint(path, weights_only=weights_only)
+    def _load_distributed(self, path: str) -> dict[str, Any]:
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         checkpoint = ckpt.load_distributed(path, self.lightning_module, optimizers)
-        self._loaded_distributed = True
         return {**checkpoint, "state_dict": {}, "optimizer_states": [None] * len(optimizers)}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self._loaded_distributed:
+        if self._dcp_path is None:
             ckpt.load_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._loaded_distributed:
+        if self._dcp_path is not None:
             return
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             ckpt.load_optimizer_state(opt._optimizer if isinstance(opt, LightningOptimizer) else opt, state)

@@ -12,6 +12,7 @@ import lightning_par.pipeline.mailbox as mailbox
 import lightning_par.pipeline.microbatch as microbatch
 import lightning_par.pipeline.p2p as p2p
 import lightning_par.pipeline.partition as partition
+import lightning_par.pipeline.runner as runner
 import lightning_par.pipeline.schedules as schedules
 from lightning_par.models import GPT
 from lightning_par.pipeline import find_blocks, partition_blocks, stage_actions
@@ -21,7 +22,7 @@ from lightning_par.pipeline.schedules import peak_in_flight
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 
 
-@pytest.mark.parametrize("module", [discovery, mailbox, microbatch, p2p, partition, schedules])
+@pytest.mark.parametrize("module", [discovery, mailbox, microbatch, p2p, partition, runner, schedules])
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -218,6 +219,38 @@ def test_combine_and_concat_outputs():
     assert concat_outputs([torch.zeros(2, 3), torch.ones(1, 3)]).shape == (3, 3)
     assert weighted_mean([2.0, 4.0], [1, 1]) == 3.0
 
+
+
+def test_router_on_one_stage_logs_and_returns_the_combined_result():
+    from lightning_par.pipeline.routing import ResultRouter
+
+    logged = []
+
+    class Module(nn.Module):
+        def log(self, name, value, **kwargs):
+            logged.append((name, value.item(), kwargs))
+
+    module = Module()
+    router = ResultRouter(mailbox=None, is_last=True, device=torch.device("cpu"))
+    with LogCapture(module) as cap:
+        for mb, value in enumerate([1.0, 3.0]):
+            cap.microbatch = mb
+            module.log("loss", torch.tensor(value), prog_bar=True)
+    payload = router.send([torch.tensor(1.0), {"loss": torch.tensor(3.0)}["loss"]], [1, 3], cap)
+    assert router.route(payload, module).item() == pytest.approx(2.5)
+    assert logged == [("loss", pytest.approx(2.5), {"prog_bar": True})]
+
+
+def test_optimizer_states_resume_only_under_the_layout_that_wrote_them():
+    from lightning_par.pipeline.consolidate import LAYOUT_KEY, optimizer_state_of
+
+    plain = {"state": {}, "param_groups": []}
+    assert optimizer_state_of(plain, (2, 1, 1), rank=1) is plain  # a file written without a pipeline
+    saved = {LAYOUT_KEY: {"layout": [2, 1, 1], "ranks": ["rank 0", "rank 1"]}}
+    assert optimizer_state_of(saved, (2, 1, 1), rank=1) == "rank 1"
+    with pytest.raises(ValueError, match=r"saved under the layout \(pp, dp, tp\) = \(2, 1, 1\); this run has "
+                                         r"\(4, 1, 1\)\. Resume with the same sizes"):
+        optimizer_state_of(saved, (4, 1, 1), rank=1)
 
 # -- strategy arguments --------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [

@@ -1,0 +1,144 @@
+"""Gradients of a pipeline that span ranks: parameters outside the blocks that several stages use, the
+average over data-parallel replicas, the global gradient norm and the 16-mixed overflow flag.
+
+[Note: shared parameters] Which stage uses a parameter outside the blocks is not known before a step
+runs (an embedding tied to the head, a position table every block reads). After the first step every
+rank reports which of them got a gradient (one ``all_gather_object``); a parameter used by several stages
+of a pipeline gets a group of exactly those ranks and its gradient is summed there every step; the lowest
+such stage owns it for the global norm and the consolidated checkpoint. Copies that a stage never uses
+stay untouched (stale) on that rank.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from lightning_par.topology import Topology
+
+
+class SharedParameters:
+    """The gradient bookkeeping of one rank's stage: ``params`` are the module's trainable parameters (in
+    its order), ``block_ids`` the ids of those in this stage's blocks."""
+
+    def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], block_ids: set[int], *,
+                 topology: Topology, rank: int, timeout: timedelta, dp_group=None):
+        self.module, self.params, self.block_ids = module, params, block_ids
+        self.topology, self.rank, self.timeout, self.dp_group = topology, rank, timeout, dp_group
+        self.owner_stage: Optional[dict[str, int]] = None  # non-block parameter name -> owning stage
+        self.groups: dict[str, Any] = {}  # non-block parameter name -> group of the stages that use it
+        self._order: Optional[list] = None  # (index into params, group), in name order: the same on every rank
+
+    @property
+    def stage(self) -> int:
+        return self.topology.coordinates(self.rank)["pp"]
+
+    def names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.module.named_parameters()}
+
+    @property
+    def discovered(self) -> bool:
+        return self.owner_stage is not None
+
+    def add_step_gradients(self, grads: list[Optional[torch.Tensor]], optimizers: Iterable) -> None:
+        """A step's gradients of ``params`` (taken aside by the runner) reduced over the ranks that hold
+        copies and added to the parameters' (see [Note: schedule inside training_step] in runner.py)."""
+        if not self.discovered:
+            self.discover(grads)
+            self.drop_unused_optimizer_state(grads, optimizers)
+        self.reduce(grads)
+        for p, g in zip(self.params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+    def discover(self, grads: list[Optional[torch.Tensor]]) -> None:
+        """After the first step: which stages use each parameter outside the blocks (see [Note: shared
+        parameters]); ``grads`` are the step's gradients of ``params``. Every rank calls it."""
+        names = self.names()
+        used = sorted(names[id(p)] for p, g in zip(self.params, grads) if g is not None and id(p) not in self.block_ids)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.rank, used))
+        users: dict[tuple[int, str], list[int]] = {}  # (pipeline id, name) -> stages
+        for rank, rank_used in everyone:
+            c = self.topology.coordinates(rank)
+            for n in rank_used:
+                users.setdefault((c["dp"], n), []).append(c["pp"])
+        me = self.topology.coordinates(self.rank)
+        self.owner_stage = {n: min(st) for (dp, n), st in users.items() if dp == me["dp"]}
+        shared_sets = sorted({(dp, tuple(sorted(st))) for (dp, n), st in users.items() if len(st) > 1})
+        groups = {}
+        for dp, stages in shared_sets:  # every rank creates every group, in one order
+            ranks = [self.topology.rank_of(pp=s, dp=dp, tp=0) for s in stages]
+            groups[(dp, stages)] = dist.new_group(ranks, timeout=self.timeout)
+        for (dp, n), st in users.items():
+            if dp == me["dp"] and len(st) > 1 and me["pp"] in st:
+                self.groups[n] = groups[(dp, tuple(sorted(st)))]
+
+    def drop_unused_optimizer_state(self, grads: list[Optional[torch.Tensor]], optimizers: Iterable) -> None:
+        """Optimizer state loaded for a parameter copy this stage never uses (a sharded checkpoint gives every
+        stage the state of every parameter it holds) is freed: the copy never gets a gradient."""
+        unused = {id(p) for p, g in zip(self.params, grads) if g is None and id(p) not in self.block_ids}
+        for optimizer in optimizers:
+            state = getattr(optimizer, "_optimizer", optimizer).state
+            for p in [p for p in state if id(p) in unused]:
+                del state[p]
+
+    def reduce(self, grads: list[Optional[torch.Tensor]]) -> None:
+        """Sum the shared parameters' gradients over the stages that use them, then average every gradient
+        over the data-parallel replicas (in place in ``grads``)."""
+        if self._order is None:
+            names = self.names()
+            order = sorted(enumerate(self.params), key=lambda ip: names[id(ip[1])])
+            self._order = [(i, self.groups[names[id(p)]]) for i, p in order if names[id(p)] in self.groups]
+        for p_idx, group in self._order:
+            if grads[p_idx] is None:
+                grads[p_idx] = torch.zeros_like(self.params[p_idx])
+            dist.all_reduce(grads[p_idx], group=group)
+        if self.dp_group is None:
+            return
+        present = [g for g in grads if g is not None]
+        flat = torch.cat([g.reshape(-1) for g in present])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.topology.data_parallel_size
+        offset = 0
+        for g in present:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def owns(self, p: torch.nn.Parameter, name: str) -> bool:
+        """Whether this stage counts ``p`` (for the global gradient norm and the consolidated state)."""
+        if id(p) in self.block_ids:
+            return True
+        return (self.owner_stage or {}).get(name, 0) == self.stage
+
+    def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: Union[int, float], *, group,
+                        device: torch.device) -> None:
+        """Scale the gradients of ``params`` so that their norm over the whole pipeline (``group``: its
+        stages; each gradient counted once, by its owner) is at most ``max_norm``."""
+        names = self.names()
+        params = [p for p in params if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for p in params:
+            if self.owns(p, names.get(id(p), "")):
+                sq += p.grad.detach().float().pow(2).sum()
+        if group is not None:
+            dist.all_reduce(sq, group=group)
+        coef = torch.clamp(float(max_norm) / (sq.sqrt() + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+
+
+def sync_found_inf(scaler, optimizer, device: torch.device) -> None:
+    """16-mixed: the GradScaler has unscaled this rank's gradients; an overflow found on any rank must skip
+    the step on every rank (and halve the one loss scale everywhere), so the found-inf flags of
+    ``optimizer`` are max-reduced over the world."""
+    state = scaler._per_optimizer_states[id(getattr(optimizer, "_optimizer", optimizer))]
+    found = list(state["found_inf_per_device"].values())
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for f in found:
+        flag = torch.maximum(flag, f.to(flag.device, torch.float32))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    for f in found:
+        f.fill_(flag.item())

@@ -1,0 +1,104 @@
+"""What the strategies share: the checks of the arguments every strategy takes, and for the strategies that
+lay ranks out on a :class:`~lightning_par.topology.Topology` (pipeline, tensor) the layout, one process
+group per mesh axis and the choice between one consolidated checkpoint file and a sharded
+``torch.distributed.checkpoint`` directory.
+"""
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_par.checkpoint import is_distributed_checkpoint, save_distributed
+from lightning_par.strategies._registry import RegisteredByName
+from lightning_par.topology import Topology
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def check_start_method(start_method: str) -> str:
+    if start_method not in START_METHODS:
+        raise ValueError(f"`start_method={start_method!r}` must be one of "
+                         f"{', '.join(repr(m) for m in START_METHODS)} ('popen' is Lightning's default; "
+                         f"'fork' starts CPU ranks fastest).")
+    return start_method
+
+
+def as_timeout(timeout: Union[float, timedelta]) -> timedelta:
+    """The collective timeout as a ``timedelta``: seconds or a ``timedelta``, finite and positive."""
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"`timeout={timeout!r}` must be a finite positive number of seconds (or a timedelta): "
+                         f"every collective must give up eventually. The default is 1800.0 (30 minutes).")
+    return timedelta(seconds=seconds)
+
+
+def check_flags(**flags: Any) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"`{name}={value!r}` must be True or False.")
+
+
+class LayoutStrategy(RegisteredByName, DDPStrategy):
+    """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
+    subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, and
+    checkpoints as one file or, with ``save_distributed_checkpoint=True``, as a DCP directory (see
+    :func:`lightning_par.checkpoint.save_distributed`); a subclass writes what goes in either and reads a
+    directory back in :meth:`_load_distributed`."""
+
+    def __init__(self, *, save_distributed_checkpoint: bool, start_method: str, timeout: Union[float, timedelta],
+                 accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
+                 precision_plugin=None, process_group_backend: Optional[str] = None) -> None:
+        check_flags(save_distributed_checkpoint=save_distributed_checkpoint)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         start_method=check_start_method(start_method), timeout=as_timeout(timeout))
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._topology: Optional[Topology] = None
+        self._dcp_path: Optional[str] = None  # a sharded checkpoint being resumed
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError(f"The layout of {type(self).__name__} exists once its processes are set up "
+                               f"(`setup_environment`, in Trainer.fit / validate / test / predict).")
+        return self._topology
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.topology.sampler_kwargs(self.global_rank)  # only data-parallel replicas split the data
+
+    def _new_groups(self, axis: str):
+        """A process group for every group of ranks along ``axis`` (none of one rank); this rank's, or None."""
+        mine = None
+        for ranks in self.topology.all_groups(axis):  # same order on every rank, as new_group requires
+            if len(ranks) == 1:
+                continue
+            group = dist.new_group(ranks, timeout=self._timeout)
+            if self.global_rank in ranks:
+                mine = group
+        return mine
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = self.broadcast(str(filepath))
+        save_distributed(path, checkpoint, is_rank_zero=self.is_global_zero)
+        self.barrier("save_distributed_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        if not is_distributed_checkpoint(path):
+            self._dcp_path = None
+            return super().load_checkpoint(path, weights_only=weights_only)
+        self._dcp_path = path
+        return self._load_distributed(path)
+
+    def _load_distributed(self, path: str) -> dict[str, Any]:
+        """The checkpoint dict of a DCP directory (every rank calls it)."""
+        raise NotImplementedError
