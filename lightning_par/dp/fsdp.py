@@ -1,0 +1,239 @@
+"""ZeRO stages 2 and 3 on the data axis: torch FSDP2 (``fully_shard``) over a 1-D mesh of data-parallel ranks.
+
+    units = shard_module(module, mesh, zero_stage=3, precision="bf16-mixed")   # every rank of the mesh
+    ...train...
+    model_state = full_model_state(module)              # rank 0: full CPU tensors under the original names
+    optim_state = full_optimizer_state(module, opt)     # rank 0: torch's positional layout
+
+It knows no Lightning: the strategy passes the precision as a string and calls these from its hooks.
+
+[Note: what stages 2 and 3 keep and shard]
+Both stages hold, between steps, a 1/N dim-0 shard of every parameter (a ``DTensor`` with ``Shard(0)``),
+of its gradient and of its optimizer state: the optimizer is built after sharding, on the shards, so
+Adam's moments are born sharded. Gradients are reduce-scattered (averaged) in backward, one collective
+per unit, as soon as a unit's gradients are complete; under gradient accumulation every micro-batch
+reduce-scatters and the shards accumulate, so gradients stay sharded throughout (the alternative,
+``set_requires_gradient_sync(False)`` until the last micro-batch, would hold whole gradients between
+micro-batches: ZeRO-1's memory).
+- stage 3 (``reshard_after_forward=True``): each unit's parameters are all-gathered before its forward,
+  freed after it, gathered again before its backward and freed after it. The peak holds the whole
+  parameters of about one unit (plus a prefetched one). The root unit keeps its parameters through the
+  step (FSDP2's default for the root, whose parameters the backward needs first): they are gathered once.
+- stage 2 (``reshard_after_forward=False``): each unit is gathered once, before its forward, and stays
+  whole until its gradients have been reduce-scattered in backward. The peak holds all whole parameters
+  during forward and backward (as DeepSpeed's ZeRO-2, which keeps them always); the wire carries one
+  all-gather and one reduce-scatter of the parameters, the bytes of DDP's all-reduce. Unlike DeepSpeed's
+  ZeRO-2, the whole parameters are freed after backward, so at rest (optimizer step, checkpoints) stage 2
+  stores what stage 3 stores.
+After forward-only passes (validation) the strategy calls :func:`reshard`, so the whole parameters a
+stage-2 (or root) unit kept after its forward are freed and the next checkpoint sees shards.
+
+[Note: FSDP units]
+One unit per block of the model's repeated block stack (found as the pipeline finds it,
+:func:`lightning_par.pipeline.discovery.find_blocks`), then the root module for everything else
+(embeddings, final norm, output head, tied weights). A model without a block stack is one unit: its
+memory at rest is still 1/N, but the peak holds all of it. FSDP2 keeps the module's parameter names.
+
+[Note: mixed precision under FSDP]
+Lightning's ``bf16-mixed`` is autocast over fp32 weights: matmuls in bf16, the rest (embedding lookups,
+residual adds, norms, the loss) in fp32, fp32 gradients. Under stage 2/3 we keep Lightning's autocast
+and add ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, cast_forward_inputs=False)`` on the
+block units only:
+- the blocks' weights are all-gathered in bf16, which is what autocast casts a matmul's weight to
+  anyway: half the all-gather bytes, the same matmul operands;
+- gradients are reduce-scattered and kept in fp32, as DDP all-reduces fp32 gradients under autocast;
+- the root unit (embeddings, head) is gathered in fp32 and inputs are not cast: a bf16 embedding would put
+  the residual stream in bf16, a different (coarser) model than one device's ``bf16-mixed``.
+What differs from one device: parameters of a block that are not matmul weights (norm weights and biases
+used directly) enter the forward rounded to bf16 and their gradients carry bf16 precision, ~2^-8 relative.
+``*-true`` precisions convert the module before sharding (FSDP then gathers and reduces in that dtype, as
+DDP would). ``16-mixed`` is refused: its ``GradScaler`` would see only this rank's gradient shard when it
+looks for infs, and ranks could disagree on skipping a step.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lightning_par.comm import local_nbytes
+from lightning_par.pipeline.discovery import find_blocks
+
+PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "bf16-mixed")
+
+
+def check_precision(precision: str, zero_stage: int) -> None:
+    """Raise ``ValueError`` for a precision stage 2/3 cannot train correctly (see [Note: mixed precision under FSDP]).
+
+    Example:
+        >>> check_precision("bf16-mixed", 3)
+        >>> check_precision("16-mixed", 3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `precision='16-mixed'` with `zero_stage=3` is not supported: ...
+    """
+    if precision in PRECISIONS:
+        return
+    why = ("its GradScaler would look for infs in this rank's gradient shard only, so ranks could disagree on "
+           "skipping a step" if precision == "16-mixed" else "FSDP2's mixed-precision policy is derived only for "
+           f"{', '.join(PRECISIONS)}")
+    raise ValueError(f"`precision={precision!r}` with `zero_stage={zero_stage}` is not supported: {why}. Use "
+                     f"`precision='bf16-mixed'` (no loss scaling needed) or `zero_stage=0` / `1`.")
+
+
+def check_ddp_options(zero_stage: int, **options: Any) -> None:
+    """Refuse DDP's options (``comm_hook``, buckets, ...) under stages 2 / 3: FSDP has no DDP reducer to apply
+    them to. Each option is compared with its default.
+
+    Example:
+        >>> check_ddp_options(3, comm_hook=None, static_graph=False)
+        >>> check_ddp_options(3, comm_hook="fp16")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `zero_stage=3` shards with FSDP, which has no DDP communication hooks or buckets: comm_hook='fp16' ...
+    """
+    defaults = dict(comm_hook=None, find_unused_parameters=False, bucket_cap_mb=None, gradient_as_bucket_view=False,
+                    static_graph=False)
+    given = [f"{k}={v!r}" for k, v in options.items() if v != defaults[k]]
+    if given:
+        raise ValueError(f"`zero_stage={zero_stage}` shards with FSDP, which has no DDP communication hooks or "
+                         f"buckets: {', '.join(given)} cannot apply. Drop {'them' if len(given) > 1 else 'it'}, or "
+                         f"use zero_stage=0 or 1 (DDP).")
+
+
+def mixed_precision_policies(precision: str) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+    """``(blocks, root)`` policies for Lightning's ``precision`` (see [Note: mixed precision under FSDP]).
+
+    Example:
+        >>> blocks, root = mixed_precision_policies("bf16-mixed")
+        >>> blocks.param_dtype, blocks.reduce_dtype, blocks.cast_forward_inputs, root.param_dtype
+        (torch.bfloat16, torch.float32, False, None)
+        >>> mixed_precision_policies("32-true")[0] == MixedPrecisionPolicy()
+        True
+    """
+    if precision == "bf16-mixed":
+        blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                      cast_forward_inputs=False)
+        return blocks, MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(), MixedPrecisionPolicy()
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def shard_module(module: nn.Module, mesh, *, zero_stage: int, precision: str = "32-true") -> list[str]:
+    """Shard ``module`` in place over the 1-D ``mesh`` (every rank of it calls this) and return the units'
+    names (``""`` is the root). Every rank first takes the mesh's first rank's weights and buffers, as DDP
+    does at construction. A module that is sharded already is left as it is."""
+    if zero_stage not in (2, 3):
+        raise ValueError(f"`zero_stage={zero_stage!r}`: FSDP shards for stages 2 and 3 only.")
+    try:
+        path, stack = find_blocks(module)
+        blocks = [(f"{path}.{name}", block) for name, block in stack.named_children()]
+    except ValueError:  # no repeated block stack: the root is the only unit
+        blocks = []
+    if is_sharded(module):
+        return [name for name, _ in blocks] + [""]
+    _broadcast_from_first_rank(module, mesh)
+    block_policy, root_policy = mixed_precision_policies(precision)
+    reshard = zero_stage == 3
+    for _, block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=block_policy)
+    # None: FSDP2's choice for the root (keep its parameters through the step); stage 2 never reshards early
+    fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=root_policy)
+    return [name for name, _ in blocks] + [""]
+
+
+def _broadcast_from_first_rank(module: nn.Module, mesh) -> None:
+    """Every rank starts from the first mesh rank's parameters and buffers (FSDP takes each rank's own
+    weights for its shard: ranks that built different weights would train a model nobody initialised)."""
+    tensors = [t.detach() for t in list(module.parameters()) + list(module.buffers())]
+    if mesh.size() > 1 and tensors:
+        group = mesh.get_group()
+        with torch.no_grad():
+            dist._broadcast_coalesced(group, tensors, 1 << 24, dist.get_global_rank(group, 0))
+
+
+def reshard(module: nn.Module) -> None:
+    """Free every unit's whole parameters that a forward-only pass left gathered (see the first Note)."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+# -- checkpoints: consolidated, under the module's own names -----------------------------------------
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict as CPU tensors on the mesh's rank 0, ``{}`` elsewhere (collective: every rank)."""
+    return get_model_state_dict(module, options=_FULL)
+
+
+def load_model_state(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Load a whole state dict (present on every rank) into the shards; each rank keeps its slice."""
+    reshard(module)
+    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The whole optimizer state on rank 0 (``{}`` elsewhere) in torch's positional layout, the one
+    ``optimizer.state_dict()`` has on one device (collective: every rank).
+
+    torch's ``get_optimizer_state_dict`` keys it by parameter name, numbering nothing; it renames
+    ``optimizer.state_dict()`` group by group in order, so numbering the names in that order inverts it.
+    """
+    named = get_optimizer_state_dict(module, optimizer, options=_FULL)
+    if not named:
+        return named
+    index: dict[str, int] = {}
+    groups = []
+    for group in named["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            index[name] = len(index)
+            ids.append(index[name])
+        groups.append({**group, "params": ids})
+    return {"state": {index[name]: value for name, value in named["state"].items()}, "param_groups": groups}
+
+
+def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load a whole positional optimizer state (present on every rank, e.g. written by one device) into the
+    optimizer over ``module``'s shards."""
+    reshard(module)  # the optimizer holds the sharded parameters: name those
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    names = {p: n for n, p in module.named_parameters()}
+    saved_groups = state["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError(f"The checkpoint's optimizer has groups of {[len(g['params']) for g in saved_groups]} "
+                         f"parameters, this one {[len(g['params']) for g in optimizer.param_groups]}: was it saved "
+                         f"from a different model or `configure_optimizers`?")
+    name_of = {i: names[params[pos]] for pos, i in enumerate(i for g in saved_groups for i in g["params"])}
+    named = {"state": {name_of[int(i)]: v for i, v in state["state"].items()},
+             "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in saved_groups]}
+    set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+
+# -- memory --------------------------------------------------------------------------------------------
+
+def local_training_bytes(module: nn.Module, optimizers=()) -> dict[str, int]:
+    """Bytes this rank stores for parameters, gradients and optimizer state (local shards of DTensors)."""
+    from lightning_par.dp.zero import optimizer_state_bytes
+
+    params = list(module.parameters())
+    return {"params": sum(local_nbytes(p) for p in params),
+            "grads": sum(local_nbytes(p.grad) for p in params),
+            "optimizer": sum(optimizer_state_bytes(o) for o in optimizers)}
+
+
+__all__ = ["PRECISIONS", "check_precision", "check_ddp_options", "mixed_precision_policies", "is_sharded", "shard_module", "reshard",
+           "full_model_state", "load_model_state", "full_optimizer_state", "load_optimizer_state",
+           "local_training_bytes"]
