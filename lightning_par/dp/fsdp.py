@@ -35,20 +35,21 @@ One unit per block of the model's repeated block stack (found as the pipeline fi
 memory at rest is still 1/N, but the peak holds all of it. FSDP2 keeps the module's parameter names.
 
 [Note: mixed precision under FSDP]
-Lightning's ``bf16-mixed`` is autocast over fp32 weights: matmuls in bf16, the rest (embedding lookups,
-residual adds, norms, the loss) in fp32, fp32 gradients. Under stage 2/3 we keep Lightning's autocast
-and add ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, cast_forward_inputs=False)`` on the
-block units only:
-- the blocks' weights are all-gathered in bf16, which is what autocast casts a matmul's weight to
-  anyway: half the all-gather bytes, the same matmul operands;
+Lightning's ``bf16-mixed`` on one device or DDP is autocast over fp32 weights: matmuls in bf16, the rest
+(embedding lookups, residual adds, norms) in fp32, fp32 gradients. Under stages 2 / 3 we keep Lightning's
+autocast and give every unit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, FSDP's usual
+policy (torchtitan's; Lightning's own FSDPStrategy takes bf16 for parameters *and* reductions):
+- parameters are all-gathered and held whole in bf16: half the all-gather bytes and half the peak
+  parameter memory, the reasons to shard at all; the optimizer steps the fp32 shards;
 - gradients are reduce-scattered and kept in fp32, as DDP all-reduces fp32 gradients under autocast;
-- the root unit (embeddings, head) is gathered in fp32 and inputs are not cast: a bf16 embedding would put
-  the residual stream in bf16, a different (coarser) model than one device's ``bf16-mixed``.
-What differs from one device: parameters of a block that are not matmul weights (norm weights and biases
-used directly) enter the forward rounded to bf16 and their gradients carry bf16 precision, ~2^-8 relative.
-``*-true`` precisions convert the module before sharding (FSDP then gathers and reduces in that dtype, as
-DDP would). ``16-mixed`` is refused: its ``GradScaler`` would see only this rank's gradient shard when it
-looks for infs, and ranks could disagree on skipping a step.
+- a unit's floating inputs are cast to bf16 (FSDP's default): the module runs in one dtype. Gathering only
+  some weights in bf16 does not work: CPU ``layer_norm`` refuses fp32 activations with a bf16 weight, and
+  gathering norm weights in fp32 would leave the residual stream to whatever dtype each op promotes to.
+What differs from one device's ``bf16-mixed``: activations between ops (the residual stream included) and
+every weight are bf16-rounded in forward (~2^-8 relative), so losses and gradients agree to bf16 precision,
+not fp32's (the test derives its tolerance from that). ``*-true`` precisions convert the module before
+sharding (FSDP gathers and reduces in that dtype, as DDP would). ``16-mixed`` is refused: its ``GradScaler``
+would look for infs in this rank's gradient shard only, and ranks could disagree on skipping a step.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def check_ddp_options(zero_stage: int, **options: Any) -> None:
         >>> check_ddp_options(3, comm_hook="fp16")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: `zero_stage=3` shards with FSDP, which has no DDP communication hooks or buckets: comm_hook='fp16' ...
+        ValueError: `zero_stage=3` shards with FSDP, which has no DDP communication hooks or buckets: ...
     """
     defaults = dict(comm_hook=None, find_unused_parameters=False, bucket_cap_mb=None, gradient_as_bucket_view=False,
                     static_graph=False)
@@ -107,21 +108,19 @@ def check_ddp_options(zero_stage: int, **options: Any) -> None:
                          f"use zero_stage=0 or 1 (DDP).")
 
 
-def mixed_precision_policies(precision: str) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
-    """``(blocks, root)`` policies for Lightning's ``precision`` (see [Note: mixed precision under FSDP]).
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP's policy for Lightning's ``precision`` (see [Note: mixed precision under FSDP]).
 
     Example:
-        >>> blocks, root = mixed_precision_policies("bf16-mixed")
-        >>> blocks.param_dtype, blocks.reduce_dtype, blocks.cast_forward_inputs, root.param_dtype
-        (torch.bfloat16, torch.float32, False, None)
-        >>> mixed_precision_policies("32-true")[0] == MixedPrecisionPolicy()
+        >>> policy = mixed_precision_policy("bf16-mixed")
+        >>> policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs
+        (torch.bfloat16, torch.float32, True)
+        >>> mixed_precision_policy("32-true") == MixedPrecisionPolicy()
         True
     """
     if precision == "bf16-mixed":
-        blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                      cast_forward_inputs=False)
-        return blocks, MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
-    return MixedPrecisionPolicy(), MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -142,12 +141,12 @@ def shard_module(module: nn.Module, mesh, *, zero_stage: int, precision: str = "
     if is_sharded(module):
         return [name for name, _ in blocks] + [""]
     _broadcast_from_first_rank(module, mesh)
-    block_policy, root_policy = mixed_precision_policies(precision)
+    policy = mixed_precision_policy(precision)
     reshard = zero_stage == 3
     for _, block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=block_policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     # None: FSDP2's choice for the root (keep its parameters through the step); stage 2 never reshards early
-    fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=root_policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=policy)
     return [name for name, _ in blocks] + [""]
 
 
@@ -234,6 +233,6 @@ def local_training_bytes(module: nn.Module, optimizers=()) -> dict[str, int]:
             "optimizer": sum(optimizer_state_bytes(o) for o in optimizers)}
 
 
-__all__ = ["PRECISIONS", "check_precision", "check_ddp_options", "mixed_precision_policies", "is_sharded", "shard_module", "reshard",
-           "full_model_state", "load_model_state", "full_optimizer_state", "load_optimizer_state",
-           "local_training_bytes"]
+__all__ = ["PRECISIONS", "check_precision", "check_ddp_options", "mixed_precision_policy", "is_sharded",
+           "shard_module", "reshard", "full_model_state", "load_model_state", "full_optimizer_state",
+           "load_optimizer_state", "local_training_bytes"]
