@@ -99,14 +99,15 @@ def read_bytes(out_dir, ranks=2):
     return out
 
 
-def fit_two_ranks(tmp, name, strategy, *, model=tiny_gpt, data=None, per_rank=PER_RANK, max_steps=STEPS,
-                  validate=True, callbacks=(), **overrides):
+def fit_two_ranks(tmp, name, strategy, *, model=tiny_gpt, module=None, data=None, per_rank=PER_RANK,
+                  max_steps=STEPS, validate=True, callbacks=(), **overrides):
     data = data or corpus()
+    module = module or seeded(model)
     if validate:
         overrides = dict(val_loader=DataLoader(data.val_set, batch_size=per_rank), val_check_interval=3,
                          limit_val_batches=2, **overrides)
     out = str(tmp / name)
-    return fit_and_record(seeded(model), DataLoader(data.train_set, batch_size=per_rank), out, strategy=strategy,
+    return fit_and_record(module, DataLoader(data.train_set, batch_size=per_rank), out, strategy=strategy,
                           devices=2, max_steps=max_steps, callbacks=[Bytes(out), *callbacks], **overrides)
 
 
@@ -155,10 +156,13 @@ def test_stage_matches_zero0_and_one_process(tmp_path, base, model, stage):
     if model == "llama":
         pytest.importorskip("transformers")
     b = base(model)
-    got = fit_two_ranks(tmp_path, f"zero{stage}", zero(stage), model=MODELS[model])
+    module = seeded(MODELS[model])
+    got = fit_two_ranks(tmp_path, f"zero{stage}", zero(stage), module=module)
     assert_records_close(b["zero0"], got, **FP32)      # rank-local losses, grads, params, metrics
     assert_matches_one_process(b["ref"], got, **FP32)
     assert {"train_loss", "val_loss"} <= got[0]["metrics"].keys()
+    # The caller's module (in this process: fork start) receives the trained weights, whole.
+    torch.testing.assert_close(dict(module.named_parameters()), got[0]["params"], **EXACT)
     # Per rank, parameters + gradients + optimizer state: stage 3 (and 2, whose parameters are whole only
     # inside forward/backward) hold at most 1/N of stage 0's, + 5% (Adam's per-parameter step counters and
     # FSDP's padding of a dim 0 that N does not divide). Stage 1 shards the optimizer state only.
@@ -353,3 +357,45 @@ def test_zero3_bf16_mixed_matches_zero0_to_bf16_precision(tmp_path, model):
             b = torch.cat([g0[n].flatten() for n in g0])
             rel = float((a - b).norm() / b.norm())
             assert rel <= bf16_bound(model, step), f"step {step}: gradients differ by {rel:.3g} ({rel / U_BF16:.1f} u)"
+
+
+# -- evaluation alone, manual optimization ---------------------------------------------------------
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_zero3_validate_and_test_alone_equal_zero0(tmp_path):
+    data = corpus()
+    loader = DataLoader(data.val_set, batch_size=PER_RANK)
+    results = {}
+    for stage in (0, 3):
+        trainer = pl.Trainer(**trainer_kwargs(strategy=zero(stage), devices=2, limit_val_batches=2))
+        results[stage] = (trainer.validate(seeded(tiny_gpt), loader), trainer.test(seeded(tiny_gpt), loader))
+    assert results[3] == results[0] and results[3][0][0]["val_loss"] > 0 and results[3][1][0]["test_loss"] > 0
+
+
+class ManualGPT(GPT):
+    """The reference GPT stepping its optimizer by hand, clipping included."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        self.lr_schedulers().step()
+        return loss
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_zero3_manual_optimization_equals_one_process(tmp_path):
+    data = corpus()
+    manual = lambda: ManualGPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16,  # noqa: E731
+                               warmup_steps=2, lr_decay_steps=10)
+    ref = fit_and_record(seeded(manual), reference_loader(data.train_set, 2 * PER_RANK), str(tmp_path / "ref"),
+                         max_steps=3)[0]
+    got = fit_two_ranks(tmp_path, "z3", zero(3), model=manual, max_steps=3, data=data, validate=False)
+    assert_matches_one_process(ref, got, **FP32)
