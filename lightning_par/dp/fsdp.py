@@ -34,6 +34,17 @@ One unit per block of the model's repeated block stack (found as the pipeline fi
 (embeddings, final norm, output head, tied weights). A model without a block stack is one unit: its
 memory at rest is still 1/N, but the peak holds all of it. FSDP2 keeps the module's parameter names.
 
+[Note: running a step through the root unit]
+FSDP's root unit (the module) gathers its own parameters (embeddings, head) in its forward pre-hook and
+registers the hooks that reduce every gradient; a step such as ``training_step`` need not call the module
+(a wrapper of a Hugging Face model calls ``self.model(...)``), so the step runs *inside* the module's
+``__call__`` (Lightning's forward redirection, as DDP's wrapper does). A step that calls ``self(...)`` itself
+then enters the root twice, nested, and FSDP2 frees the root's parameters after the outer call although it
+keeps them after the inner one: one more all-gather of the root unit in backward. :class:`StepRunner`
+counts the module's calls: once a step of some name has called the module itself, later steps of that
+name run directly, with the root unit gathered beforehand (``unshard()``: the gather its pre-hook would
+do), so every step gathers each unit exactly as FSDP's formula says.
+
 [Note: mixed precision under FSDP]
 Lightning's ``bf16-mixed`` on one device or DDP is autocast over fp32 weights: matmuls in bf16, the rest
 (embedding lookups, residual adds, norms) in fp32, fp32 gradients. Under stages 2 / 3 we keep Lightning's
@@ -70,7 +81,18 @@ PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "bf16-mixed")
 
 
 def check_precision(precision: str, zero_stage: int) -> None:
-    """Raise ``ValueError`` for a precision stage 2/3 cannot train correctly (see [Note: mixed precision under FSDP]).
+    """Raise ``ValueError`` for a precision stage 2/3 cannot train correctly (see [Note: running a step through the root unit]
+FSDP's root unit (the module) gathers its own parameters (embeddings, head) in its forward pre-hook and
+registers the hooks that reduce every gradient; a step such as ``training_step`` need not call the module
+(a wrapper of a Hugging Face model calls ``self.model(...)``), so the step runs *inside* the module's
+``__call__`` (Lightning's forward redirection, as DDP's wrapper does). A step that calls ``self(...)`` itself
+then enters the root twice, nested, and FSDP2 frees the root's parameters after the outer call although it
+keeps them after the inner one: one more all-gather of the root unit in backward. :class:`StepRunner`
+counts the module's calls: once a step of some name has called the module itself, later steps of that
+name run directly, with the root unit gathered beforehand (``unshard()``: the gather its pre-hook would
+do), so every step gathers each unit exactly as FSDP's formula says.
+
+[Note: mixed precision under FSDP]).
 
     Example:
         >>> check_precision("bf16-mixed", 3)
@@ -109,7 +131,18 @@ def check_ddp_options(zero_stage: int, **options: Any) -> None:
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    """FSDP's policy for Lightning's ``precision`` (see [Note: mixed precision under FSDP]).
+    """FSDP's policy for Lightning's ``precision`` (see [Note: running a step through the root unit]
+FSDP's root unit (the module) gathers its own parameters (embeddings, head) in its forward pre-hook and
+registers the hooks that reduce every gradient; a step such as ``training_step`` need not call the module
+(a wrapper of a Hugging Face model calls ``self.model(...)``), so the step runs *inside* the module's
+``__call__`` (Lightning's forward redirection, as DDP's wrapper does). A step that calls ``self(...)`` itself
+then enters the root twice, nested, and FSDP2 frees the root's parameters after the outer call although it
+keeps them after the inner one: one more all-gather of the root unit in backward. :class:`StepRunner`
+counts the module's calls: once a step of some name has called the module itself, later steps of that
+name run directly, with the root unit gathered beforehand (``unshard()``: the gather its pre-hook would
+do), so every step gathers each unit exactly as FSDP's formula says.
+
+[Note: mixed precision under FSDP]).
 
     Example:
         >>> policy = mixed_precision_policy("bf16-mixed")
@@ -148,6 +181,34 @@ def shard_module(module: nn.Module, mesh, *, zero_stage: int, precision: str = "
     # None: FSDP2's choice for the root (keep its parameters through the step); stage 2 never reshards early
     fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=policy)
     return [name for name, _ in blocks] + [""]
+
+
+class StepRunner:
+    """Runs the step methods of a sharded ``module`` (see [Note: running a step through the root unit]).
+
+    ``redirect(wrapper, module, name, *args, **kwargs)`` runs ``module.<name>`` inside ``wrapper.__call__``
+    (Lightning's ``_ForwardRedirection``). Call :meth:`close` when done: it removes the counting hook.
+    """
+
+    def __init__(self, module: nn.Module):
+        self._module, self._calls, self._direct = module, 0, set()
+        self._handle = module.register_forward_pre_hook(self._count)
+
+    def _count(self, *_: Any) -> None:
+        self._calls += 1
+
+    def run(self, name: str, redirect, *args, **kwargs):
+        if name in self._direct:
+            self._module.unshard()
+            return getattr(self._module, name)(*args, **kwargs)
+        before = self._calls
+        out = redirect(self._module, self._module, name, *args, **kwargs)
+        if self._calls - before > 1:  # the step called the module itself
+            self._direct.add(name)
+        return out
+
+    def close(self) -> None:
+        self._handle.remove()
 
 
 def _broadcast_from_first_rank(module: nn.Module, mesh) -> None:
@@ -234,5 +295,5 @@ def local_training_bytes(module: nn.Module, optimizers=()) -> dict[str, int]:
 
 
 __all__ = ["PRECISIONS", "check_precision", "check_ddp_options", "mixed_precision_policy", "is_sharded",
-           "shard_module", "reshard", "full_model_state", "load_model_state", "full_optimizer_state",
+           "shard_module", "StepRunner", "reshard", "full_model_state", "load_model_state", "full_optimizer_state",
            "load_optimizer_state", "local_training_bytes"]

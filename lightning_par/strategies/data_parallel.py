@@ -16,7 +16,7 @@ DDP, in every trainer function (a model that only fits sharded must validate sha
 ``ModelParallelStrategy`` leaves it to ``configure_model``. The module stays the root FSDP unit, so
 ``self.model is self.lightning_module``; each ``*_step`` is run inside the module's own ``__call__``
 (Lightning's forward redirection, as DDP's wrapper does) so that FSDP's root hooks gather the root's
-parameters even when the step never calls ``self(...)``. Checkpoints are restored after setup, into the
+parameters even when the step never calls ``self(...)`` ([Note: running a step through the root unit]). Checkpoints are restored after setup, into the
 shards. Loss reporting is DDP's: rank-local.
 """
 from __future__ import annotations
@@ -52,12 +52,12 @@ def _as_timeout(timeout: float | datetime.timedelta) -> datetime.timedelta:
 
 
 def _step_through_root(name: str, context: str):
-    """``Strategy.<name>``, run through the sharded module's ``__call__`` (FSDP's root hooks) under zero 2 / 3."""
+    """``Strategy.<name>``, run so that FSDP's root hooks run once (:class:`lightning_par.dp.fsdp.StepRunner`)."""
     def step(self, *args, **kwargs):
         if self._fsdp_units is None:
             return getattr(super(DataParallelStrategy, self), name)(*args, **kwargs)
         with getattr(self.precision_plugin, context)():
-            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+            return self._steps.run(name, self._forward_redirection, *args, **kwargs)
 
     step.__name__ = name
     return step
@@ -151,6 +151,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         self._reference_batch_size = reference_batch_size
         self._lr_scale_factor: float | None = None
         self._fsdp_units: list[str] | None = None  # set once the module is sharded (zero_stage >= 2)
+        self._steps: fsdp.StepRunner | None = None
 
     # -- public state -------------------------------------------------------------------------------
 
@@ -211,6 +212,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
             self.root_device.type, timeout=self._timeout)["dp"]
         self._fsdp_units = fsdp.shard_module(module, mesh, zero_stage=self._zero_stage,
                                              precision=self.precision_plugin.precision)
+        self._steps = fsdp.StepRunner(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
@@ -244,7 +246,8 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         if self._fsdp_units is None:
             return super().teardown()
         # As Lightning's ModelParallelStrategy: the sharded module stays where it is (see TensorParallelStrategy).
-        self._fsdp_units = None
+        self._steps.close()
+        self._fsdp_units = self._steps = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

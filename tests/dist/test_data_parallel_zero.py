@@ -175,6 +175,63 @@ def test_stage_matches_zero0_and_one_process(tmp_path, base, model, stage):
             assert used["optimizer"] <= 0.6 * full["optimizer"], (used, full)
 
 
+# -- communication ----------------------------------------------------------------------------------
+
+class StepBytes(Callback):
+    """Counts every collective of training batch ``batch`` from its start to the end of its backward (the
+    optimizer step has none; the Recorder gathers gradients after that) with
+    :func:`lightning_par.comm.count_comm`, and writes the wire bytes with the parameter bytes of the whole model
+    and of its root unit to ``<dir>/comm<rank>.json``."""
+
+    def __init__(self, out_dir, batch=2):
+        self.out_dir, self.batch, self.mode = out_dir, batch, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning_par.comm import CommCounter, count_comm
+
+        if batch_idx == self.batch:
+            self.counter = CommCounter()
+            self.mode = count_comm(self.counter)
+            self.mode.__enter__()
+
+    def on_after_backward(self, trainer, pl_module):
+        from lightning_par.pipeline.discovery import find_blocks
+
+        if self.mode is None:
+            return
+        self.mode.__exit__(None, None, None)
+        self.mode = None
+        in_blocks = {id(p) for p in find_blocks(pl_module)[1].parameters()}
+        size = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731  (global shapes)
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"comm{trainer.global_rank}.json"), "w") as f:
+            json.dump({"wire": self.counter.wire_bytes, "calls": dict(self.counter.calls),
+                       "params": size(pl_module.parameters()),
+                       "root": size(p for p in pl_module.parameters() if id(p) not in in_blocks)}, f)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bytes_per_step_equal_fsdp_formula(tmp_path, model, stage):
+    # GPT's training_step calls self(...) (the root unit is entered twice, nested); the Llama wrapper calls
+    # self.model(...) (only the strategy enters the root): both must gather every unit exactly as FSDP's
+    # formula says ([Note: running a step through the root unit]). Per rank, N = 2 ranks, P parameter bytes:
+    # stage 3 gathers every unit in forward, every unit but the root again in backward, and reduce-scatters
+    # every gradient: (N-1)/N (P + (P - P_root) + P); stage 2 gathers once: (N-1)/N 2P.
+    if model == "llama":
+        pytest.importorskip("transformers")
+    fit_two_ranks(tmp_path, "run", zero(stage), model=MODELS[model], validate=False,
+                  callbacks=[StepBytes(str(tmp_path / "run"))])
+    for r in range(2):
+        with open(tmp_path / "run" / f"comm{r}.json") as f:
+            got = json.load(f)
+        p, root = got["params"], got["root"]
+        formula = 0.5 * ((3 * p - root) if stage == 3 else 2 * p)
+        assert got["wire"] == formula, got
+        assert set(got["calls"]) <= {"all_gather", "all_gather[bwd]", "reduce_scatter", "reduce_scatter[bwd]"}, got
+
+
 # -- consolidated checkpoints ------------------------------------------------------------------------
 
 def checkpointed(tmp, name, strategy, data, steps=4):
