@@ -15,7 +15,8 @@ every other round (AB BA ...), so slow drift of a shared machine falls on every 
 What is measured (inside the ranks, by a callback):
 - step time: ``perf_counter`` between consecutive ends of training batches after ``--warmup`` steps; a
   2-rank step takes as long as its slower rank; per variant the median over all timed steps of all
-  rounds, the per-round medians (their spread), and ratio = median / median of ``lightning_fsdp``.
+  rounds, the per-round medians (their spread), ratio = median / median of ``lightning_fsdp``, and the
+  ratio per round (each round's runs are adjacent in time).
 - bytes: on one extra step every collective a rank dispatches is counted by
   :func:`lightning_par.comm.count_comm` (all-gathers by their input shard, reduce-scatters by their input);
   wire = what one rank sends (all-gather (N-1) x shard, reduce-scatter (N-1)/N x input). FSDP's formula for
@@ -234,6 +235,11 @@ def main(argv=None):
               f"{'/'.join(f'{w / 2**20:.2f}' for w in wire):>14s} {r['formula_bytes'] / 2**20:11.2f} "
               f"{'/'.join(f'{x:.3f}' for x in r['wire_over_formula']):>12s} {local:>17s}  "
               + ", ".join(f"{k} x{c}" for k, c in sorted(r["calls"].items())))
+    for v, r in rows.items():   # each round's two runs are adjacent in time: less drift between them
+        if base and v != "lightning_fsdp" and len(r["round_medians_s"]) == len(base["round_medians_s"]):
+            r["round_ratios_vs_lightning_fsdp"] = [a / b for a, b in zip(r["round_medians_s"], base["round_medians_s"])]
+            print(f"{v}: per-round ratio vs lightning_fsdp "
+                  + " / ".join(f"{x:.2f}" for x in r["round_ratios_vs_lightning_fsdp"]))
     for f in failures:
         print("FAILED", f)
     print(f"total wall {time.perf_counter() - t0:.0f}s. Timing on a shared machine is noisy: compare the ratio "

@@ -81,18 +81,7 @@ PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "bf16-mixed")
 
 
 def check_precision(precision: str, zero_stage: int) -> None:
-    """Raise ``ValueError`` for a precision stage 2/3 cannot train correctly (see [Note: running a step through the root unit]
-FSDP's root unit (the module) gathers its own parameters (embeddings, head) in its forward pre-hook and
-registers the hooks that reduce every gradient; a step such as ``training_step`` need not call the module
-(a wrapper of a Hugging Face model calls ``self.model(...)``), so the step runs *inside* the module's
-``__call__`` (Lightning's forward redirection, as DDP's wrapper does). A step that calls ``self(...)`` itself
-then enters the root twice, nested, and FSDP2 frees the root's parameters after the outer call although it
-keeps them after the inner one: one more all-gather of the root unit in backward. :class:`StepRunner`
-counts the module's calls: once a step of some name has called the module itself, later steps of that
-name run directly, with the root unit gathered beforehand (``unshard()``: the gather its pre-hook would
-do), so every step gathers each unit exactly as FSDP's formula says.
-
-[Note: mixed precision under FSDP]).
+    """Raise ``ValueError`` for a precision stages 2 / 3 cannot train correctly ([Note: mixed precision under FSDP]).
 
     Example:
         >>> check_precision("bf16-mixed", 3)
@@ -131,18 +120,7 @@ def check_ddp_options(zero_stage: int, **options: Any) -> None:
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    """FSDP's policy for Lightning's ``precision`` (see [Note: running a step through the root unit]
-FSDP's root unit (the module) gathers its own parameters (embeddings, head) in its forward pre-hook and
-registers the hooks that reduce every gradient; a step such as ``training_step`` need not call the module
-(a wrapper of a Hugging Face model calls ``self.model(...)``), so the step runs *inside* the module's
-``__call__`` (Lightning's forward redirection, as DDP's wrapper does). A step that calls ``self(...)`` itself
-then enters the root twice, nested, and FSDP2 frees the root's parameters after the outer call although it
-keeps them after the inner one: one more all-gather of the root unit in backward. :class:`StepRunner`
-counts the module's calls: once a step of some name has called the module itself, later steps of that
-name run directly, with the root unit gathered beforehand (``unshard()``: the gather its pre-hook would
-do), so every step gathers each unit exactly as FSDP's formula says.
-
-[Note: mixed precision under FSDP]).
+    """FSDP's policy for Lightning's ``precision`` (see [Note: mixed precision under FSDP]).
 
     Example:
         >>> policy = mixed_precision_policy("bf16-mixed")

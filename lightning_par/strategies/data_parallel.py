@@ -12,12 +12,14 @@ right Lightning hook.
 
 [Note: zero_stage 2 and 3 under a DDPStrategy base]
 Stages 2 and 3 shard the module in place with FSDP2 (:mod:`lightning_par.dp.fsdp`) instead of wrapping it in
-DDP, in every trainer function (a model that only fits sharded must validate sharded too), as Lightning's
-``ModelParallelStrategy`` leaves it to ``configure_model``. The module stays the root FSDP unit, so
-``self.model is self.lightning_module``; each ``*_step`` is run inside the module's own ``__call__``
-(Lightning's forward redirection, as DDP's wrapper does) so that FSDP's root hooks gather the root's
-parameters even when the step never calls ``self(...)`` ([Note: running a step through the root unit]). Checkpoints are restored after setup, into the
-shards. Loss reporting is DDP's: rank-local.
+DDP, in every trainer function (a model that only fits sharded must validate sharded too), where Lightning's
+``ModelParallelStrategy`` leaves it to the user's ``configure_model``. The module itself is the root FSDP
+unit (it stays usable after fit: its forward gathers what it needs), so ``self.model is
+self.lightning_module``; each ``*_step`` runs inside the module's own ``__call__`` (Lightning's forward
+redirection, as DDP's wrapper does), so that FSDP's root hooks gather the root's parameters even when the
+step never calls ``self(...)`` ([Note: running a step through the root unit] in :mod:`lightning_par.dp.fsdp`).
+Checkpoints are restored after setup, into the shards. Launched by fork or spawn, the caller's module
+receives the whole trained weights. Loss reporting is DDP's: rank-local.
 """
 from __future__ import annotations
 
@@ -277,7 +279,6 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             fsdp.load_optimizer_state(self.lightning_module, opt._optimizer if isinstance(opt, LightningOptimizer)
                                       else opt, state)
-
 
     def _register_ddp_hooks(self) -> None:
         """Register the chosen communication hook on every device type (Lightning: CUDA only; for bf16 on

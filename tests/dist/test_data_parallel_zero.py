@@ -456,3 +456,26 @@ def test_zero3_manual_optimization_equals_one_process(tmp_path):
                          max_steps=3)[0]
     got = fit_two_ranks(tmp_path, "z3", zero(3), model=manual, max_steps=3, data=data, validate=False)
     assert_matches_one_process(ref, got, **FP32)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_zero3_linear_lr_scaling_equals_one_process_with_scaled_lr(tmp_path):
+    data = corpus()
+    lr = 3e-3
+    # Two ranks of 4: global batch 8 = 2 x one device's batch, factor 2 (see test_data_parallel's version).
+    ref = fit_and_record(seeded(lambda: tiny_gpt(lr=2 * lr)), reference_loader(data.train_set, 8),
+                         str(tmp_path / "ref"), max_steps=3)[0]
+    got = fit_two_ranks(tmp_path, "scaled", zero(3, lr_scaling="linear"), model=lambda: tiny_gpt(lr=lr), max_steps=3,
+                        data=data, validate=False)
+    assert_matches_one_process(ref, got, **FP32)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_zero3_on_one_device_equals_a_plain_run(tmp_path):
+    data = corpus()
+    ref = fit_and_record(seeded(tiny_gpt), reference_loader(data.train_set, PER_RANK), str(tmp_path / "ref"),
+                         max_steps=3)[0]
+    got = fit_and_record(seeded(tiny_gpt), DataLoader(data.train_set, batch_size=PER_RANK), str(tmp_path / "z3"),
+                         strategy=zero(3), devices=1, max_steps=3)
+    assert len(got) == 1
+    assert_close_records(ref, got[0], **FP32)
