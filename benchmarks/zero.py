@@ -16,7 +16,10 @@ What is measured (inside the ranks, by a callback):
 - step time: ``perf_counter`` between consecutive ends of training batches after ``--warmup`` steps; a
   2-rank step takes as long as its slower rank; per variant the median over all timed steps of all
   rounds, the per-round medians (their spread), ratio = median / median of ``lightning_fsdp``, and the
-  ratio per round (each round's runs are adjacent in time).
+  ratio per round (each round's runs are adjacent in time). CPU time: ``process_time`` per step of each
+  rank's process (all its threads, gloo's included), median over ranks, steps and rounds: less sensitive
+  than wall time to other load on a shared machine. ``min``: the fastest timed step of all rounds (load
+  only ever adds time, so the minimum estimates the step's own cost).
 - bytes: on one extra step every collective a rank dispatches is counted by
   :func:`lightning_par.comm.count_comm` (all-gathers by their input shard, reduce-scatters by their input);
   wire = what one rank sends (all-gather (N-1) x shard, reduce-scatter (N-1)/N x input). FSDP's formula for
@@ -101,7 +104,8 @@ def run_inner(args):
 
     class Clock(Callback):
         def on_train_start(self, trainer, pl_module):
-            self.ends, self.counter, self.mode = [time.perf_counter()], CommCounter(), None
+            self.ends, self.cpu = [time.perf_counter()], [time.process_time()]
+            self.counter, self.mode = CommCounter(), None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == total - 1:
@@ -113,13 +117,16 @@ def run_inner(args):
                 self.mode.__exit__(None, None, None)
                 self.mode = None
             self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
 
         def on_train_end(self, trainer, pl_module):
             steps = [b - a for a, b in zip(self.ends, self.ends[1:])]
+            cpu = [b - a for a, b in zip(self.cpu, self.cpu[1:])]
             world = trainer.world_size
             param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())  # global shapes
             rec = {"rank": trainer.global_rank, "world": world,
                    "step_s": steps[cfg["warmup"]:cfg["warmup"] + cfg["steps"]],
+                   "cpu_s": cpu[cfg["warmup"]:cfg["warmup"] + cfg["steps"]],
                    "calls": dict(self.counter.calls), "wire": dict(self.counter.wire),
                    "wire_bytes": self.counter.wire_bytes, "param_bytes": param_bytes,
                    "root_bytes": root_bytes(pl_module), "local": local_training_bytes(pl_module, trainer.optimizers),
@@ -172,6 +179,8 @@ def summarize(variant, runs):
     else:
         formula = (n - 1) / n * (3 * p - p_root)
     return {"variant": variant, "median_s": statistics.median(t for recs in runs for t in step_times(recs)),
+            "median_cpu_s_per_rank": statistics.median(c for recs in runs for r in recs for c in r["cpu_s"]),
+            "min_s": min(t for recs in runs for t in step_times(recs)),
             "round_medians_s": [statistics.median(step_times(recs)) for recs in runs],
             "calls": first["calls"], "wire_bytes_per_rank": [r["wire_bytes"] for r in runs[0]],
             "formula_bytes": formula, "param_bytes": p, "root_bytes": p_root,
@@ -222,6 +231,7 @@ def main(argv=None):
     base = rows.get("lightning_fsdp")
     print()
     print(f"{'variant':15s} {'median ms':>10s} {'vs Lightning':>12s} {'round medians ms (spread)':>30s} "
+          f"{'cpu ms/rank':>11s} {'cpu vs L':>8s} {'min ms':>7s} {'min vs L':>8s} "
           f"{'wire MiB/rank':>14s} {'formula MiB':>11s} {'wire/formula':>12s} {'p+g+opt MiB/rank':>17s}  collectives")
     for v, r in rows.items():
         r["ratio_vs_lightning_fsdp"] = r["median_s"] / base["median_s"] if base else None
@@ -231,7 +241,11 @@ def main(argv=None):
         r["wire_over_formula"] = [w / r["formula_bytes"] for w in wire]
         local = "/".join(f"{sum(b.values()) / 2**20:.2f}" for b in r["local_bytes_per_rank"])
         ratio = "" if r["ratio_vs_lightning_fsdp"] is None else f"{r['ratio_vs_lightning_fsdp']:.3f}"
+        r["cpu_ratio_vs_lightning_fsdp"] = r["median_cpu_s_per_rank"] / base["median_cpu_s_per_rank"] if base else None
+        cpu_ratio = "" if base is None else f"{r['cpu_ratio_vs_lightning_fsdp']:.3f}"
         print(f"{v:15s} {1e3 * r['median_s']:10.1f} {ratio:>12s} {spread:>30s} "
+              f"{1e3 * r['median_cpu_s_per_rank']:11.1f} {cpu_ratio:>8s} {1e3 * r['min_s']:7.1f} "
+              f"{'' if base is None else format(r['min_s'] / base['min_s'], '.3f'):>8s} "
               f"{'/'.join(f'{w / 2**20:.2f}' for w in wire):>14s} {r['formula_bytes'] / 2**20:11.2f} "
               f"{'/'.join(f'{x:.3f}' for x in r['wire_over_formula']):>12s} {local:>17s}  "
               + ", ".join(f"{k} x{c}" for k, c in sorted(r["calls"].items())))

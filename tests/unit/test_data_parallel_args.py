@@ -1,5 +1,6 @@
 """DataParallelStrategy without processes: bad input, registry, LR-scaling arithmetic and application."""
 import datetime
+import doctest
 import math
 
 import pytest
@@ -9,7 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import DataParallelStrategy
-from lightning_par.dp import comm_hooks, lr_scaling, zero
+from lightning_par.dp import comm_hooks, fsdp, lr_scaling, zero
 
 # -- bad input: ValueError naming the value and the fix ---------------------------------------------
 
@@ -69,6 +70,12 @@ def test_fsdp_stages_before_setup():
     assert not DataParallelStrategy(zero_stage=1).restore_checkpoint_after_setup
     with pytest.raises(RuntimeError, match=r"`fsdp_units` exist once the module is sharded in Trainer setup"):
         s.fsdp_units
+
+
+@pytest.mark.parametrize("module", [zero, fsdp])
+def test_docstring_examples(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_zero_stage_meanings_are_listed_once():
