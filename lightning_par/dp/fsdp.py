@@ -75,6 +75,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_par.comm import local_nbytes
+from lightning_par.dp.zero import optimizer_state_bytes
 from lightning_par.pipeline.discovery import find_blocks
 
 PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "bf16-mixed")
@@ -226,8 +227,8 @@ def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) ->
     """The whole optimizer state on rank 0 (``{}`` elsewhere) in torch's positional layout, the one
     ``optimizer.state_dict()`` has on one device (collective: every rank).
 
-    torch's ``get_optimizer_state_dict`` keys it by parameter name, numbering nothing; it renames
-    ``optimizer.state_dict()`` group by group in order, so numbering the names in that order inverts it.
+    torch's ``get_optimizer_state_dict`` keys the state by parameter name: it renames ``optimizer.state_dict()``'s
+    positions group by group, in order, so numbering the names in that order inverts it.
     """
     named = get_optimizer_state_dict(module, optimizer, options=_FULL)
     if not named:
@@ -264,8 +265,6 @@ def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, st
 
 def local_training_bytes(module: nn.Module, optimizers=()) -> dict[str, int]:
     """Bytes this rank stores for parameters, gradients and optimizer state (local shards of DTensors)."""
-    from lightning_par.dp.zero import optimizer_state_bytes
-
     params = list(module.parameters())
     return {"params": sum(local_nbytes(p) for p in params),
             "grads": sum(local_nbytes(p.grad) for p in params),
