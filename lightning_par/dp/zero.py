@@ -1,4 +1,7 @@
-"""ZeRO stage 1: shard the optimizer state of the user's optimizer over the data-parallel ranks.
+"""ZeRO stages: their meanings and their check; stage 1 here (stages 2 and 3 are FSDP2, in
+:mod:`lightning_par.dp.fsdp`).
+
+Stage 1: shard the optimizer state of the user's optimizer over the data-parallel ranks.
 
 [Note: wrapping the user's optimizer]
 ``configure_optimizers`` returns an ordinary optimizer (its LR schedulers already bound to it). We
@@ -21,25 +24,27 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = {
+    0: "replicas: every rank holds everything, DDP all-reduces the gradients",
+    1: "optimizer state sharded (torch's ZeroRedundancyOptimizer)",
+    2: "gradients reduce-scattered and sharded as well (FSDP2, parameters gathered once per step)",
+    3: "parameters sharded as well (FSDP2, gathered per block in forward and again in backward)",
+}
 
 
 def validate_zero_stage(zero_stage: int) -> None:
-    """Raise ``ValueError`` unless ``zero_stage`` is 0 or 1.
+    """Raise ``ValueError`` unless ``zero_stage`` is one of :data:`ZERO_STAGES`.
 
     Example:
-        >>> validate_zero_stage(1)
-        >>> validate_zero_stage(2)  # doctest: +ELLIPSIS
+        >>> validate_zero_stage(3)
+        >>> validate_zero_stage(4)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: `zero_stage=2` is not supported: DataParallelStrategy shards optimizer state only (stage 1) ...
+        ValueError: `zero_stage=4` is not a ZeRO stage. Choose 0 (replicas: ...), 1 (optimizer state sharded ...
     """
     if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
-        raise ValueError(
-            f"`zero_stage={zero_stage!r}` is not supported: DataParallelStrategy shards optimizer state only "
-            f"(stage 1) or nothing (stage 0). For sharded gradients and parameters (ZeRO-2/3) use Lightning's "
-            f"FSDPStrategy; otherwise set zero_stage=0 or 1."
-        )
+        stages = ", ".join(f"{k} ({v})" for k, v in ZERO_STAGES.items())
+        raise ValueError(f"`zero_stage={zero_stage!r}` is not a ZeRO stage. Choose {stages}.")
 
 
 def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:

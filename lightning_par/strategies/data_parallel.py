@@ -1,14 +1,26 @@
 """Data parallelism: Lightning's ``DDPStrategy`` (torch DDP; gloo on CPU, NCCL on CUDA) plus gradient
-compression hooks on every backend, ZeRO-1 optimizer-state sharding and learning-rate scaling.
+compression hooks on every backend, ZeRO-1/2/3 sharding and learning-rate scaling.
 
     Trainer(accelerator="cpu", devices=2, strategy=DataParallelStrategy())
     Trainer(devices=4, strategy=DataParallelStrategy(comm_hook="bf16", zero_stage=1, lr_scaling="linear"))
+    Trainer(devices=2, strategy=DataParallelStrategy(zero_stage=3))      # FSDP2 over the data-parallel ranks
     Trainer(devices=2, strategy="data_parallel")
 
 With the defaults it *is* Lightning's DDP: same wrapper, same reduction, same logged values (bit for
 bit); on a single process it iterates the user's loader as it is, as plain Lightning does ([Note: one
 process keeps the user's loader] in :mod:`lightning_par.topology`). The work of each addition lives in
 :mod:`lightning_par.dp`; this class only calls it from the right Lightning hook.
+
+[Note: zero_stage 2 and 3 under a DDPStrategy base]
+Stages 2 and 3 shard the module in place with FSDP2 (:mod:`lightning_par.dp.fsdp`) instead of wrapping it in
+DDP, in every trainer function (a model that only fits sharded must validate sharded too), where Lightning's
+``ModelParallelStrategy`` leaves it to the user's ``configure_model``. The module itself is the root FSDP
+unit (it stays usable after fit: its forward gathers what it needs), so ``self.model is
+self.lightning_module``; each ``*_step`` runs inside the module's own ``__call__`` (Lightning's forward
+redirection, as DDP's wrapper does), so that FSDP's root hooks gather the root's parameters even when the
+step never calls ``self(...)`` ([Note: running a step through the root unit] in :mod:`lightning_par.dp.fsdp`).
+Checkpoints are restored after setup, into the shards. Launched by fork or spawn, the caller's module
+receives the whole trained weights. Loss reporting is DDP's: rank-local.
 """
 from __future__ import annotations
 
@@ -16,15 +28,32 @@ import datetime
 from typing import Any, Literal
 
 import torch.distributed
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par.dp import comm_hooks, zero
+from lightning_par.dp import comm_hooks, fsdp, zero
 from lightning_par.strategies._base import as_timeout, check_start_method
-from lightning_par.strategies._registry import RegisteredByName
-from lightning_par.topology import keep_loader_on_one_process
 from lightning_par.dp import lr_scaling as scaling
+from lightning_par.strategies._registry import RegisteredByName
+from lightning_par.strategies.tensor_parallel import _ConsolidatingLauncher
+from lightning_par.topology import Topology, keep_loader_on_one_process
+
+
+def _step_through_root(name: str, context: str):
+    """``Strategy.<name>``, run so that FSDP's root hooks run once (:class:`lightning_par.dp.fsdp.StepRunner`)."""
+    def step(self, *args, **kwargs):
+        if self._fsdp_units is None:
+            return getattr(super(DataParallelStrategy, self), name)(*args, **kwargs)
+        with getattr(self.precision_plugin, context)():
+            return self._steps.run(name, self._forward_redirection, *args, **kwargs)
+
+    step.__name__ = name
+    return step
 
 
 class DataParallelStrategy(RegisteredByName, DDPStrategy):
@@ -34,9 +63,13 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
       half the bytes, ~3 / ~2 significant digits), ``"powersgd"`` (rank-``powersgd_rank`` PowerSGD from
       iteration ``powersgd_start_iter``, plain all-reduce before). Registered on CPU/gloo as well as
       CUDA (Lightning registers hooks only on CUDA).
-    - ``zero_stage``: ``0`` or ``1`` (the optimizer from ``configure_optimizers`` is wrapped in torch's
-      ``ZeroRedundancyOptimizer``: each rank keeps ~1/N of its state; LR schedulers keep working;
-      checkpoints hold the consolidated state, loadable by a plain single-device run).
+    - ``zero_stage``: ``0`` (replicas, DDP), ``1`` (the optimizer from ``configure_optimizers`` is wrapped in
+      torch's ``ZeroRedundancyOptimizer``: each rank keeps ~1/N of its state; LR schedulers keep working),
+      ``2`` (FSDP2: gradients reduce-scattered, each rank keeps 1/N of them and of the optimizer state;
+      parameters gathered once per step) or ``3`` (FSDP2: parameters sharded as well, gathered per block in
+      forward and again in backward); see [Note: what stages 2 and 3 keep and shard] in
+      :mod:`lightning_par.dp.fsdp`. Checkpoints hold the consolidated state under the module's own names,
+      loadable by a plain single-device run. Stages 2 and 3 take no DDP option (comm hook, buckets...).
     - ``lr_scaling``: ``"none"``, ``"linear"`` or ``"sqrt"``: every configured learning rate (including
       the ``base_lrs`` of LR schedulers) is multiplied by ``global batch / reference_batch_size``
       (or its square root), where global batch = per-device batch × world size ×
@@ -79,6 +112,10 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         # 1. validate everything before any process or collective exists
         comm_hooks.validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
         zero.validate_zero_stage(zero_stage)
+        if zero_stage >= 2:
+            fsdp.check_ddp_options(zero_stage, comm_hook=comm_hook, find_unused_parameters=find_unused_parameters,
+                                bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+                                static_graph=static_graph)
         scaling.validate_lr_scaling(lr_scaling, reference_batch_size)
         check_start_method(start_method)
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
@@ -104,6 +141,8 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         self._reference_batch_size = reference_batch_size
         self._lr_scale_factor: float | None = None
         self._restore_loader = lambda: None
+        self._fsdp_units: list[str] | None = None  # set once the module is sharded (zero_stage >= 2)
+        self._steps: fsdp.StepRunner | None = None
 
     # -- public state -------------------------------------------------------------------------------
 
@@ -125,7 +164,113 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
                                f"batch size); lr_scaling={self._lr_scaling!r}.")
         return self._lr_scale_factor
 
+    @property
+    def fsdp_units(self) -> list[str]:
+        """Names of the modules sharded as FSDP units under ``zero_stage`` 2 / 3 (``""``: the root)."""
+        if self._fsdp_units is None:
+            raise RuntimeError(f"`fsdp_units` exist once the module is sharded in Trainer setup (zero_stage="
+                               f"{self._zero_stage}; only stages 2 and 3 shard it).")
+        return self._fsdp_units
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self._zero_stage >= 2  # whole tensors are loaded into the shards
+
     # -- Lightning hooks ----------------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._zero_stage < 2:
+            return
+        # In the launching process, at Trainer construction: refuse what stage 2/3 cannot train before any process.
+        fsdp.check_precision(self.precision_plugin.precision, self._zero_stage)
+        if self._layer_sync is not None:
+            raise ValueError(f"`Trainer(sync_batchnorm=True)` with `zero_stage={self._zero_stage}` is not supported "
+                             f"(FSDP shards the module in place); use zero_stage=0 or 1 for SyncBatchNorm.")
+        if isinstance(self._launcher, _MultiProcessingLauncher):  # the caller's module receives whole weights
+            self._launcher = _ConsolidatingLauncher(self, start_method=self._start_method)
+
+    def setup(self, trainer) -> None:
+        # [Note: one process keeps the user's loader] in lightning_par/topology.py
+        self._restore_loader = keep_loader_on_one_process(trainer, self.world_size)
+        if self._zero_stage < 2:
+            return super().setup(trainer)
+        # As DDPStrategy.setup, with FSDP in place of DDP in every trainer function ([Note: zero_stage 2 and 3 ...]).
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if not fsdp.is_sharded(module):
+            self.precision_plugin.convert_module(module)
+            self.model_to_device()
+        mesh = Topology.resolve(self.world_size, data_parallel_size=self.world_size).build_mesh(
+            self.root_device.type, timeout=self._timeout)["dp"]
+        self._fsdp_units = fsdp.shard_module(module, mesh, zero_stage=self._zero_stage,
+                                             precision=self.precision_plugin.precision)
+        self._steps = fsdp.StepRunner(module)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    # Each *_step runs inside the module's __call__ once it is sharded ([Note: zero_stage 2 and 3 ...]).
+    training_step = _step_through_root("training_step", "train_step_context")
+    validation_step = _step_through_root("validation_step", "val_step_context")
+    test_step = _step_through_root("test_step", "test_step_context")
+    predict_step = _step_through_root("predict_step", "predict_step_context")
+
+    def _reshard(self) -> None:
+        if self._fsdp_units is not None:  # forward-only passes leave some units gathered
+            fsdp.reshard(self.lightning_module)
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._reshard()
+
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._reshard()
+
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._reshard()
+
+    def teardown(self) -> None:
+        self._restore_loader()
+        if self._fsdp_units is None:
+            return super().teardown()
+        # As Lightning's ModelParallelStrategy: the sharded module stays where it is (see TensorParallelStrategy).
+        self._steps.close()
+        self._fsdp_units = self._steps = None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # -- checkpoints (zero_stage 2 / 3: consolidated, under the module's own names) -----------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._fsdp_units is None:
+            return super().lightning_module_state_dict()
+        return fsdp.full_model_state(self.lightning_module)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self._fsdp_units is None:
+            return super().optimizer_state(optimizer)
+        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return fsdp.full_optimizer_state(self.lightning_module, optimizer)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if self._fsdp_units is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        fsdp.load_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        if self._fsdp_units is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            fsdp.load_optimizer_state(self.lightning_module, opt._optimizer if isinstance(opt, LightningOptimizer)
+                                      else opt, state)
 
     def _register_ddp_hooks(self) -> None:
         """Register the chosen communication hook on every device type (Lightning: CUDA only; for bf16 on
@@ -140,15 +285,6 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
                                f"{type(self.model).__name__}.")
         state, hook = selected
         self.model.register_comm_hook(state, hook)
-
-    def setup(self, trainer) -> None:
-        # [Note: one process keeps the user's loader] in lightning_par/topology.py
-        self._restore_loader = keep_loader_on_one_process(trainer, self.world_size)
-        super().setup(trainer)
-
-    def teardown(self) -> None:
-        self._restore_loader()
-        super().teardown()
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
@@ -184,7 +320,6 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
                        f"accumulated, reference batch {reference})")
         for logger in trainer.loggers:
             logger.log_hyperparams({"lr_scale_factor": factor})
-
 
 
 __all__ = ["DataParallelStrategy"]

@@ -1,5 +1,6 @@
 """DataParallelStrategy without processes: bad input, registry, LR-scaling arithmetic and application."""
 import datetime
+import doctest
 import math
 
 import pytest
@@ -9,7 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import DataParallelStrategy
-from lightning_par.dp import comm_hooks, lr_scaling, zero
+from lightning_par.dp import comm_hooks, fsdp, lr_scaling, zero
 
 # -- bad input: ValueError naming the value and the fix ---------------------------------------------
 
@@ -17,8 +18,18 @@ from lightning_par.dp import comm_hooks, lr_scaling, zero
 @pytest.mark.parametrize("kwargs, match", [
     (dict(comm_hook="int8"), r"`comm_hook='int8'` is not a known DDP communication hook\. Choose one of None, 'fp16'"),
     (dict(comm_hook="FP16"), r"`comm_hook='FP16'`"),
-    (dict(zero_stage=2), r"`zero_stage=2` is not supported.*FSDPStrategy.*set zero_stage=0 or 1"),
+    (dict(zero_stage=4), r"`zero_stage=4` is not a ZeRO stage\. Choose 0 \(replicas.*1 \(optimizer state sharded.*"
+                         r"2 \(gradients reduce-scattered.*3 \(parameters sharded as well"),
+    (dict(zero_stage=-1), r"`zero_stage=-1` is not a ZeRO stage"),
     (dict(zero_stage=True), r"`zero_stage=True`"),
+    (dict(zero_stage="3"), r"`zero_stage='3'`"),
+    (dict(zero_stage=2, comm_hook="fp16"), r"`zero_stage=2` shards with FSDP, which has no DDP communication hooks.*"
+                                           r"comm_hook='fp16' cannot apply.*use zero_stage=0 or 1"),
+    (dict(zero_stage=3, comm_hook="powersgd"), r"comm_hook='powersgd' cannot apply"),
+    (dict(zero_stage=3, static_graph=True, bucket_cap_mb=50), r"bucket_cap_mb=50, static_graph=True cannot apply\. "
+                                                              r"Drop them"),
+    (dict(zero_stage=3, find_unused_parameters=True), r"find_unused_parameters=True cannot apply"),
+    (dict(zero_stage=2, gradient_as_bucket_view=True), r"gradient_as_bucket_view=True cannot apply"),
     (dict(lr_scaling="cubic"), r"`lr_scaling='cubic'` is not a known rule\. Choose one of 'none', 'linear', 'sqrt'"),
     (dict(lr_scaling="linear", reference_batch_size=0), r"`reference_batch_size=0` must be a positive integer"),
     (dict(reference_batch_size=2.5), r"`reference_batch_size=2.5`"),
@@ -33,6 +44,44 @@ from lightning_par.dp import comm_hooks, lr_scaling, zero
 def test_bad_input_is_a_value_error_with_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DataParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fsdp_stages_refuse_16_mixed_and_sync_batchnorm_at_trainer_construction(stage):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    # (Lightning would turn precision="16-mixed" into bf16 on CPU: pass fp16 AMP explicitly, as the app does.)
+    with pytest.raises(ValueError, match=rf"`precision='16-mixed'` with `zero_stage={stage}` is not supported: its "
+                                         r"GradScaler would look for infs in this rank's gradient shard only.*"
+                                         r"Use `precision='bf16-mixed'`"):
+        Trainer(accelerator="cpu", devices=2, strategy=DataParallelStrategy(zero_stage=stage), logger=False,
+                plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))])
+    with pytest.raises(ValueError, match=rf"`Trainer\(sync_batchnorm=True\)` with `zero_stage={stage}`"):
+        Trainer(accelerator="cpu", devices=2, strategy=DataParallelStrategy(zero_stage=stage), logger=False,
+                sync_batchnorm=True)
+    for precision in ("32-true", "bf16-mixed", "bf16-true"):
+        Trainer(accelerator="cpu", devices=2, strategy=DataParallelStrategy(zero_stage=stage), logger=False,
+                precision=precision)
+
+
+def test_fsdp_stages_before_setup():
+    s = DataParallelStrategy(zero_stage=3)
+    assert s.zero_stage == 3 and s.restore_checkpoint_after_setup
+    assert not DataParallelStrategy(zero_stage=1).restore_checkpoint_after_setup
+    with pytest.raises(RuntimeError, match=r"`fsdp_units` exist once the module is sharded in Trainer setup"):
+        s.fsdp_units
+
+
+@pytest.mark.parametrize("module", [zero, fsdp])
+def test_docstring_examples(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_zero_stage_meanings_are_listed_once():
+    assert sorted(zero.ZERO_STAGES) == [0, 1, 2, 3]
+    for stage in zero.ZERO_STAGES:
+        zero.validate_zero_stage(stage)
 
 
 def test_unknown_and_positional_arguments_are_rejected():

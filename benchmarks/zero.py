@@ -1,0 +1,269 @@
+"""DataParallelStrategy(zero_stage=3) vs Lightning's ModelParallelStrategy with a hand-written FSDP2, 2 CPU ranks.
+
+    python benchmarks/zero.py --quick                  # small GPT, 3 rounds
+    python benchmarks/zero.py                          # n_embd 256, 4 layers, seq 128, 3 rounds
+    python benchmarks/zero.py --variants lightning_fsdp,zero3,zero2,zero0 --rounds 4 --json out.json
+
+Both sides train ``lightning_par.models.GPT`` from the same seed on the same synthetic Markov corpus, with
+the same FSDP2 units: ``lightning_fsdp`` is what a Lightning user writes today, ``ModelParallelStrategy(
+data_parallel_size=2, tensor_parallel_size=1)`` and a ``configure_model`` that calls ``fully_shard`` on every
+block and then on the module; ``zero3`` is the unchanged module under ``DataParallelStrategy(zero_stage=3)``.
+``zero2`` and ``zero0`` (DDP) are there for reference. Every run is a fresh interpreter started by Lightning's
+popen launcher (the default of both strategies); runs are interleaved round by round, the order reversed
+every other round (AB BA ...), so slow drift of a shared machine falls on every variant alike.
+
+What is measured (inside the ranks, by a callback):
+- step time: ``perf_counter`` between consecutive ends of training batches after ``--warmup`` steps; a
+  2-rank step takes as long as its slower rank; per variant the median over all timed steps of all
+  rounds, the per-round medians (their spread), ratio = median / median of ``lightning_fsdp``, and the
+  ratio per round (each round's runs are adjacent in time). CPU time: ``process_time`` per step of each
+  rank's process (all its threads, gloo's included), median over ranks, steps and rounds: less sensitive
+  than wall time to other load on a shared machine. ``min``: the fastest timed step of all rounds (load
+  only ever adds time, so the minimum estimates the step's own cost).
+- bytes: on one extra step every collective a rank dispatches is counted by
+  :func:`lightning_par.comm.count_comm` (all-gathers by their input shard, reduce-scatters by their input);
+  wire = what one rank sends (all-gather (N-1) x shard, reduce-scatter (N-1)/N x input). FSDP's formula for
+  a step: all-gather the parameters in forward, again in backward for every unit that resharded after
+  forward (all but the root, FSDP2's default), reduce-scatter the gradients: (N-1)/N x (P + (P - P_root) + P)
+  bytes per rank, P the parameter bytes, P_root those of the root unit (embeddings, final norm, head).
+Each process uses ``--threads`` torch threads (default 1: one core per rank on a 2-core machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = ("lightning_fsdp", "zero3", "zero2", "zero0")
+DEFAULT_VARIANTS = "lightning_fsdp,zero3"
+FULL = dict(n_embd=256, n_layer=4, n_head=8, vocab=512, seq=128, batch=8, warmup=3, steps=8)
+QUICK = dict(n_embd=128, n_layer=2, n_head=4, vocab=256, seq=64, batch=8, warmup=2, steps=6)
+
+
+# -- inside one run (every rank) -------------------------------------------------------------------
+
+def make_module(variant, cfg):
+    import torch
+
+    from lightning_par.models import GPT
+
+    class HandShardedGPT(GPT):
+        """What Lightning's ModelParallelStrategy asks of its user: the parallelization, written by hand."""
+
+        def configure_model(self):
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            if isinstance(self, FSDPModule):
+                return
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    torch.manual_seed(0)
+    cls = HandShardedGPT if variant == "lightning_fsdp" else GPT
+    return cls(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
+               n_embd=cfg["n_embd"], warmup_steps=2, lr_decay_steps=100)
+
+
+def make_strategy(variant):
+    if variant == "lightning_fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    from lightning_par import DataParallelStrategy
+
+    return DataParallelStrategy(zero_stage=int(variant[-1]))
+
+
+def root_bytes(module) -> int:
+    """Bytes of the parameters no block holds (the root FSDP unit), each tensor once (a DTensor's global size)."""
+    from lightning_par.pipeline.discovery import find_blocks
+
+    in_blocks = {id(p) for p in find_blocks(module)[1].parameters()}
+    return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in in_blocks)
+
+
+def run_inner(args):
+    import torch
+    from lightning.pytorch import Callback, Trainer
+    from torch.utils.data import DataLoader
+
+    from lightning_par.comm import CommCounter, count_comm
+    from lightning_par.data import SyntheticCorpus
+    from lightning_par.dp.fsdp import local_training_bytes
+
+    torch.set_num_threads(args.threads)
+    cfg = json.loads(args.cfg)
+    total = cfg["warmup"] + cfg["steps"] + 1          # + 1 counting step
+
+    class Clock(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.ends, self.cpu = [time.perf_counter()], [time.process_time()]
+            self.counter, self.mode = CommCounter(), None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == total - 1:
+                self.mode = count_comm(self.counter)
+                self.mode.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.mode is not None:
+                self.mode.__exit__(None, None, None)
+                self.mode = None
+            self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
+
+        def on_train_end(self, trainer, pl_module):
+            steps = [b - a for a, b in zip(self.ends, self.ends[1:])]
+            cpu = [b - a for a, b in zip(self.cpu, self.cpu[1:])]
+            world = trainer.world_size
+            param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())  # global shapes
+            rec = {"rank": trainer.global_rank, "world": world,
+                   "step_s": steps[cfg["warmup"]:cfg["warmup"] + cfg["steps"]],
+                   "cpu_s": cpu[cfg["warmup"]:cfg["warmup"] + cfg["steps"]],
+                   "calls": dict(self.counter.calls), "wire": dict(self.counter.wire),
+                   "wire_bytes": self.counter.wire_bytes, "param_bytes": param_bytes,
+                   "root_bytes": root_bytes(pl_module), "local": local_training_bytes(pl_module, trainer.optimizers),
+                   "final_loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
+            with open(os.path.join(args.run_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+                json.dump(rec, f)
+
+    data = SyntheticCorpus(vocab_size=cfg["vocab"], seq_len=cfg["seq"], train_sequences=cfg["batch"] * 2 * total,
+                           val_sequences=2)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=make_strategy(args.inner), max_steps=total,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Clock()])
+    trainer.fit(make_module(args.inner, cfg), DataLoader(data.train_set, batch_size=cfg["batch"]))
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+def launch(variant, cfg, threads, timeout):
+    run_dir = tempfile.mkdtemp(prefix=f"zerobench-{variant}-")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.abspath(__file__), "--inner", variant, "--run-dir", run_dir,
+           "--cfg", json.dumps(cfg), "--threads", str(threads)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout}s"
+    paths = [os.path.join(run_dir, f"rank{r}.json") for r in range(2)]
+    if proc.returncode != 0 or not all(os.path.exists(p) for p in paths):
+        return None, f"exit {proc.returncode}: {proc.stderr.strip()[-800:]}"
+    recs = []
+    for p in paths:
+        with open(p) as f:
+            recs.append(json.load(f))
+    return recs, None
+
+
+def step_times(recs):          # a 2-rank step takes as long as its slower rank
+    return [max(r["step_s"][i] for r in recs) for i in range(len(recs[0]["step_s"]))]
+
+
+def summarize(variant, runs):
+    first = runs[0][0]
+    n, p, p_root = first["world"], first["param_bytes"], first["root_bytes"]
+    if variant == "zero0":        # DDP: ring all-reduce of the gradients
+        formula = 2 * (n - 1) / n * p
+    elif variant == "zero2":      # gathered once per step, never resharded before backward
+        formula = (n - 1) / n * 2 * p
+    else:
+        formula = (n - 1) / n * (3 * p - p_root)
+    return {"variant": variant, "median_s": statistics.median(t for recs in runs for t in step_times(recs)),
+            "median_cpu_s_per_rank": statistics.median(c for recs in runs for r in recs for c in r["cpu_s"]),
+            "min_s": min(t for recs in runs for t in step_times(recs)),
+            "round_medians_s": [statistics.median(step_times(recs)) for recs in runs],
+            "calls": first["calls"], "wire_bytes_per_rank": [r["wire_bytes"] for r in runs[0]],
+            "formula_bytes": formula, "param_bytes": p, "root_bytes": p_root,
+            "local_bytes_per_rank": [r["local"] for r in runs[0]], "final_loss": first["final_loss"]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small GPT")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, from {', '.join(VARIANTS)}")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--json", help="write the results here")
+    for k in FULL:
+        p.add_argument("--" + k.replace("_", "-"), dest=k, type=int, default=None)
+    p.add_argument("--inner", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    p.add_argument("--cfg", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.inner:
+        run_inner(args)
+        return 0
+
+    cfg = dict(QUICK if args.quick else FULL)
+    cfg.update({k: getattr(args, k) for k in FULL if getattr(args, k) is not None})
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    print(f"config {cfg}, {args.rounds} rounds, {args.threads} thread(s) per process, {os.cpu_count()} CPUs",
+          flush=True)
+    runs = {v: [] for v in variants}
+    failures = []
+    t0 = time.perf_counter()
+    for rnd in range(args.rounds):
+        for v in (variants if rnd % 2 == 0 else variants[::-1]):
+            recs, err = launch(v, cfg, args.threads, args.timeout)
+            if err:
+                failures.append(f"{v} round {rnd + 1}: {err}")
+                print(f"[{time.perf_counter() - t0:6.0f}s] {v}: FAILED {err}", flush=True)
+                continue
+            runs[v].append(recs)
+            print(f"[{time.perf_counter() - t0:6.0f}s] round {rnd + 1} {v}: median step "
+                  f"{1e3 * statistics.median(step_times(recs)):.1f} ms", flush=True)
+
+    rows = {v: summarize(v, rs) for v, rs in runs.items() if rs}
+    base = rows.get("lightning_fsdp")
+    print()
+    print(f"{'variant':15s} {'median ms':>10s} {'vs Lightning':>12s} {'round medians ms (spread)':>30s} "
+          f"{'cpu ms/rank':>11s} {'cpu vs L':>8s} {'min ms':>7s} {'min vs L':>8s} "
+          f"{'wire MiB/rank':>14s} {'formula MiB':>11s} {'wire/formula':>12s} {'p+g+opt MiB/rank':>17s}  collectives")
+    for v, r in rows.items():
+        r["ratio_vs_lightning_fsdp"] = r["median_s"] / base["median_s"] if base else None
+        rm = r["round_medians_s"]
+        spread = f"{'/'.join(f'{1e3 * m:.0f}' for m in rm)} ({100 * (max(rm) - min(rm)) / statistics.median(rm):.0f}%)"
+        wire = r["wire_bytes_per_rank"]
+        r["wire_over_formula"] = [w / r["formula_bytes"] for w in wire]
+        local = "/".join(f"{sum(b.values()) / 2**20:.2f}" for b in r["local_bytes_per_rank"])
+        ratio = "" if r["ratio_vs_lightning_fsdp"] is None else f"{r['ratio_vs_lightning_fsdp']:.3f}"
+        r["cpu_ratio_vs_lightning_fsdp"] = r["median_cpu_s_per_rank"] / base["median_cpu_s_per_rank"] if base else None
+        cpu_ratio = "" if base is None else f"{r['cpu_ratio_vs_lightning_fsdp']:.3f}"
+        print(f"{v:15s} {1e3 * r['median_s']:10.1f} {ratio:>12s} {spread:>30s} "
+              f"{1e3 * r['median_cpu_s_per_rank']:11.1f} {cpu_ratio:>8s} {1e3 * r['min_s']:7.1f} "
+              f"{'' if base is None else format(r['min_s'] / base['min_s'], '.3f'):>8s} "
+              f"{'/'.join(f'{w / 2**20:.2f}' for w in wire):>14s} {r['formula_bytes'] / 2**20:11.2f} "
+              f"{'/'.join(f'{x:.3f}' for x in r['wire_over_formula']):>12s} {local:>17s}  "
+              + ", ".join(f"{k} x{c}" for k, c in sorted(r["calls"].items())))
+    for v, r in rows.items():   # each round's two runs are adjacent in time: less drift between them
+        if base and v != "lightning_fsdp" and len(r["round_medians_s"]) == len(base["round_medians_s"]):
+            r["round_ratios_vs_lightning_fsdp"] = [a / b for a, b in zip(r["round_medians_s"], base["round_medians_s"])]
+            print(f"{v}: per-round ratio vs lightning_fsdp "
+                  + " / ".join(f"{x:.2f}" for x in r["round_ratios_vs_lightning_fsdp"]))
+    for f in failures:
+        print("FAILED", f)
+    print(f"total wall {time.perf_counter() - t0:.0f}s. Timing on a shared machine is noisy: compare the ratio "
+          f"measured side by side; byte counts are deterministic.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "rounds": args.rounds, "threads": args.threads, "rows": rows,
+                       "failures": failures}, f, indent=1)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

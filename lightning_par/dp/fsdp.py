@@ -1,0 +1,276 @@
+"""ZeRO stages 2 and 3 on the data axis: torch FSDP2 (``fully_shard``) over a 1-D mesh of data-parallel ranks.
+
+    units = shard_module(module, mesh, zero_stage=3, precision="bf16-mixed")   # every rank of the mesh
+    ...train...
+    model_state = full_model_state(module)              # rank 0: full CPU tensors under the original names
+    optim_state = full_optimizer_state(module, opt)     # rank 0: torch's positional layout
+
+It knows no Lightning: the strategy passes the precision as a string and calls these from its hooks.
+
+[Note: what stages 2 and 3 keep and shard]
+Both stages hold, between steps, a 1/N dim-0 shard of every parameter (a ``DTensor`` with ``Shard(0)``),
+of its gradient and of its optimizer state: the optimizer is built after sharding, on the shards, so
+Adam's moments are born sharded. Gradients are reduce-scattered (averaged) in backward, one collective
+per unit, as soon as a unit's gradients are complete; under gradient accumulation every micro-batch
+reduce-scatters and the shards accumulate, so gradients stay sharded throughout (the alternative,
+``set_requires_gradient_sync(False)`` until the last micro-batch, would hold whole gradients between
+micro-batches: ZeRO-1's memory).
+- stage 3 (``reshard_after_forward=True``): each unit's parameters are all-gathered before its forward,
+  freed after it, gathered again before its backward and freed after it. The peak holds the whole
+  parameters of about one unit (plus a prefetched one). The root unit keeps its parameters through the
+  step (FSDP2's default for the root, whose parameters the backward needs first): they are gathered once.
+- stage 2 (``reshard_after_forward=False``): each unit is gathered once, before its forward, and stays
+  whole until its gradients have been reduce-scattered in backward. The peak holds all whole parameters
+  during forward and backward (as DeepSpeed's ZeRO-2, which keeps them always); the wire carries one
+  all-gather and one reduce-scatter of the parameters, the bytes of DDP's all-reduce. Unlike DeepSpeed's
+  ZeRO-2, the whole parameters are freed after backward, so at rest (optimizer step, checkpoints) stage 2
+  stores what stage 3 stores.
+After forward-only passes (validation) the strategy calls :func:`reshard`, so the whole parameters a
+stage-2 (or root) unit kept after its forward are freed and the next checkpoint sees shards.
+
+[Note: FSDP units]
+One unit per block of the model's repeated block stack (found as the pipeline finds it,
+:func:`lightning_par.pipeline.discovery.find_blocks`), then the root module for everything else
+(embeddings, final norm, output head, tied weights). A model without a block stack is one unit: its
+memory at rest is still 1/N, but the peak holds all of it. FSDP2 keeps the module's parameter names.
+
+[Note: running a step through the root unit]
+FSDP's root unit (the module) gathers its own parameters (embeddings, head) in its forward pre-hook and
+registers the hooks that reduce every gradient; a step such as ``training_step`` need not call the module
+(a wrapper of a Hugging Face model calls ``self.model(...)``), so the step runs *inside* the module's
+``__call__`` (Lightning's forward redirection, as DDP's wrapper does). A step that calls ``self(...)`` itself
+then enters the root twice, nested, and FSDP2 frees the root's parameters after the outer call although it
+keeps them after the inner one: one more all-gather of the root unit in backward. :class:`StepRunner`
+counts the module's calls: once a step of some name has called the module itself, later steps of that
+name run directly, with the root unit gathered beforehand (``unshard()``: the gather its pre-hook would
+do), so every step gathers each unit exactly as FSDP's formula says.
+
+[Note: mixed precision under FSDP]
+Lightning's ``bf16-mixed`` on one device or DDP is autocast over fp32 weights: matmuls in bf16, the rest
+(embedding lookups, residual adds, norms) in fp32, fp32 gradients. Under stages 2 / 3 we keep Lightning's
+autocast and give every unit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, FSDP's usual
+policy (torchtitan's; Lightning's own FSDPStrategy takes bf16 for parameters *and* reductions):
+- parameters are all-gathered and held whole in bf16: half the all-gather bytes and half the peak
+  parameter memory, the reasons to shard at all; the optimizer steps the fp32 shards;
+- gradients are reduce-scattered and kept in fp32, as DDP all-reduces fp32 gradients under autocast;
+- a unit's floating inputs are cast to bf16 (FSDP's default): the module runs in one dtype. Gathering only
+  some weights in bf16 does not work: CPU ``layer_norm`` refuses fp32 activations with a bf16 weight, and
+  gathering norm weights in fp32 would leave the residual stream to whatever dtype each op promotes to.
+What differs from one device's ``bf16-mixed``: activations between ops (the residual stream included) and
+every weight are bf16-rounded in forward (~2^-8 relative), so losses and gradients agree to bf16 precision,
+not fp32's (the test derives its tolerance from that). ``*-true`` precisions convert the module before
+sharding (FSDP gathers and reduces in that dtype, as DDP would). ``16-mixed`` is refused: its ``GradScaler``
+would look for infs in this rank's gradient shard only, and ranks could disagree on skipping a step.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lightning_par.comm import local_nbytes
+from lightning_par.dp.zero import optimizer_state_bytes
+from lightning_par.pipeline.discovery import find_blocks
+
+PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "bf16-mixed")
+
+
+def check_precision(precision: str, zero_stage: int) -> None:
+    """Raise ``ValueError`` for a precision stages 2 / 3 cannot train correctly ([Note: mixed precision under FSDP]).
+
+    Example:
+        >>> check_precision("bf16-mixed", 3)
+        >>> check_precision("16-mixed", 3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `precision='16-mixed'` with `zero_stage=3` is not supported: ...
+    """
+    if precision in PRECISIONS:
+        return
+    why = ("its GradScaler would look for infs in this rank's gradient shard only, so ranks could disagree on "
+           "skipping a step" if precision == "16-mixed" else "FSDP2's mixed-precision policy is derived only for "
+           f"{', '.join(PRECISIONS)}")
+    raise ValueError(f"`precision={precision!r}` with `zero_stage={zero_stage}` is not supported: {why}. Use "
+                     f"`precision='bf16-mixed'` (no loss scaling needed) or `zero_stage=0` / `1`.")
+
+
+def check_ddp_options(zero_stage: int, **options: Any) -> None:
+    """Refuse DDP's options (``comm_hook``, buckets, ...) under stages 2 / 3: FSDP has no DDP reducer to apply
+    them to. Each option is compared with its default.
+
+    Example:
+        >>> check_ddp_options(3, comm_hook=None, static_graph=False)
+        >>> check_ddp_options(3, comm_hook="fp16")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `zero_stage=3` shards with FSDP, which has no DDP communication hooks or buckets: ...
+    """
+    defaults = dict(comm_hook=None, find_unused_parameters=False, bucket_cap_mb=None, gradient_as_bucket_view=False,
+                    static_graph=False)
+    given = [f"{k}={v!r}" for k, v in options.items() if v != defaults[k]]
+    if given:
+        raise ValueError(f"`zero_stage={zero_stage}` shards with FSDP, which has no DDP communication hooks or "
+                         f"buckets: {', '.join(given)} cannot apply. Drop {'them' if len(given) > 1 else 'it'}, or "
+                         f"use zero_stage=0 or 1 (DDP).")
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP's policy for Lightning's ``precision`` (see [Note: mixed precision under FSDP]).
+
+    Example:
+        >>> policy = mixed_precision_policy("bf16-mixed")
+        >>> policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs
+        (torch.bfloat16, torch.float32, True)
+        >>> mixed_precision_policy("32-true") == MixedPrecisionPolicy()
+        True
+    """
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def shard_module(module: nn.Module, mesh, *, zero_stage: int, precision: str = "32-true") -> list[str]:
+    """Shard ``module`` in place over the 1-D ``mesh`` (every rank of it calls this) and return the units'
+    names (``""`` is the root). Every rank first takes the mesh's first rank's weights and buffers, as DDP
+    does at construction. A module that is sharded already is left as it is."""
+    if zero_stage not in (2, 3):
+        raise ValueError(f"`zero_stage={zero_stage!r}`: FSDP shards for stages 2 and 3 only.")
+    try:
+        path, stack = find_blocks(module)
+        blocks = [(f"{path}.{name}", block) for name, block in stack.named_children()]
+    except ValueError:  # no repeated block stack: the root is the only unit
+        blocks = []
+    if is_sharded(module):
+        return [name for name, _ in blocks] + [""]
+    _broadcast_from_first_rank(module, mesh)
+    policy = mixed_precision_policy(precision)
+    reshard = zero_stage == 3
+    for _, block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # None: FSDP2's choice for the root (keep its parameters through the step); stage 2 never reshards early
+    fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=policy)
+    return [name for name, _ in blocks] + [""]
+
+
+class StepRunner:
+    """Runs the step methods of a sharded ``module`` (see [Note: running a step through the root unit]).
+
+    ``redirect(wrapper, module, name, *args, **kwargs)`` runs ``module.<name>`` inside ``wrapper.__call__``
+    (Lightning's ``_ForwardRedirection``). Call :meth:`close` when done: it removes the counting hook.
+    """
+
+    def __init__(self, module: nn.Module):
+        self._module, self._calls, self._direct = module, 0, set()
+        self._handle = module.register_forward_pre_hook(self._count)
+
+    def _count(self, *_: Any) -> None:
+        self._calls += 1
+
+    def run(self, name: str, redirect, *args, **kwargs):
+        if name in self._direct:
+            self._module.unshard()
+            return getattr(self._module, name)(*args, **kwargs)
+        before = self._calls
+        out = redirect(self._module, self._module, name, *args, **kwargs)
+        if self._calls - before > 1:  # the step called the module itself
+            self._direct.add(name)
+        return out
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _broadcast_from_first_rank(module: nn.Module, mesh) -> None:
+    """Every rank starts from the first mesh rank's parameters and buffers (FSDP takes each rank's own
+    weights for its shard: ranks that built different weights would train a model nobody initialised)."""
+    tensors = [t.detach() for t in list(module.parameters()) + list(module.buffers())]
+    if mesh.size() > 1 and tensors:
+        group = mesh.get_group()
+        with torch.no_grad():
+            dist._broadcast_coalesced(group, tensors, 1 << 24, dist.get_global_rank(group, 0))
+
+
+def reshard(module: nn.Module) -> None:
+    """Free every unit's whole parameters that a forward-only pass left gathered (see the first Note)."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+# -- checkpoints: consolidated, under the module's own names -----------------------------------------
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict as CPU tensors on the mesh's rank 0, ``{}`` elsewhere (collective: every rank)."""
+    return get_model_state_dict(module, options=_FULL)
+
+
+def load_model_state(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Load a whole state dict (present on every rank) into the shards; each rank keeps its slice."""
+    reshard(module)
+    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The whole optimizer state on rank 0 (``{}`` elsewhere) in torch's positional layout, the one
+    ``optimizer.state_dict()`` has on one device (collective: every rank).
+
+    torch's ``get_optimizer_state_dict`` keys the state by parameter name: it renames ``optimizer.state_dict()``'s
+    positions group by group, in order, so numbering the names in that order inverts it.
+    """
+    named = get_optimizer_state_dict(module, optimizer, options=_FULL)
+    if not named:
+        return named
+    index: dict[str, int] = {}
+    groups = []
+    for group in named["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            index[name] = len(index)
+            ids.append(index[name])
+        groups.append({**group, "params": ids})
+    return {"state": {index[name]: value for name, value in named["state"].items()}, "param_groups": groups}
+
+
+def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load a whole positional optimizer state (present on every rank, e.g. written by one device) into the
+    optimizer over ``module``'s shards."""
+    reshard(module)  # the optimizer holds the sharded parameters: name those
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    names = {p: n for n, p in module.named_parameters()}
+    saved_groups = state["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError(f"The checkpoint's optimizer has groups of {[len(g['params']) for g in saved_groups]} "
+                         f"parameters, this one {[len(g['params']) for g in optimizer.param_groups]}: was it saved "
+                         f"from a different model or `configure_optimizers`?")
+    name_of = {i: names[params[pos]] for pos, i in enumerate(i for g in saved_groups for i in g["params"])}
+    named = {"state": {name_of[int(i)]: v for i, v in state["state"].items()},
+             "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in saved_groups]}
+    set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+
+# -- memory --------------------------------------------------------------------------------------------
+
+def local_training_bytes(module: nn.Module, optimizers=()) -> dict[str, int]:
+    """Bytes this rank stores for parameters, gradients and optimizer state (local shards of DTensors)."""
+    params = list(module.parameters())
+    return {"params": sum(local_nbytes(p) for p in params),
+            "grads": sum(local_nbytes(p.grad) for p in params),
+            "optimizer": sum(optimizer_state_bytes(o) for o in optimizers)}
+
+
+__all__ = ["PRECISIONS", "check_precision", "check_ddp_options", "mixed_precision_policy", "is_sharded",
+           "shard_module", "StepRunner", "reshard", "full_model_state", "load_model_state", "full_optimizer_state",
+           "load_optimizer_state", "local_training_bytes"]
