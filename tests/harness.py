@@ -116,6 +116,16 @@ def assert_close_records(ref: dict, got: dict, *, atol: float = 1e-5, rtol: floa
         torch.testing.assert_close(p, ref["params"][name], atol=atol, rtol=rtol, msg=lambda m: f"param {name}: {m}")
 
 
+def assert_ranks_close(expected: list, got: list, **tol) -> None:
+    """Rank by rank (two ranks): losses, every gradient, every parameter and the callback metrics."""
+    assert len(got) == len(expected) == 2
+    for e, g in zip(expected, got):
+        assert_close_records(e, g, **tol)
+        assert g["metrics"].keys() == e["metrics"].keys()
+        for k in e["metrics"]:
+            torch.testing.assert_close(torch.tensor(g["metrics"][k]), torch.tensor(e["metrics"][k]), **tol)
+
+
 def union_of_grad_names(records: list[dict]) -> set[str]:
     return {n for rec in records for step in rec["grads"] for n in step}
 

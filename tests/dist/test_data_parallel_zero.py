@@ -17,7 +17,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from harness import (TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded,
+from harness import (TIMEOUT_S, assert_close_records, assert_ranks_close, fit_and_record, reference_loader, seeded,
                      trainer_kwargs)
 from lightning_par import DataParallelStrategy
 from lightning_par.data import SyntheticCorpus
@@ -119,16 +119,6 @@ def assert_matches_one_process(ref, records, **tol):
         assert_close_records(ref, rec, losses=False, **tol)
 
 
-def assert_records_close(expected, got, **tol):
-    """Per rank: losses (rank-local, as DDP), every gradient, every parameter and the callback metrics."""
-    assert len(got) == len(expected) == 2
-    for e, g in zip(expected, got):
-        assert_close_records(e, g, **tol)
-        assert g["metrics"].keys() == e["metrics"].keys()
-        for k in e["metrics"]:
-            torch.testing.assert_close(torch.tensor(g["metrics"][k]), torch.tensor(e["metrics"][k]), **tol)
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """Per model: stage 0 (DDP, 2 ranks) and one process on the same global batches."""
@@ -158,7 +148,7 @@ def test_stage_matches_zero0_and_one_process(tmp_path, base, model, stage):
     b = base(model)
     module = seeded(MODELS[model])
     got = fit_two_ranks(tmp_path, f"zero{stage}", zero(stage), module=module)
-    assert_records_close(b["zero0"], got, **FP32)      # rank-local losses, grads, params, metrics
+    assert_ranks_close(b["zero0"], got, **FP32)      # rank-local losses, grads, params, metrics
     assert_matches_one_process(b["ref"], got, **FP32)
     assert {"train_loss", "val_loss"} <= got[0]["metrics"].keys()
     # The caller's module (in this process: fork start) receives the trained weights, whole.
