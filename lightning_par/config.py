@@ -48,7 +48,7 @@ class DataParallelStrategyConfig:
     comm_hook: Optional[str] = None  # null | fp16 | bf16 | powersgd
     powersgd_rank: int = 1
     powersgd_start_iter: int = 1000
-    zero_stage: int = 0  # 0 | 1
+    zero_stage: int = 0  # 0 | 1 | 2 | 3 (optimizer state, + gradients, + parameters sharded)
     lr_scaling: str = "none"  # none | linear | sqrt
     reference_batch_size: Optional[int] = None
     start_method: str = "popen"  # popen | spawn | fork | forkserver
