@@ -17,13 +17,18 @@ import tempfile
 import time
 
 
-def parser(doc: str, *, full: dict, variants, default_variants: str, rounds: int | None,
-           quick_help: str) -> argparse.ArgumentParser:
-    """The options both scripts take: ``--quick``, ``--rounds``, ``--variants``, ``--threads``, ``--timeout``,
-    ``--json``, one ``--<size>`` per key of ``full``, and the hidden ``--inner/--run-dir/--cfg`` of one run."""
+def start(doc: str, argv, script: str, *, full: dict, quick: dict, variants, default_variants: str,
+          rounds: tuple[int, int], quick_help: str, run_inner, ranks, prefix: str):
+    """A benchmark's ``main`` up to its summary: parse the command line; as ``--inner`` run ``run_inner(args)`` and
+    return None; else run every chosen variant of ``script`` (``ranks(variant)`` ranks) for ``--rounds`` rounds
+    (default ``rounds``: (without ``--quick``, with it)) and return (args, cfg, variants, runs per variant, failures, start time).
+
+    The options: ``--quick``, ``--rounds``, ``--variants``, ``--threads``, ``--timeout``, ``--json``, one
+    ``--<size>`` per key of ``full`` over the sizes of ``quick``/``full``, and the hidden ``--inner/--run-dir/--cfg``
+    of one run."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=quick_help)
-    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--variants", default=default_variants, help=f"comma-separated, from {', '.join(variants)}")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
@@ -33,22 +38,23 @@ def parser(doc: str, *, full: dict, variants, default_variants: str, rounds: int
     p.add_argument("--inner", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--cfg", help=argparse.SUPPRESS)
-    return p
+    args = p.parse_args(argv)
+    if args.inner:
+        run_inner(args)
+        return None
 
-
-def config(args, *, full: dict, quick: dict) -> dict:
-    """The sizes: ``quick`` or ``full``, with every ``--<size>`` given on the command line over them."""
     cfg = dict(quick if args.quick else full)
     cfg.update({k: getattr(args, k) for k in full if getattr(args, k) is not None})
-    return cfg
-
-
-def chosen_variants(p: argparse.ArgumentParser, args, variants) -> list[str]:
+    if args.rounds is None:
+        args.rounds = rounds[args.quick]
     chosen = args.variants.split(",")
     unknown = [v for v in chosen if v not in variants]
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {', '.join(variants)}")
-    return chosen
+    print(f"config {cfg}, {args.rounds} rounds, {args.threads} thread(s) per process, {os.cpu_count()} CPUs",
+          flush=True)
+    runs, failures, t0 = run_rounds(script, chosen, cfg, args, args.rounds, ranks=ranks, prefix=prefix)
+    return args, cfg, chosen, runs, failures, t0
 
 
 def total_steps(cfg: dict) -> int:
@@ -161,3 +167,16 @@ def run_rounds(script: str, variants: list[str], cfg: dict, args, rounds: int, *
             print(f"[{time.perf_counter() - t0:6.0f}s] round {rnd + 1} {v}: median step "
                   f"{1e3 * statistics.median(step_times(recs)):.1f} ms", flush=True)
     return runs, failures, t0
+
+
+def finish(args, cfg: dict, rows: dict, failures: list[str], t0: float, *, compared: str, extra=None) -> int:
+    """The end of a benchmark's ``main``: the failures, the wall time, the ``--json`` file; the exit status."""
+    for f in failures:
+        print("FAILED", f)
+    print(f"total wall {time.perf_counter() - t0:.0f}s. Timing on a shared machine is noisy: compare {compared} "
+          f"measured side by side; byte counts are deterministic.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "rounds": args.rounds, "threads": args.threads, "rows": rows,
+                       "failures": failures, **(extra or {})}, f, indent=1)
+    return 1 if failures else 0

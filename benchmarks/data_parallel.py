@@ -34,7 +34,6 @@ import os
 import statistics
 import sys
 import threading
-import time
 
 if __package__:
     from . import _launch
@@ -180,19 +179,12 @@ def summarize(variant, runs):
 
 
 def main(argv=None):
-    p = _launch.parser(__doc__, full=FULL, variants=VARIANTS, default_variants=DEFAULT_VARIANTS, rounds=None,
-                       quick_help="small GPT, 2 rounds")
-    args = p.parse_args(argv)
-    if args.inner:
-        run_inner(args)
+    started = _launch.start(__doc__, argv, __file__, full=FULL, quick=QUICK, variants=VARIANTS,
+                            default_variants=DEFAULT_VARIANTS, rounds=(3, 2), quick_help="small GPT, 2 rounds",
+                            run_inner=run_inner, ranks=lambda v: VARIANTS[v][0], prefix="dpbench")
+    if started is None:
         return 0
-
-    cfg = _launch.config(args, full=FULL, quick=QUICK)
-    rounds = args.rounds or (2 if args.quick else 3)
-    variants = _launch.chosen_variants(p, args, VARIANTS)
-    print(f"config {cfg}, {rounds} rounds, {args.threads} thread(s) per process, {os.cpu_count()} CPUs", flush=True)
-    runs, failures, t0 = _launch.run_rounds(__file__, variants, cfg, args, rounds, ranks=lambda v: VARIANTS[v][0],
-                                            prefix="dpbench")
+    args, cfg, variants, runs, failures, t0 = started
 
     rows = {v: summarize(v, rs) for v, rs in runs.items() if rs}
     base = rows.get("lightning_ddp")
@@ -228,15 +220,8 @@ def main(argv=None):
     for v, r in rows.items():
         if r["round_scaling_efficiency"]:
             print(f"{v}: scaling efficiency per round " + " / ".join(f"{e:.2f}" for e in r["round_scaling_efficiency"]))
-    for f in failures:
-        print("FAILED", f)
-    print(f"total wall {time.perf_counter() - t0:.0f}s. Timing on a shared machine is noisy: compare the ratios "
-          f"measured side by side; byte counts are deterministic.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg, "rounds": rounds, "threads": args.threads, "rows": rows, "failures": failures,
-                       "variants": {v: VARIANTS[v] for v in variants}}, f, indent=1)
-    return 1 if failures else 0
+    return _launch.finish(args, cfg, rows, failures, t0, compared="the ratios",
+                          extra={"variants": {v: VARIANTS[v] for v in variants}})
 
 
 if __name__ == "__main__":

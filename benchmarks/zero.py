@@ -31,10 +31,8 @@ Each process uses ``--threads`` torch threads (default 1: one core per rank on a
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
-import time
 
 if __package__:
     from . import _launch
@@ -132,19 +130,12 @@ def summarize(variant, runs):
 
 
 def main(argv=None):
-    p = _launch.parser(__doc__, full=FULL, variants=VARIANTS, default_variants=DEFAULT_VARIANTS, rounds=3,
-                       quick_help="small GPT")
-    args = p.parse_args(argv)
-    if args.inner:
-        run_inner(args)
+    started = _launch.start(__doc__, argv, __file__, full=FULL, quick=QUICK, variants=VARIANTS,
+                            default_variants=DEFAULT_VARIANTS, rounds=(3, 3), quick_help="small GPT",
+                            run_inner=run_inner, ranks=lambda v: 2, prefix="zerobench")
+    if started is None:
         return 0
-
-    cfg = _launch.config(args, full=FULL, quick=QUICK)
-    variants = _launch.chosen_variants(p, args, VARIANTS)
-    print(f"config {cfg}, {args.rounds} rounds, {args.threads} thread(s) per process, {os.cpu_count()} CPUs",
-          flush=True)
-    runs, failures, t0 = _launch.run_rounds(__file__, variants, cfg, args, args.rounds, ranks=lambda v: 2,
-                                            prefix="zerobench")
+    args, cfg, variants, runs, failures, t0 = started
 
     rows = {v: summarize(v, rs) for v, rs in runs.items() if rs}
     base = rows.get("lightning_fsdp")
@@ -173,15 +164,7 @@ def main(argv=None):
             r["round_ratios_vs_lightning_fsdp"] = [a / b for a, b in zip(r["round_medians_s"], base["round_medians_s"])]
             print(f"{v}: per-round ratio vs lightning_fsdp "
                   + " / ".join(f"{x:.2f}" for x in r["round_ratios_vs_lightning_fsdp"]))
-    for f in failures:
-        print("FAILED", f)
-    print(f"total wall {time.perf_counter() - t0:.0f}s. Timing on a shared machine is noisy: compare the ratio "
-          f"measured side by side; byte counts are deterministic.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg, "rounds": args.rounds, "threads": args.threads, "rows": rows,
-                       "failures": failures}, f, indent=1)
-    return 1 if failures else 0
+    return _launch.finish(args, cfg, rows, failures, t0, compared="the ratio")
 
 
 if __name__ == "__main__":
