@@ -112,7 +112,7 @@ def count_allreduce_bytes(counter: dict):
             return out
 
     lock, this_thread, original = threading.Lock(), threading.get_ident(), dist.all_reduce
-    rank = dist.get_rank()
+    rank = dist.get_rank() if dist.is_initialized() else 0   # the 1-rank run has no process group
 
     def all_reduce(tensor, *args, **kwargs):
         if threading.get_ident() != this_thread:
