@@ -28,16 +28,17 @@ Each process uses ``--threads`` torch threads (default 1: one core per rank on a
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
-import time
+
+if __package__:
+    from . import _launch
+else:                    # run as a file: its folder is on sys.path
+    import _launch
 
 VARIANTS = {
     # name: (devices, strategy spec); the spec is built in the rank process by make_strategy
@@ -111,7 +112,7 @@ def count_allreduce_bytes(counter: dict):
             return out
 
     lock, this_thread, original = threading.Lock(), threading.get_ident(), dist.all_reduce
-    rank = dist.get_rank()
+    rank = dist.get_rank() if dist.is_initialized() else 0   # the 1-rank run has no process group
 
     def all_reduce(tensor, *args, **kwargs):
         if threading.get_ident() != this_thread:
@@ -128,94 +129,38 @@ def count_allreduce_bytes(counter: dict):
 
 def run_inner(args):
     import torch
-    from lightning.pytorch import Callback, Trainer
-    from torch.utils.data import DataLoader
 
-    from lightning_par.data import SyntheticCorpus
     from lightning_par.dp.zero import optimizer_state_bytes
     from lightning_par.models import GPT
 
-    torch.set_num_threads(args.threads)
     cfg = json.loads(args.cfg)
     devices, spec = VARIANTS[args.inner]
-    total = cfg["warmup"] + cfg["steps"] + 1          # + 1 counting step
 
-    class Clock(Callback):
-        def on_train_start(self, trainer, pl_module):
-            if (spec or {}).get("pin") and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, {trainer.local_rank % os.cpu_count()})   # rank r on core r
-            self.ends = [time.perf_counter()]
-            self.cpu = [time.process_time()]
-            self.counter = {"calls": 0, "payload": 0, "broadcast_payload": 0}
-            self.mode = None
+    def pin(trainer):
+        if (spec or {}).get("pin") and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {trainer.local_rank % os.cpu_count()})   # rank r on core r
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == total - 1:
-                self.mode = count_allreduce_bytes(self.counter)
-                self.mode.__enter__()
+    def record(trainer, pl_module, counter):
+        return {"allreduce_calls": counter["calls"], "allreduce_payload": counter["payload"],
+                "broadcast_payload": counter["broadcast_payload"],
+                "grad_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad),
+                "threads": torch.get_num_threads(),
+                "optim_state_bytes": sum(optimizer_state_bytes(o) for o in trainer.optimizers)}
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.mode is not None:
-                self.mode.__exit__(None, None, None)
-                self.mode = None
-            self.ends.append(time.perf_counter())
-            self.cpu.append(time.process_time())
+    def make_module():
+        torch.manual_seed(0)
+        return GPT(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
+                   n_embd=cfg["n_embd"], warmup_steps=2, lr_decay_steps=100)
 
-        def on_train_end(self, trainer, pl_module):
-            steps = [b - a for a, b in zip(self.ends, self.ends[1:])]
-            cpu = [b - a for a, b in zip(self.cpu, self.cpu[1:])]
-            grad_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
-            rec = {"rank": trainer.global_rank, "world": trainer.world_size,
-                   "step_s": steps[cfg["warmup"]:cfg["warmup"] + cfg["steps"]],
-                   "cpu_s": cpu[cfg["warmup"]:cfg["warmup"] + cfg["steps"]],
-                   "allreduce_calls": self.counter["calls"], "allreduce_payload": self.counter["payload"],
-                   "broadcast_payload": self.counter["broadcast_payload"],
-                   "grad_bytes": grad_bytes, "threads": torch.get_num_threads(),
-                   "optim_state_bytes": sum(optimizer_state_bytes(o) for o in trainer.optimizers),
-                   "final_loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
-            with open(os.path.join(args.run_dir, f"rank{trainer.global_rank}.json"), "w") as f:
-                json.dump(rec, f)
-
-    data = SyntheticCorpus(vocab_size=cfg["vocab"], seq_len=cfg["seq"], train_sequences=cfg["batch"] * 2 * total,
-                           val_sequences=2)
-    torch.manual_seed(0)
-    model = GPT(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
-                n_embd=cfg["n_embd"], warmup_steps=2, lr_decay_steps=100)
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy=make_strategy(spec), max_steps=total,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                      callbacks=[Clock()])
-    trainer.fit(model, DataLoader(data.train_set, batch_size=cfg["batch"]))
+    clock = _launch.clock(args, cfg, new_counter=lambda: {"calls": 0, "payload": 0, "broadcast_payload": 0},
+                          counting=count_allreduce_bytes, record=record, on_start=pin)
+    _launch.fit(args, cfg, devices=devices, strategy=make_strategy(spec), make_module=make_module, callback=clock)
 
 
 # -- the driver ------------------------------------------------------------------------------------
 
-def launch(variant, cfg, threads, timeout):
-    run_dir = tempfile.mkdtemp(prefix=f"dpbench-{variant}-")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.abspath(__file__), "--inner", variant, "--run-dir", run_dir,
-           "--cfg", json.dumps(cfg), "--threads", str(threads)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, f"timed out after {timeout}s"
-    devices = VARIANTS[variant][0]
-    paths = [os.path.join(run_dir, f"rank{r}.json") for r in range(devices)]
-    if proc.returncode != 0 or not all(os.path.exists(p) for p in paths):
-        return None, f"exit {proc.returncode}: {proc.stderr.strip()[-800:]}"
-    recs = []
-    for p in paths:
-        with open(p) as f:
-            recs.append(json.load(f))
-    return recs, None
-
-
 def summarize(variant, runs):
-    def step_times(recs):          # a multi-rank step takes as long as its slowest rank
-        return [max(r["step_s"][i] for r in recs) for i in range(len(recs[0]["step_s"]))]
-
+    step_times = _launch.step_times
     steps = [t for recs in runs for t in step_times(recs)]
     first = runs[0]
     world = first[0]["world"]
@@ -234,44 +179,12 @@ def summarize(variant, runs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small GPT, 2 rounds")
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, from {', '.join(VARIANTS)}")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
-    p.add_argument("--json", help="write the results here")
-    for k in FULL:
-        p.add_argument("--" + k.replace("_", "-"), dest=k, type=int, default=None)
-    p.add_argument("--inner", help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", help=argparse.SUPPRESS)
-    p.add_argument("--cfg", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.inner:
-        run_inner(args)
+    started = _launch.start(__doc__, argv, __file__, full=FULL, quick=QUICK, variants=VARIANTS,
+                            default_variants=DEFAULT_VARIANTS, rounds=(3, 2), quick_help="small GPT, 2 rounds",
+                            run_inner=run_inner, ranks=lambda v: VARIANTS[v][0], prefix="dpbench")
+    if started is None:
         return 0
-
-    cfg = dict(QUICK if args.quick else FULL)
-    cfg.update({k: getattr(args, k) for k in FULL if getattr(args, k) is not None})
-    rounds = args.rounds or (2 if args.quick else 3)
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    print(f"config {cfg}, {rounds} rounds, {args.threads} thread(s) per process, {os.cpu_count()} CPUs", flush=True)
-    runs = {v: [] for v in variants}
-    failures = []
-    t0 = time.perf_counter()
-    for rnd in range(rounds):
-        for v in (variants if rnd % 2 == 0 else variants[::-1]):
-            recs, err = launch(v, cfg, args.threads, args.timeout)
-            if err:
-                failures.append(f"{v} round {rnd + 1}: {err}")
-                print(f"[{time.perf_counter() - t0:6.0f}s] {v}: FAILED {err}", flush=True)
-                continue
-            runs[v].append(recs)
-            med = statistics.median(max(r["step_s"][i] for r in recs) for i in range(len(recs[0]["step_s"])))
-            print(f"[{time.perf_counter() - t0:6.0f}s] round {rnd + 1} {v}: median step {1e3 * med:.1f} ms", flush=True)
+    args, cfg, variants, runs, failures, t0 = started
 
     rows = {v: summarize(v, rs) for v, rs in runs.items() if rs}
     base = rows.get("lightning_ddp")
@@ -307,15 +220,8 @@ def main(argv=None):
     for v, r in rows.items():
         if r["round_scaling_efficiency"]:
             print(f"{v}: scaling efficiency per round " + " / ".join(f"{e:.2f}" for e in r["round_scaling_efficiency"]))
-    for f in failures:
-        print("FAILED", f)
-    print(f"total wall {time.perf_counter() - t0:.0f}s. Timing on a shared machine is noisy: compare the ratios "
-          f"measured side by side; byte counts are deterministic.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg, "rounds": rounds, "threads": args.threads, "rows": rows, "failures": failures,
-                       "variants": {v: VARIANTS[v] for v in variants}}, f, indent=1)
-    return 1 if failures else 0
+    return _launch.finish(args, cfg, rows, failures, t0, compared="the ratios",
+                          extra={"variants": {v: VARIANTS[v] for v in variants}})
 
 
 if __name__ == "__main__":

@@ -30,14 +30,14 @@ Each process uses ``--threads`` torch threads (default 1: one core per rank on a
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
+
+if __package__:
+    from . import _launch
+else:                    # run as a file: its folder is on sys.path
+    import _launch
 
 VARIANTS = ("lightning_fsdp", "zero3", "zero2", "zero0")
 DEFAULT_VARIANTS = "lightning_fsdp,zero3"
@@ -90,83 +90,25 @@ def root_bytes(module) -> int:
 
 
 def run_inner(args):
-    import torch
-    from lightning.pytorch import Callback, Trainer
-    from torch.utils.data import DataLoader
-
     from lightning_par.comm import CommCounter, count_comm
-    from lightning_par.data import SyntheticCorpus
     from lightning_par.dp.fsdp import local_training_bytes
 
-    torch.set_num_threads(args.threads)
     cfg = json.loads(args.cfg)
-    total = cfg["warmup"] + cfg["steps"] + 1          # + 1 counting step
 
-    class Clock(Callback):
-        def on_train_start(self, trainer, pl_module):
-            self.ends, self.cpu = [time.perf_counter()], [time.process_time()]
-            self.counter, self.mode = CommCounter(), None
+    def record(trainer, pl_module, counter):
+        param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())  # global shapes
+        return {"calls": dict(counter.calls), "wire": dict(counter.wire), "wire_bytes": counter.wire_bytes,
+                "param_bytes": param_bytes, "root_bytes": root_bytes(pl_module),
+                "local": local_training_bytes(pl_module, trainer.optimizers)}
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == total - 1:
-                self.mode = count_comm(self.counter)
-                self.mode.__enter__()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.mode is not None:
-                self.mode.__exit__(None, None, None)
-                self.mode = None
-            self.ends.append(time.perf_counter())
-            self.cpu.append(time.process_time())
-
-        def on_train_end(self, trainer, pl_module):
-            steps = [b - a for a, b in zip(self.ends, self.ends[1:])]
-            cpu = [b - a for a, b in zip(self.cpu, self.cpu[1:])]
-            world = trainer.world_size
-            param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())  # global shapes
-            rec = {"rank": trainer.global_rank, "world": world,
-                   "step_s": steps[cfg["warmup"]:cfg["warmup"] + cfg["steps"]],
-                   "cpu_s": cpu[cfg["warmup"]:cfg["warmup"] + cfg["steps"]],
-                   "calls": dict(self.counter.calls), "wire": dict(self.counter.wire),
-                   "wire_bytes": self.counter.wire_bytes, "param_bytes": param_bytes,
-                   "root_bytes": root_bytes(pl_module), "local": local_training_bytes(pl_module, trainer.optimizers),
-                   "final_loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
-            with open(os.path.join(args.run_dir, f"rank{trainer.global_rank}.json"), "w") as f:
-                json.dump(rec, f)
-
-    data = SyntheticCorpus(vocab_size=cfg["vocab"], seq_len=cfg["seq"], train_sequences=cfg["batch"] * 2 * total,
-                           val_sequences=2)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=make_strategy(args.inner), max_steps=total,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Clock()])
-    trainer.fit(make_module(args.inner, cfg), DataLoader(data.train_set, batch_size=cfg["batch"]))
+    clock = _launch.clock(args, cfg, new_counter=CommCounter, counting=count_comm, record=record)
+    _launch.fit(args, cfg, devices=2, strategy=make_strategy(args.inner),
+                make_module=lambda: make_module(args.inner, cfg), callback=clock)
 
 
 # -- the driver ------------------------------------------------------------------------------------
 
-def launch(variant, cfg, threads, timeout):
-    run_dir = tempfile.mkdtemp(prefix=f"zerobench-{variant}-")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.abspath(__file__), "--inner", variant, "--run-dir", run_dir,
-           "--cfg", json.dumps(cfg), "--threads", str(threads)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, f"timed out after {timeout}s"
-    paths = [os.path.join(run_dir, f"rank{r}.json") for r in range(2)]
-    if proc.returncode != 0 or not all(os.path.exists(p) for p in paths):
-        return None, f"exit {proc.returncode}: {proc.stderr.strip()[-800:]}"
-    recs = []
-    for p in paths:
-        with open(p) as f:
-            recs.append(json.load(f))
-    return recs, None
-
-
-def step_times(recs):          # a 2-rank step takes as long as its slower rank
-    return [max(r["step_s"][i] for r in recs) for i in range(len(recs[0]["step_s"]))]
+step_times = _launch.step_times
 
 
 def summarize(variant, runs):
@@ -188,44 +130,12 @@ def summarize(variant, runs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small GPT")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, from {', '.join(VARIANTS)}")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
-    p.add_argument("--json", help="write the results here")
-    for k in FULL:
-        p.add_argument("--" + k.replace("_", "-"), dest=k, type=int, default=None)
-    p.add_argument("--inner", help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", help=argparse.SUPPRESS)
-    p.add_argument("--cfg", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.inner:
-        run_inner(args)
+    started = _launch.start(__doc__, argv, __file__, full=FULL, quick=QUICK, variants=VARIANTS,
+                            default_variants=DEFAULT_VARIANTS, rounds=(3, 3), quick_help="small GPT",
+                            run_inner=run_inner, ranks=lambda v: 2, prefix="zerobench")
+    if started is None:
         return 0
-
-    cfg = dict(QUICK if args.quick else FULL)
-    cfg.update({k: getattr(args, k) for k in FULL if getattr(args, k) is not None})
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    print(f"config {cfg}, {args.rounds} rounds, {args.threads} thread(s) per process, {os.cpu_count()} CPUs",
-          flush=True)
-    runs = {v: [] for v in variants}
-    failures = []
-    t0 = time.perf_counter()
-    for rnd in range(args.rounds):
-        for v in (variants if rnd % 2 == 0 else variants[::-1]):
-            recs, err = launch(v, cfg, args.threads, args.timeout)
-            if err:
-                failures.append(f"{v} round {rnd + 1}: {err}")
-                print(f"[{time.perf_counter() - t0:6.0f}s] {v}: FAILED {err}", flush=True)
-                continue
-            runs[v].append(recs)
-            print(f"[{time.perf_counter() - t0:6.0f}s] round {rnd + 1} {v}: median step "
-                  f"{1e3 * statistics.median(step_times(recs)):.1f} ms", flush=True)
+    args, cfg, variants, runs, failures, t0 = started
 
     rows = {v: summarize(v, rs) for v, rs in runs.items() if rs}
     base = rows.get("lightning_fsdp")
@@ -254,15 +164,7 @@ def main(argv=None):
             r["round_ratios_vs_lightning_fsdp"] = [a / b for a, b in zip(r["round_medians_s"], base["round_medians_s"])]
             print(f"{v}: per-round ratio vs lightning_fsdp "
                   + " / ".join(f"{x:.2f}" for x in r["round_ratios_vs_lightning_fsdp"]))
-    for f in failures:
-        print("FAILED", f)
-    print(f"total wall {time.perf_counter() - t0:.0f}s. Timing on a shared machine is noisy: compare the ratio "
-          f"measured side by side; byte counts are deterministic.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg, "rounds": args.rounds, "threads": args.threads, "rows": rows,
-                       "failures": failures}, f, indent=1)
-    return 1 if failures else 0
+    return _launch.finish(args, cfg, rows, failures, t0, compared="the ratio")
 
 
 if __name__ == "__main__":
