@@ -21,7 +21,7 @@ head-sharded q, k, v on each, checked by propagating fake specs (tests/unit/test
   so a replicated mask is cut by head locally, without communication. Nothing is added.
 - ``_scaled_dot_product_cudnn_attention``, CUDA: torch's head-sharded strategy (and its batch one) list no
   placement for ``attn_bias``, so with a mask every call fails in DTensor (``input_specs(3) !=
-  strategies(4)``). SDPA hands cuDNN the mask unexpanded — ``(L, S)``, ``(B, 1, L, S)`` or ``(B, H, L, S)``
+  strategies(4)``; torch 2.14's single-dim strategy replicates q, k, v and the output instead). SDPA hands cuDNN the mask unexpanded — ``(L, S)``, ``(B, 1, L, S)`` or ``(B, H, L, S)``
   — so the bias is placed by :func:`mask_placement`. Without a mask torch's strategy answers.
 - its backward: torch's head-sharded strategy shards ``attn_bias`` on dim 1, which a mask broadcasting
   over heads cannot be; DTensor then falls back to replicating all of q, k, v, out and the gradients
@@ -42,7 +42,8 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from lightning_par.tensor.rules import install_strategy, only_spec, remember, restore_rules, wrap_strategy
+from lightning_par.tensor.rules import (install_strategy, only_spec, remember, restore_rules, strategy_of,
+                                       wrap_strategy)
 
 HEADS = Shard(1)  # (B, H, L, E)
 _registered = False
@@ -177,22 +178,23 @@ def register_attention_rules() -> None:
     global _registered
     if _registered:
         return
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 
-    prop = DTensor._op_dispatcher.sharding_propagator
     remember(_forget_registration)
-    wrap_strategy(torch.ops.aten.cat.default, _cat_onto_empty)
+    wrap_strategy(torch.ops.aten.cat.default, _cat_onto_empty,
+                  "concatenating head-sharded keys onto an empty KV cache may fail in DTensor "
+                  "(call the model with use_cache=False)")
     for op, rule in rules().items():
         strategy = lambda op_schema, rule=rule: _strategy(rule, op_schema)  # noqa: E731
-        if prop.op_strategy_funcs.get(op) is None:  # no strategy in DTensor (the CPU kernel): ours is the only one
+        if strategy_of(op) is None:  # no strategy in DTensor (the CPU kernel): ours is the only one
             # [Note: keyword masks in the sharding cache] DTensor caches a decision by the arguments its
             # schema info names; naming no keyword, a call with a split ``attn_mask`` would reuse the decision
             # made for a replicated one (same q, k, v): the mask and the scale are part of the key.
             install_strategy(op, strategy, RuntimeSchemaInfo(static_argnum=100, static_kwargkey=["attn_mask", "scale"],
                                                              needs_pytree=True))
         else:  # ours answers its case, torch's every other
-            wrap_strategy(op, strategy)
+            wrap_strategy(op, strategy, "with a mask, this cuDNN attention kernel may fail in DTensor or "
+                          "gather q, k and v")
     _registered = True
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_par.tensor.rules import only_spec, remember, wrap_strategy
+from lightning_par.tensor.rules import cannot_install, only_spec, remember, wrap_strategy
 from lightning_par.tensor.transposed import ColwiseParallel, output_dim
 
 _registered = False
@@ -80,12 +80,17 @@ def register_fused_rules() -> None:
     prop = DTensor._op_dispatcher.sharding_propagator
     adjusters = getattr(prop, "op_to_scalar_shape_adjuster", None)
     remember(_forget_registration)
+    split_without = ("splitting a fused q|k|v projection output gathers it first: correct, with more "
+                     "communication")
     for op in (aten.split.Tensor, aten.split_with_sizes.default):
         # the split sizes are global; the op runs on the local parts, so they are rewritten to local ones
-        if adjusters is not None and op not in adjusters and wrap_strategy(op, _split_parts):
+        if adjusters is None or op in adjusters:
+            cannot_install(op, split_without, "DTensor has no free slot to make the split sizes local")
+        elif wrap_strategy(op, _split_parts, split_without):
             adjusters[op] = _local_split_sizes
             remember(lambda op=op: adjusters.pop(op, None))
-    wrap_strategy(aten.cat.default, _cat_parts)
+    wrap_strategy(aten.cat.default, _cat_parts,
+                  "the backward of a fused projection's split gathers every part: correct, with more communication")
     _registered = True
 
 

@@ -1,6 +1,8 @@
 """Head-parallel attention rules without processes and without a GPU (see [Note: attention kernels under head
 parallelism]): the rule functions on fake shapes, and every SDPA kernel's sharding propagated through DTensor's
 own propagator on fake specs over a fake two-rank process group (no kernel runs)."""
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -152,7 +154,8 @@ def test_every_kernel_keeps_its_inputs_layout(mesh, p, mask):
 
 
 def test_registrations_exist_for_every_kernel_and_are_given_back(mesh):
-    prop = DTensor._op_dispatcher.sharding_propagator
+    from lightning_par.tensor.rules import strategy_of
+
     cpu = [aten._scaled_dot_product_flash_attention_for_cpu.default,
            aten._scaled_dot_product_flash_attention_for_cpu_backward.default]
     cudnn = [aten._scaled_dot_product_cudnn_attention.default,
@@ -161,23 +164,28 @@ def test_registrations_exist_for_every_kernel_and_are_given_back(mesh):
                   aten._scaled_dot_product_flash_attention_backward.default,
                   aten._scaled_dot_product_efficient_attention.default,
                   aten._scaled_dot_product_efficient_attention_backward.default]
-    before = dict(prop.op_strategy_funcs)
-    assert not any(op in before for op in cpu)  # DTensor has no strategy for the CPU kernel
+    # what serves each kernel, in DTensor's lookup order (torch 2.14 keeps most of them as single-dim strategies)
+    serving = lambda: {op: strategy_of(op) for op in cpu + cudnn + torch_only}  # noqa: E731
+    before = serving()
+    assert not any(before[op] for op in cpu)  # DTensor has no strategy for the CPU kernel
     register_attention_rules()
     assert set(attention.rules()) == set(cpu + cudnn)
     for op in cpu + cudnn:  # ours (register_sharding / in front of torch's)
-        assert op in prop.op_strategy_funcs and prop.op_strategy_funcs[op] is not before.get(op), op
+        assert strategy_of(op) is not None and strategy_of(op) is not before[op], op
     for op in torch_only:  # torch's strategies serve these kernels as they are
-        assert prop.op_strategy_funcs[op] is before[op], op
+        assert strategy_of(op) is before[op] is not None, op
     # cuDNN with a broadcasting mask: torch's strategy fails, ours shards by head
     calls = kernel_calls(mesh, S, spec(mesh, (B, 1, L, L), R))
     fwd = aten._scaled_dot_product_cudnn_attention.default
     assert placements(propagate(fwd, *calls[fwd]).output_spec)[:2] == [S, S]
     unregister_attention_rules()
-    assert {op: prop.op_strategy_funcs.get(op) for op in cpu + cudnn + torch_only} == \
-           {op: before.get(op) for op in cpu + cudnn + torch_only}
-    with pytest.raises(AssertionError, match=r"input_specs\(3\) != strategies\(4"):
-        propagate(fwd, *calls[fwd])  # what torch 2.13 does without the rule
+    assert serving() == before
+    try:  # without the rule: torch 2.13's strategy fails, torch 2.14's gathers q, k and v
+        without = placements(propagate(fwd, *calls[fwd]).output_spec)[:2]
+    except AssertionError as error:
+        assert "input_specs(3) != strategies(4" in str(error)
+    else:
+        assert without == [R, R]
 
 
 def test_cpu_kernel_never_needs_its_keyword_mask_moved(mesh):
@@ -200,17 +208,38 @@ def test_every_rule_of_ours_is_taken_out_again(mesh):
     """The strategy's teardown calls restore_rules: DTensor's strategies, schema infos and split-size adjusters
     are then what they were before our first registration (fused split/cat rules and the KV-cache cat too)."""
     from lightning_par.tensor.parallelize import register_rules
-    from lightning_par.tensor.rules import restore_rules
+    from lightning_par.tensor.rules import restore_rules, strategy_of
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    tables = lambda: (dict(prop.op_strategy_funcs), dict(prop.op_to_schema_info),  # noqa: E731
-                      dict(getattr(prop, "op_to_scalar_shape_adjuster", {})))
-    before = tables()
+    # every table DTensor looks strategies up in (the single-dim ones from torch 2.14 on)
+    names = ("op_strategy_funcs", "op_to_schema_info", "op_to_scalar_shape_adjuster", "op_single_dim_strategy_funcs",
+             "op_to_schema_info_for_single_dim_strategy")
+    tables = lambda: [dict(getattr(prop, name, {})) for name in names]  # noqa: E731
+    cat, split, cpu = aten.cat.default, aten.split.Tensor, aten._scaled_dot_product_flash_attention_for_cpu.default
+    before, served = tables(), {op: strategy_of(op) for op in (cat, split)}
     register_rules()
-    during = tables()
-    assert during[0][aten.cat.default] is not before[0][aten.cat.default]  # wrapped (KV cache, fused parts)
-    assert aten._scaled_dot_product_flash_attention_for_cpu.default in during[0]
+    for op in (cat, split):  # wrapped (KV cache, fused parts), wherever torch kept its strategy
+        assert strategy_of(op) is not None and strategy_of(op) is not served[op], op
+    assert strategy_of(cpu) is not None
     restore_rules()
     assert tables() == before
     register_rules()  # a later run registers them again
-    assert aten._scaled_dot_product_flash_attention_for_cpu.default in prop.op_strategy_funcs
+    assert strategy_of(cpu) is not None
+
+
+def test_a_rule_that_cannot_be_installed_warns_once_and_changes_nothing(mesh, monkeypatch):
+    """An op DTensor serves with nothing our rule could stand in front of: no silent ``False``, a warning (once)
+    naming the op and what running without the rule costs, and DTensor's tables as they were."""
+    from lightning_par.tensor import rules
+
+    monkeypatch.setattr(rules, "_warned", set())
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default  # no strategy in DTensor before ours
+    prop = DTensor._op_dispatcher.sharding_propagator
+    before = dict(prop.op_strategy_funcs), dict(prop.op_to_schema_info)
+    with pytest.warns(UserWarning, match=r"_scaled_dot_product_flash_attention_for_cpu.*: q, k and v are gathered"):
+        assert rules.wrap_strategy(op, lambda op_schema: None, "q, k and v are gathered") is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rules.wrap_strategy(op, lambda op_schema: None, "q, k and v are gathered") is False
+    assert (dict(prop.op_strategy_funcs), dict(prop.op_to_schema_info)) == before
+    assert rules.strategy_of(op) is None
