@@ -25,7 +25,10 @@ def test_fused_projections_match_one_process(tmp_path, layout, tp, sp):
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("layout", ["split", "view"])
 def test_fused_projections_reduce_four_times_per_layer(tmp_path, layout):
-    for rec in fit_measure(tmp_path, factory=lambda: FusedGPT(n_layer=N_LAYER, layout=layout)):
+    recs = fit_measure(tmp_path, factory=lambda: FusedGPT(n_layer=N_LAYER, layout=layout))
+    assert len(recs) == 2
+    for rec in recs:
+        assert rec["counts"], "no step's collectives were recorded"
         for counts in rec["counts"]:
             # no gather of q/k/v or of their gradients: Megatron's 2 forward + 2 backward all-reduces
             assert counts == {"c10d_functional.all_reduce": 4 * N_LAYER}, counts
