@@ -21,7 +21,10 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_par._compat import strided_shard_type
+
+_StridedShard = strided_shard_type()  # private in torch: reached through _compat
 
 META_FILE = "meta.pt"
 

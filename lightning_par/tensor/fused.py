@@ -26,10 +26,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_par._compat import strided_shard_type
 from lightning_par.tensor.rules import cannot_install, only_spec, remember, wrap_strategy
 from lightning_par.tensor.transposed import ColwiseParallel, output_dim
+
+_StridedShard = strided_shard_type()  # private in torch: reached through _compat
 
 _registered = False
 
