@@ -41,3 +41,10 @@ def checkpoint_offset(storage: torch.UntypedStorage) -> Optional[int]:
     """
     offset = getattr(storage, "_checkpoint_offset", None)
     return offset if isinstance(offset, int) else None
+
+
+def broadcast_coalesced(group, tensors: Sequence[torch.Tensor], src: int, bucket_bytes: int = 1 << 24) -> None:
+    """Broadcast ``tensors`` in place from global rank ``src`` over ``group``, packed into buckets of
+    ``bucket_bytes`` (few collectives for many small tensors). Wraps ``torch.distributed._broadcast_coalesced``,
+    what DDP uses to sync module states at construction."""
+    torch.distributed._broadcast_coalesced(group, list(tensors), bucket_bytes, src)

@@ -42,6 +42,18 @@ def full_state(obj: Any) -> Any:
     return obj
 
 
+def local_state(obj: Any) -> Any:
+    """``obj`` (nested dicts / lists / tuples) with every DTensor replaced by its local shard (no communication):
+    what a rank's own optimizer state holds, picklable without its mesh."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach()
+    if isinstance(obj, dict):
+        return {k: local_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local_state(v) for v in obj)
+    return obj
+
+
 def local_shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``full`` laid out like ``like``: sliced to its DTensor shard (locally), or moved to its device."""
     if isinstance(like, DTensor):
@@ -68,12 +80,18 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Load an optimizer state dict whose per-parameter tensors may be full tensors of DTensor parameters."""
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], local: bool = False) -> None:
+    """Load an optimizer state dict whose per-parameter tensors may be full tensors of DTensor parameters, or
+    with ``local`` their local shards (as :func:`local_state` wrote them)."""
     params = optimizer_params(optimizer)
     per_param = {}
     for idx, entry in state["state"].items():
         p = params[int(idx)]
+        if local and isinstance(p, DTensor):
+            per_param[idx] = {k: (DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False)
+                                  if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.to_local().shape)
+                                  and v.dim() > 0 else v) for k, v in entry.items()}
+            continue
         per_param[idx] = {k: (local_shard_like(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0
                               and tuple(v.shape) == tuple(p.shape) else v)
                           for k, v in entry.items()}

@@ -2,8 +2,11 @@
 
 One frozen dataclass validates the sizes once, maps a global rank to its coordinates on the named
 mesh axes and builds the ``DeviceMesh`` on demand. Axis order (outermost first) is ``("pp", "dp", "tp")``
-as in torchtitan: tensor-parallel peers are adjacent ranks (they talk the most), pipeline stages are
-the farthest apart.
+as in torchtitan and Megatron: tensor-parallel peers are adjacent ranks (they talk the most), pipeline
+stages are the farthest apart. ``order=DP_OUTERMOST`` (``("dp", "pp", "tp")``) puts the data-parallel
+replicas farthest apart instead: the seeds' "model parallel inside a machine, data parallel across
+machines" (a whole pipeline inside a node, only the gradient all-reduce crossing nodes). ``tp`` is
+innermost in both, so a tensor-parallel group shares a node.
 
 Example::
 
@@ -17,12 +20,14 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Union
 
 Size = Union[int, Literal["auto"]]
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "tp")  # outermost first: the default order
+DP_OUTERMOST = ("dp", "pp", "tp")
+ORDERS = {"pp_dp_tp": AXES, "dp_pp_tp": DP_OUTERMOST}
 
 
 @dataclass(frozen=True)
@@ -30,8 +35,13 @@ class Topology:
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    order: tuple = field(default=AXES, repr=False)  # mesh axes, outermost first (AXES or DP_OUTERMOST)
 
     def __post_init__(self) -> None:
+        if tuple(self.order) not in ORDERS.values():
+            raise ValueError(f"`order={self.order!r}` must be one of {sorted(ORDERS.values())}: tp innermost, "
+                             f"pp or dp outermost.")
+        object.__setattr__(self, "order", tuple(self.order))
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -46,6 +56,7 @@ class Topology:
         pipeline_parallel_size: Size = 1,
         tensor_parallel_size: Size = 1,
         model_axis: str | None = None,
+        order: tuple = AXES,
     ) -> "Topology":
         """Fill in ``"auto"`` sizes and check that the product is the world size.
 
@@ -65,7 +76,7 @@ class Topology:
                 sizes[axis] = max(world_size // fixed, 1)
         if sizes["dp"] == "auto":
             sizes["dp"] = max(world_size // (sizes["pp"] * sizes["tp"]), 1)
-        topo = cls(sizes["dp"], sizes["pp"], sizes["tp"])
+        topo = cls(sizes["dp"], sizes["pp"], sizes["tp"], order=order)
         if topo.world_size != world_size:
             raise ValueError(
                 f"The sizes `data_parallel_size={topo.data_parallel_size}`, `pipeline_parallel_size="
@@ -87,20 +98,26 @@ class Topology:
 
     @property
     def shape(self) -> tuple[int, int, int]:
+        """Sizes in mesh order (outermost first)."""
+        return tuple(self.size(a) for a in self.order)  # type: ignore[return-value]
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """(pp, dp, tp) whatever the order: what a checkpoint records as its layout."""
         return tuple(self.size(a) for a in AXES)  # type: ignore[return-value]
 
     def coordinates(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks.")
         coords = {}
-        for axis in reversed(AXES):
+        for axis in reversed(self.order):
             coords[axis] = rank % self.size(axis)
             rank //= self.size(axis)
         return {a: coords[a] for a in AXES}
 
     def rank_of(self, **coords: int) -> int:
         rank = 0
-        for axis in AXES:
+        for axis in self.order:
             rank = rank * self.size(axis) + coords.get(axis, 0)
         return rank
 
@@ -125,7 +142,8 @@ class Topology:
         return groups
 
     def build_mesh(self, device_type: str, timeout=None):
-        """The ``DeviceMesh`` over the world with axes named ``pp``, ``dp``, ``tp`` (process group must exist).
+        """The ``DeviceMesh`` over the world with axes named ``pp``, ``dp``, ``tp`` in :attr:`order` (the
+        process group must exist).
 
         ``timeout`` (a ``timedelta``) bounds every collective of the axis groups too: the mesh creates them
         with torch's default (30 minutes on gloo) whatever the world group's timeout is.
@@ -133,7 +151,7 @@ class Topology:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.order)
         if timeout is not None:
             for axis in AXES:
                 _set_pg_timeout(timeout, mesh.get_group(axis))

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_par.topology import Topology
 
@@ -60,21 +61,22 @@ class SharedParameters:
         used = sorted(names[id(p)] for p, g in zip(self.params, grads) if g is not None and id(p) not in self.block_ids)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (self.rank, used))
-        users: dict[tuple[int, str], list[int]] = {}  # (pipeline id, name) -> stages
+        users: dict[tuple[tuple[int, int], str], list[int]] = {}  # ((dp, tp): one pipeline, name) -> stages
         for rank, rank_used in everyone:
             c = self.topology.coordinates(rank)
             for n in rank_used:
-                users.setdefault((c["dp"], n), []).append(c["pp"])
+                users.setdefault(((c["dp"], c["tp"]), n), []).append(c["pp"])
         me = self.topology.coordinates(self.rank)
-        self.owner_stage = {n: min(st) for (dp, n), st in users.items() if dp == me["dp"]}
-        shared_sets = sorted({(dp, tuple(sorted(st))) for (dp, n), st in users.items() if len(st) > 1})
+        line = (me["dp"], me["tp"])
+        self.owner_stage = {n: min(st) for (pipe, n), st in users.items() if pipe == line}
+        shared_sets = sorted({(pipe, tuple(sorted(st))) for (pipe, n), st in users.items() if len(st) > 1})
         groups = {}
-        for dp, stages in shared_sets:  # every rank creates every group, in one order
-            ranks = [self.topology.rank_of(pp=s, dp=dp, tp=0) for s in stages]
-            groups[(dp, stages)] = dist.new_group(ranks, timeout=self.timeout)
-        for (dp, n), st in users.items():
-            if dp == me["dp"] and len(st) > 1 and me["pp"] in st:
-                self.groups[n] = groups[(dp, tuple(sorted(st)))]
+        for pipe, stages in shared_sets:  # every rank creates every group, in one order
+            ranks = [self.topology.rank_of(pp=s, dp=pipe[0], tp=pipe[1]) for s in stages]
+            groups[(pipe, stages)] = dist.new_group(ranks, timeout=self.timeout)
+        for (pipe, n), st in users.items():
+            if pipe == line and len(st) > 1 and me["pp"] in st:
+                self.groups[n] = groups[(pipe, tuple(sorted(st)))]
 
     def drop_unused_optimizer_state(self, grads: list[Optional[torch.Tensor]], optimizers: Iterable) -> None:
         """Optimizer state loaded for a parameter copy this stage never uses (a sharded checkpoint gives every
@@ -95,10 +97,10 @@ class SharedParameters:
         for p_idx, group in self._order:
             if grads[p_idx] is None:
                 grads[p_idx] = torch.zeros_like(self.params[p_idx])
-            dist.all_reduce(grads[p_idx], group=group)
+            dist.all_reduce(_local(grads[p_idx]), group=group)  # a DTensor's shard: the same on every stage
         if self.dp_group is None:
             return
-        present = [g for g in grads if g is not None]
+        present = [_local(g) for g in grads if g is not None]  # replicas hold the same shards
         flat = torch.cat([g.reshape(-1) for g in present])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.topology.data_parallel_size
@@ -114,20 +116,42 @@ class SharedParameters:
         return (self.owner_stage or {}).get(name, 0) == self.stage
 
     def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: Union[int, float], *, group,
-                        device: torch.device) -> None:
+                        device: torch.device, tp_group=None) -> None:
         """Scale the gradients of ``params`` so that their norm over the whole pipeline (``group``: its
-        stages; each gradient counted once, by its owner) is at most ``max_norm``."""
+        stages; each gradient counted once, by its owner) is at most ``max_norm``. A gradient sharded over
+        the tensor-parallel ranks (``tp_group``) counts each shard once; a replicated one once."""
         names = self.names()
         params = [p for p in params if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=device)
+        sharded = torch.zeros((), dtype=torch.float32, device=device)
+        whole = torch.zeros((), dtype=torch.float32, device=device)
         for p in params:
             if self.owns(p, names.get(id(p), "")):
-                sq += p.grad.detach().float().pow(2).sum()
+                g = _local(p.grad.detach()).float().pow(2).sum()
+                if _is_sharded(p.grad):
+                    sharded += g
+                else:
+                    whole += g
+        if tp_group is not None:
+            dist.all_reduce(sharded, group=tp_group)
+        sq = sharded + whole
         if group is not None:
             dist.all_reduce(sq, group=group)
         coef = torch.clamp(float(max_norm) / (sq.sqrt() + 1e-6), max=1.0)
         for p in params:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
+            g = _local(p.grad.detach())
+            g.mul_(coef.to(g.dtype))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel (DTensor) gradient's local shard, in place; a plain tensor as it is."""
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():  # to_local() hands back the shard itself outside autograd
+        return t.to_local()
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
 
 
 def sync_found_inf(scaler, optimizer, device: torch.device) -> None:

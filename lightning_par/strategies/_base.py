@@ -6,13 +6,17 @@ group per mesh axis and the choice between one consolidated checkpoint file and 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_par.checkpoint import is_distributed_checkpoint, save_distributed
+from lightning_par.checkpoint import full_state, is_distributed_checkpoint, save_distributed
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology
 
@@ -34,6 +38,21 @@ def as_timeout(timeout: Union[float, timedelta]) -> timedelta:
         raise ValueError(f"`timeout={timeout!r}` must be a finite positive number of seconds (or a timedelta): "
                          f"every collective must give up eventually. The default is 1800.0 (30 minutes).")
     return timedelta(seconds=seconds)
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero_stage(zero_stage: int, *, built: tuple, strategy: str) -> int:
+    """``zero_stage`` is one of 0-3 (one meaning on every strategy's data axis) and one ``strategy`` runs."""
+    if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+        raise ValueError(f"`zero_stage={zero_stage!r}` must be one of {ZERO_STAGES}: 0 replicas, 1 optimizer state "
+                         f"sharded over the data-parallel ranks, 2 gradients as well, 3 parameters as well.")
+    if zero_stage not in built:
+        raise ValueError(f"`zero_stage={zero_stage}` is not built for {strategy} yet (it runs {built}). Use "
+                         f"DataParallelStrategy(zero_stage={zero_stage}) for a model that one device holds, or "
+                         f"zero_stage=0 here.")
+    return zero_stage
 
 
 def check_flags(**flags: Any) -> None:
@@ -72,6 +91,16 @@ class LayoutStrategy(RegisteredByName, DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return self.topology.sampler_kwargs(self.global_rank)  # only data-parallel replicas split the data
 
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
+
+    def caller_state(self) -> dict[str, Any]:
+        """The whole module's state dict as one device holds it, on global rank 0 (every rank calls it): what
+        a fork / spawn launch hands back to the calling process."""
+        return full_state(self.lightning_module.state_dict())
+
     def _new_groups(self, axis: str):
         """A process group for every group of ranks along ``axis`` (none of one rank); this rank's, or None."""
         mine = None
@@ -102,3 +131,23 @@ class LayoutStrategy(RegisteredByName, DDPStrategy):
     def _load_distributed(self, path: str) -> dict[str, Any]:
         """The checkpoint dict of a DCP directory (every rank calls it)."""
         raise NotImplementedError
+
+
+class ConsolidatingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, but the weights handed back to the calling process are the whole
+    module's (``strategy.caller_state()``, every rank takes part): Lightning's own hands back rank 0's state
+    dict and loads it with ``strict=False``, which would leave the caller's module with the shards and
+    stages rank 0 did not hold at their initial values, silently."""
+
+    def _collect_rank_zero_results(self, trainer, results):
+        callback = trainer.checkpoint_callback
+        best = getattr(callback, "best_model_path", None) if callback else None
+        caller_state = getattr(self._strategy, "caller_state", None)  # DataParallelStrategy: the gathered shards
+        state_dict = caller_state() if caller_state else full_state(trainer.lightning_module.state_dict())  # collective
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))

@@ -37,10 +37,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par.dp import comm_hooks, fsdp, zero
-from lightning_par.strategies._base import as_timeout, check_start_method
+from lightning_par.strategies._base import ConsolidatingLauncher, as_timeout, check_start_method
 from lightning_par.dp import lr_scaling as scaling
 from lightning_par.strategies._registry import RegisteredByName
-from lightning_par.strategies.tensor_parallel import _ConsolidatingLauncher
 from lightning_par.topology import Topology, keep_loader_on_one_process
 
 
@@ -188,7 +187,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
             raise ValueError(f"`Trainer(sync_batchnorm=True)` with `zero_stage={self._zero_stage}` is not supported "
                              f"(FSDP shards the module in place); use zero_stage=0 or 1 for SyncBatchNorm.")
         if isinstance(self._launcher, _MultiProcessingLauncher):  # the caller's module receives whole weights
-            self._launcher = _ConsolidatingLauncher(self, start_method=self._start_method)
+            self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
 
     def setup(self, trainer) -> None:
         # [Note: one process keeps the user's loader] in lightning_par/topology.py

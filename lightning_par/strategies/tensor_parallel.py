@@ -15,15 +15,12 @@ by :func:`lightning_par.tensor.mixed.average_grads` instead), so DDP's hooks sta
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from datetime import timedelta
 from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -31,7 +28,7 @@ from lightning_par import checkpoint as ckpt
 from lightning_par.strategies._base import LayoutStrategy, check_flags
 from lightning_par.tensor.mixed import (average_grads, install_clipping, install_scaler, reduce_partial_grads,
                                         split_step_by_kind)
-from lightning_par.tensor.parallelize import backward_context, parallelize, register_rules, to_plain
+from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules, to_plain
 from lightning_par.tensor.plan import build_plan, check_user_plan
 from lightning_par.tensor.rules import restore_rules
 from lightning_par.topology import Topology, check_sizes, keep_loader_on_one_process
@@ -117,8 +114,6 @@ class TensorParallelStrategy(LayoutStrategy):
         Topology.resolve(self.num_nodes * self.num_processes, data_parallel_size=self._dp_size,
                          tensor_parallel_size=self._tp_size, model_axis="tp")
         super()._configure_launcher()
-        if isinstance(self._launcher, _MultiProcessingLauncher):
-            self._launcher = _ConsolidatingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         # Sizes are checked against the world before the process group exists, so a bad size cannot hang.
@@ -176,10 +171,8 @@ class TensorParallelStrategy(LayoutStrategy):
 
     def _sync_plain_state(self, module: torch.nn.Module) -> None:
         """Every rank starts from rank 0's weights (a module built without a common seed would diverge)."""
-        tensors = [t for t in list(module.parameters()) + list(module.buffers())]
-        if self.world_size > 1 and tensors:
-            with torch.no_grad():
-                torch.distributed._broadcast_coalesced(torch.distributed.group.WORLD, tensors, 1 << 24, 0)
+        if self.world_size > 1:
+            broadcast_state(module, src=0)
 
     def _sync_rng(self) -> None:
         """Every rank continues rank 0's random stream: tensor-parallel peers hold the same replicated
@@ -278,20 +271,3 @@ def _log_plain_values(module) -> None:
     module.log = lambda name, value, *a, **k: log(name, to_plain(value), *a, **k)
     module.log_dict = lambda dictionary, *a, **k: log_dict(to_plain(dictionary), *a, **k)
     module._lp_plain_log = True
-
-
-class _ConsolidatingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher, but the weights handed back to the calling process are gathered to full
-    tensors (every rank takes part), so the caller's unparallelized module receives plain trained weights."""
-
-    def _collect_rank_zero_results(self, trainer, results):
-        callback = trainer.checkpoint_callback
-        best = getattr(callback, "best_model_path", None) if callback else None
-        state_dict = ckpt.full_state(trainer.lightning_module.state_dict())  # collective
-        if self._strategy.local_rank != 0:
-            return None
-        weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
-        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))

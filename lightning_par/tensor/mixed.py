@@ -131,35 +131,45 @@ def install_scaler(scaler) -> None:
 
 
 def reduce_partial_grads(parameters: Iterable[torch.Tensor], group) -> int:
-    """Turn ``Partial(sum)`` DTensor gradients into their parameter's placement with one all-reduce for all.
+    """:func:`settle_grads` applied to the parameters' own gradients; returns how many were changed."""
+    parameters = list(parameters)
+    settled = settle_grads(parameters, [p.grad for p in parameters], group)
+    changed = 0
+    for p, g in zip(parameters, settled):
+        if g is not p.grad:
+            p.grad, changed = g, changed + 1
+    return changed
+
+
+def settle_grads(parameters: list[torch.Tensor], grads: list, group) -> list:
+    """``grads`` (of ``parameters``, ``None`` where absent) with ``Partial(sum)`` DTensor gradients turned into
+    their parameter's placement by one all-reduce for all over the tensor-parallel ``group``.
 
     Under sequence parallelism a replicated norm weight sees only this rank's part of the sequence, so its
     gradient comes out of backward as a partial sum over the tensor-parallel ranks. A plain parameter that a
     region's code used directly (not through its module) gets a DTensor gradient, computed under implicit
-    replication (see [Note: one layout per region]); it becomes the plain full gradient. Returns how many
-    gradients were changed.
+    replication (see [Note: one layout per region]); it becomes the plain full gradient.
     """
-    parameters = list(parameters)
-    plain = [p for p in parameters if isinstance(p.grad, DTensor) and not isinstance(p, DTensor)]
-    for p in plain:
-        p.grad = p.grad.full_tensor()
-    pending = [p for p in parameters if isinstance(p.grad, DTensor)
-               and any(pl.is_partial() for pl in p.grad.placements)]
+    out = list(grads)
+    for i, (p, g) in enumerate(zip(parameters, grads)):
+        if isinstance(g, DTensor) and not isinstance(p, DTensor):
+            out[i] = g.full_tensor()
+    pending = [i for i, g in enumerate(out) if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements)]
     if not pending:
-        return len(plain)
-    if any(getattr(pl, "reduce_op", "sum") != "sum" for p in pending for pl in p.grad.placements if pl.is_partial()):
-        for p in pending:  # not a sum: let DTensor do it one by one
-            p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
-        return len(plain) + len(pending)
-    locals_ = [p.grad.to_local() for p in pending]
+        return out
+    if any(getattr(pl, "reduce_op", "sum") != "sum" for i in pending for pl in out[i].placements if pl.is_partial()):
+        for i in pending:  # not a sum: let DTensor do it one by one
+            out[i] = out[i].redistribute(out[i].device_mesh, parameters[i].placements)
+        return out
+    locals_ = [out[i].to_local() for i in pending]
     flat = torch.cat([g.reshape(-1) for g in locals_])
     dist.all_reduce(flat, group=group)
     offset = 0
-    for p, g in zip(pending, locals_):
+    for i, g in zip(pending, locals_):
         chunk = flat[offset : offset + g.numel()].view_as(g)
         offset += g.numel()
-        p.grad = DTensor.from_local(chunk, p.grad.device_mesh, p.placements, run_check=False)
-    return len(plain) + len(pending)
+        out[i] = DTensor.from_local(chunk, out[i].device_mesh, parameters[i].placements, run_check=False)
+    return out
 
 
 def average_grads(parameters: Iterable[torch.Tensor], group, size: int) -> None:

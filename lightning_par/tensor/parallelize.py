@@ -235,6 +235,18 @@ def torch_styles(plan: TensorPlan, *, sequence_parallel: bool = False) -> dict[s
     return out
 
 
+def broadcast_state(module: nn.Module, src: int = 0) -> None:
+    """Every rank takes global rank ``src``'s parameters and buffers (in place; every rank calls it)."""
+    import torch.distributed as dist
+
+    from lightning_par._compat import broadcast_coalesced
+
+    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if not isinstance(t, DTensor)]
+    if tensors:
+        with torch.no_grad():
+            broadcast_coalesced(dist.group.WORLD, tensors, src)
+
+
 def register_rules() -> None:
     """The sharding rules our plans need in DTensor's propagator (idempotent; :func:`.rules.restore_rules`
     takes them out again): every setup calls it, also of a module parallelized by an earlier run."""

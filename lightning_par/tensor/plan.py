@@ -83,6 +83,20 @@ class TensorPlan:
     def sharded(self) -> dict[str, str]:
         return {n: s for n, s in self.styles.items() if s in _COLUMN + ("rowwise",)}
 
+    def without(self, absent) -> "TensorPlan":
+        """The plan of the modules outside ``absent`` (module names, with everything under them): a pipeline
+        stage applies the plan found on the whole module to the blocks it holds."""
+        absent = set(absent)
+
+        def keep(name: str) -> bool:
+            return name not in absent and not under(name, absent)
+
+        return TensorPlan(styles={n: s for n, s in self.styles.items() if keep(n)},
+                          replicated={n: w for n, w in self.replicated.items() if keep(n)}, source=self.source,
+                          parts={n: k for n, k in self.parts.items() if keep(n)},
+                          islands={n: r for n, r in self.islands.items() if keep(n)},
+                          checked={n: w for n, w in self.checked.items() if keep(n)})
+
     def describe(self, module: nn.Module | None = None) -> str:
         """A human-readable table: the styles applied, then the parameter-holding modules left replicated."""
         lines = [f"tensor-parallel plan ({self.source}):"]
