@@ -228,8 +228,6 @@ class HybridParallelStrategy(LayoutStrategy):
                 f"process; its other stages' blocks are gone. Reuse that Trainer, or load the consolidated "
                 f"checkpoint into a fresh module (`{type(lm).__name__}.load_from_checkpoint(path)`)."
             )
-        if self.world_size > 1:
-            broadcast_state(lm, src=0)  # every rank starts from rank 0's weights (a module built unseeded differs)
         # 1. the block stack and what flows between its blocks ([Note: block flow] in pipeline/flow.py)
         path, container = find_blocks(lm, self._blocks)
         with rng_fork(self.root_device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
@@ -262,6 +260,8 @@ class HybridParallelStrategy(LayoutStrategy):
             container=container, chunks=[(k, *bounds[k]) for k in virtual], ranks=[ring[k % pp] for k in range(pp * v)],
             device=self.root_device, seed=base_seed(), groups=self._p2p_groups, flow=flow,
         )
+        if self.world_size > 1:  # after every check that can refuse: every rank starts from rank 0's weights
+            broadcast_state(lm, src=0)
         rt.install()
         if plan is not None:
             ghosts = [f"{path}.{i}" for i, block in enumerate(container) if isinstance(block, Ghost)]

@@ -33,7 +33,8 @@ def assert_matches(ref: dict, got: list[dict], *, atol=1e-5, rtol=1e-5):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("schedule,stages_per_rank", [("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("schedule,stages_per_rank", [("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 1),
+                                                      ("zero_bubble", 1)])
 def test_pp2_tp2_matches_one_process(tmp_path, schedule, stages_per_rank):
     """Ranks (pp, dp, tp): 0=(0,0,0) 1=(0,0,1) 2=(1,0,0) 3=(1,0,1)."""
     ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"))[0]
@@ -48,3 +49,74 @@ def test_pp2_tp2_matches_one_process(tmp_path, schedule, stages_per_rank):
     assert set(got[2]["grads"][0]) == set(got[3]["grads"][0])
     for rec in got:
         assert rec["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=1e-6)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("schedule,stages_per_rank,mesh_order", [("1f1b", 1, "pp_dp_tp"),
+                                                                 ("interleaved_1f1b", 2, "dp_pp_tp")])
+def test_dp2_pp2_tp2_matches_one_process(tmp_path, schedule, stages_per_rank, mesh_order):
+    """8 ranks; each replica sees half of the global batch of 16. With mesh_order="dp_pp_tp" the replicas are
+    the outermost axis: ranks 0-3 hold replica 0's pipeline."""
+    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "ref"),
+                         max_steps=2)[0]
+    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
+                         strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
+                                         microbatches=4, schedule=schedule, stages_per_rank=stages_per_rank,
+                                         mesh_order=mesh_order),
+                         devices=8, max_steps=2)
+    assert len(got) == 8
+    assert_matches(ref, got)
+    # rank = (pp·2 + dp)·2 + tp, or (dp·2 + pp)·2 + tp: block 0 lives on the first stage of both replicas
+    first_stage = [0, 1, 2, 3] if mesh_order == "pp_dp_tp" else [0, 1, 4, 5]
+    for r in range(8):
+        assert any(n.startswith("blocks.0.") for n in got[r]["grads"][0]) == (r in first_stage), r
+    for rec in got:  # every rank returns and logs the global batch's loss
+        assert rec["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=1e-6)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_3d_clipping_accumulation_and_validation(tmp_path):
+    """dp2 × pp2 × tp2: accumulate 2, clip at the global norm over stages and shards, validation with
+    sync_dist val_loss, equal to one process."""
+    settings = dict(max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05, limit_val_batches=2,
+                    val_check_interval=4)
+    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"),
+                         val_loader=DataLoader(DATA.val_set, batch_size=8), **settings)[0]
+    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "h"),
+                         strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
+                                         microbatches=2),
+                         devices=8, val_loader=DataLoader(DATA.val_set, batch_size=4), **settings)
+    assert_matches(ref, got)
+    for rec in got:
+        assert rec["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], abs=1e-5)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_consolidated_checkpoint_loads_on_one_device_and_resumes(tmp_path):
+    """pp2 × tp2 writes one file under the module's own names (tensor shards gathered, stages assembled): it
+    loads strictly into the unchanged module on one device with the trained weights, and a resumed run under
+    the same layout continues as the uninterrupted one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def strategy():
+        return hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1, microbatches=2)
+
+    loader = DataLoader(DATA.train_set, batch_size=16)  # 4 batches an epoch
+    whole = fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / "whole"), strategy=strategy(), devices=4,
+                           max_steps=-1, max_epochs=2)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
+    first = fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / "first"), strategy=strategy(), devices=4,
+                           max_steps=-1, max_epochs=1, callbacks=[ckpt], enable_checkpointing=True)
+    path = str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
+    model = GPT.load_from_checkpoint(path, strict=True, map_location="cpu")
+    loaded = dict(model.named_parameters())
+    for rec in first:  # what each rank trained (a stage's stale copies of what it does not use excluded)
+        for name in rec["grads"][-1]:
+            torch.testing.assert_close(loaded[name].detach(), rec["params"][name], atol=0, rtol=0)
+    assert set(loaded) == {n for rec in first for n in rec["grads"][-1]}
+    resumed = fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / "resumed"), strategy=strategy(), devices=4,
+                             max_steps=-1, max_epochs=2, ckpt_path=path)
+    for w, r in zip(whole, resumed):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(w["losses"][4:]), atol=1e-5, rtol=1e-5)
+        for name in r["grads"][-1]:
+            torch.testing.assert_close(r["params"][name], w["params"][name], atol=1e-5, rtol=1e-5)
