@@ -120,3 +120,57 @@ def test_consolidated_checkpoint_loads_on_one_device_and_resumes(tmp_path):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(w["losses"][4:]), atol=1e-5, rtol=1e-5)
         for name in r["grads"][-1]:
             torch.testing.assert_close(r["params"][name], w["params"][name], atol=1e-5, rtol=1e-5)
+
+
+# -- 16-bit precisions under 3-D ------------------------------------------------------------------------
+# The tolerances are those of [Note: mixed-precision tolerances] in test_tensor_hf_precision.py (the same
+# tiny GPT of 2 blocks: K = 8 sites where tensor parallelism rounds what one device does not). The pipeline
+# adds no rounding: a block's output is the fp32 residual stream, sent as it is, and the replicas average in
+# fp32. The reference runs the very micro-batches of the parallel run as accumulation steps (a 16-bit
+# weight gradient rounds once per micro-batch), in the order replica 0's, then replica 1's.
+
+def microbatch_reference_loader(dataset, *, replicas: int, batch: int, microbatches: int) -> DataLoader:
+    """One process, the parallel run's micro-batches one after the other (see above)."""
+    from torch.utils.data import DistributedSampler
+
+    per_rank = [list(DistributedSampler(dataset, num_replicas=replicas, rank=r, shuffle=True, seed=0))
+                for r in range(replicas)]
+    size = batch // microbatches
+    batches = [idx[i * batch + m * size:i * batch + (m + 1) * size]
+               for i in range(len(per_rank[0]) // batch) for idx in per_rank for m in range(microbatches)]
+    return DataLoader(dataset, batch_sampler=batches)
+
+
+def one_pipeline(records: list[dict], ranks: list[int]) -> dict:
+    """The records of one pipeline's stages as one record: each stage's gradients and the parameters it trains."""
+    grads = [{k: v for r in ranks for k, v in records[r]["grads"][step].items()}
+             for step in range(len(records[ranks[0]]["grads"]))]
+    params = {n: records[r]["params"][n] for r in ranks for n in records[r]["grads"][-1]}
+    return {**records[ranks[0]], "grads": grads, "params": params}
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_3d_16bit_precisions(tmp_path, precision):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from test_tensor_hf_precision import CLIP, DATA as SMALL, U_BF16, U_FP16, assert_mixed_precision_close
+    from test_tensor_hf_precision import tiny_gpt as small_gpt
+
+    def settings():  # Lightning would turn "16-mixed" into bf16 on CPU: fp16 AMP with a GradScaler, clipped
+        if precision == "bf16-mixed":
+            return dict(precision="bf16-mixed")
+        return dict(plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=1024.0))],
+                    gradient_clip_val=CLIP)
+
+    ref = fit_and_record(seeded(small_gpt), microbatch_reference_loader(SMALL.train_set, replicas=2, batch=4,
+                                                                       microbatches=2),
+                         str(tmp_path / "ref"), max_steps=2, accumulate_grad_batches=4, **settings())[0]
+    ref = {**ref, "losses": torch.tensor(ref["losses"]).view(-1, 4).sum(1).tolist()}  # each divided by 4
+    got = fit_and_record(seeded(small_gpt), DataLoader(SMALL.train_set, batch_size=4), str(tmp_path / "h"),
+                         strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
+                                         microbatches=2),
+                         devices=8, max_steps=2, **settings())
+    u, clip = (U_BF16, None) if precision == "bf16-mixed" else (U_FP16, CLIP)
+    for dp in range(2):
+        for tp in range(2):  # ranks (pp·2 + dp)·2 + tp of stages 0 and 1
+            assert_mixed_precision_close(ref, one_pipeline(got, [dp * 2 + tp, 4 + dp * 2 + tp]), u, clip=clip)
