@@ -72,6 +72,7 @@ class PipelineStrategyConfig:
     stages_per_rank: int = 1
     blocks: Optional[str] = None  # null: the longest ModuleList/Sequential of same-class blocks
     balance: Any = "params"  # uniform | params | time | [blocks per stage]
+    zero_stage: int = 0  # 0 replicas (stages 1-3: DataParallelStrategy only, for now)
     save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
@@ -94,11 +95,34 @@ class TensorStrategyConfig:
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
 
 
+@dataclass
+class HybridStrategyConfig:
+    """:class:`lightning_par.HybridParallelStrategy` (data × pipeline × tensor parallel on one mesh)."""
+
+    _target_: str = "lightning_par.strategies.hybrid_parallel.HybridParallelStrategy"
+    data_parallel_size: Any = "auto"  # int | auto (world / (pipeline_parallel_size × tensor_parallel_size))
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    zero_stage: int = 0
+    mesh_order: str = "pp_dp_tp"  # pp_dp_tp (pipelines span nodes) | dp_pp_tp (replicas span nodes)
+    microbatches: Optional[int] = None  # null: 2 × pipeline_parallel_size; ignored with one stage
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    stages_per_rank: int = 1
+    blocks: Optional[str] = None
+    balance: Any = "params"  # uniform | params | time | [blocks per stage]
+    plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
+    save_distributed_checkpoint: bool = False
+    start_method: str = "popen"  # popen | spawn | fork | forkserver
+    timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
+    process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
+
+
 STRATEGY_SCHEMAS: dict[str, type] = {
     "single": SingleStrategyConfig,
     "ddp": DataParallelStrategyConfig,
     "pipeline": PipelineStrategyConfig,
     "tensor": TensorStrategyConfig,
+    "hybrid": HybridStrategyConfig,
 }
 
 

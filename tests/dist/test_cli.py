@@ -116,3 +116,20 @@ def test_cli_misspelled_key_fails_with_a_short_message(tmp_path):
     assert "Key 'comm_hok' not in 'DataParallelStrategyConfig'" in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) < 12
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(300)
+def test_cli_hybrid_pp2_tp2(tmp_path):
+    """`strategy=hybrid` from the command line: 2 stages × 2 tensor-parallel ranks, the consolidated checkpoint
+    loads on one device."""
+    run_dir = tmp_path / "run"
+    res = _cli("strategy=hybrid", "strategy.pipeline_parallel_size=2", "strategy.tensor_parallel_size=2",
+               "trainer.devices=4", "strategy.start_method=fork", "trainer.max_steps=2",
+               *[o for o in TINY if not o.startswith("model.n_layer")], "model.n_layer=2",
+               f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert config["strategy"]["_target_"].endswith("HybridParallelStrategy")
+    assert float(_summary(res.stdout)["train_loss"]) < 4.5
+    model = GPT.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", strict=True)
+    assert sum(p.numel() for p in model.parameters()) > 0

@@ -1,0 +1,56 @@
+"""HybridParallelStrategy refuses bad layouts before any collective, with a message naming the values and the fix."""
+import lightning.pytorch as pl
+import pytest
+from torch.utils.data import DataLoader
+
+from harness import TIMEOUT_S, trainer_kwargs
+from lightning_par import HybridParallelStrategy
+from lightning_par.data import SyntheticCorpus
+from lightning_par.models import GPT
+
+DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=32, val_sequences=8)
+
+
+def test_sizes_whose_product_is_not_the_world_fail_at_trainer_construction():
+    with pytest.raises(ValueError, match=r"`data_parallel_size=1`, `pipeline_parallel_size=2` and "
+                                         r"`tensor_parallel_size=3` multiplied \(6\) should equal the world size \(4\)"):
+        pl.Trainer(**trainer_kwargs(devices=4, strategy=HybridParallelStrategy(
+            data_parallel_size=1, pipeline_parallel_size=2, tensor_parallel_size=3, start_method="fork")))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(zero_stage=4), r"`zero_stage=4` must be one of \(0, 1, 2, 3\)"),
+    (dict(zero_stage=3), r"`zero_stage=3` is not built for HybridParallelStrategy yet"),
+    (dict(mesh_order="tp_dp_pp"), r"`mesh_order='tp_dp_pp'` must be one of"),
+    (dict(tensor_parallel_size=0), r"`tensor_parallel_size=0` must be a positive integer or 'auto'"),
+    (dict(schedule="interleaved_1f1b"), r"needs `stages_per_rank` >= 2"),
+    (dict(plan={"blocks.*.mlp.fc": "diagonal"}), r"diagonal"),
+])
+def test_bad_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HybridParallelStrategy(**kwargs)
+
+
+def _fit(strategy, devices, model):
+    trainer = pl.Trainer(**trainer_kwargs(devices=devices, strategy=strategy, max_steps=1))
+    trainer.fit(model, DataLoader(DATA.train_set, batch_size=4))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_tp_that_does_not_divide_the_heads_is_refused_at_setup():
+    """3 heads over 2 tensor-parallel ranks: every rank raises the same error before any collective of the run."""
+    model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=3, n_embd=24)
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
+                                      start_method="fork", timeout=60)
+    with pytest.raises(Exception, match=r"tensor_parallel_size=2.*divides 3|divide"):
+        _fit(strategy, 4, model)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_more_stages_than_blocks_is_refused_at_setup():
+    model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=1, data_parallel_size=1,
+                                      schedule="interleaved_1f1b", stages_per_rank=2, microbatches=2,
+                                      start_method="fork", timeout=60)
+    with pytest.raises(Exception, match=r"4 pipeline stages need at least 4 blocks, but the block stack has 2"):
+        _fit(strategy, 2, model)
