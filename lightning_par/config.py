@@ -89,6 +89,7 @@ class TensorStrategyConfig:
     plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    zero_stage: int = 0  # 0 replicas (stages 1-3: DataParallelStrategy only, for now)
     save_distributed_checkpoint: bool = False
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
@@ -111,6 +112,8 @@ class HybridStrategyConfig:
     blocks: Optional[str] = None
     balance: Any = "params"  # uniform | params | time | [blocks per stage]
     plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
+    sequence_parallel: bool = False  # one stage only, for now
+    loss_parallel: bool = False  # one stage only, for now
     save_distributed_checkpoint: bool = False
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer

@@ -26,10 +26,11 @@ from lightning_par.pipeline.microbatch import weighted_mean
 
 
 class LogCapture:
-    """Context manager: while active, ``module.log(name, value, **kw)`` records instead of logging."""
+    """Context manager: while active, ``module.log(name, value, **kw)`` records instead of logging (the value
+    passed through ``convert`` first, if given)."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
+    def __init__(self, module: torch.nn.Module, convert=None):
+        self.module, self.convert = module, convert
         self.records: dict[str, list[tuple[int, torch.Tensor, dict]]] = {}
         self.microbatch = 0
 
@@ -42,7 +43,10 @@ class LogCapture:
 
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:
-            raise TypeError("self.log under pipeline parallelism takes the value positionally and options by keyword.")
+            raise TypeError("self.log under pipeline parallelism (and tensor parallelism with replicas) takes the value "
+                            "positionally and options by keyword.")
+        if self.convert is not None:
+            value = self.convert(value)
         self.records.setdefault(name, []).append((self.microbatch, _as_tensor(value), kwargs))
 
     def combined(self, sizes: Sequence[int]) -> list[tuple[str, torch.Tensor, dict]]:

@@ -8,7 +8,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
-from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
+from lightning_par import DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
 
@@ -27,6 +27,7 @@ STRATEGIES = {
                                                                start_method="fork", timeout=120, **kw),
     "tensor_parallel": lambda **kw: TensorParallelStrategy(tensor_parallel_size=1, start_method="fork", timeout=120,
                                                            **kw),
+    "hybrid_parallel": lambda **kw: HybridParallelStrategy(start_method="fork", timeout=120, **kw),  # 1 × 1 × dp
 }
 
 
@@ -78,9 +79,9 @@ def test_two_replicas_of_a_size_one_model_axis_are_lightning_ddp(tmp_path, strat
     assert len(got) == len(ddp) == 2
     for rec, ref in zip(got, ddp):
         # gradients and weights bit for bit; losses as each strategy reports them: rank-local as DDP for data
-        # and tensor parallel, the replicas' mean (one device's loss on the global batch) for the pipeline
-        assert_close_records(ref, rec, losses=strategy != "pipeline_parallel", **EXACT)
-    if strategy == "pipeline_parallel":
+        # parallel, the replicas' mean (one device's loss on the global batch) for the model-parallel layouts
+        assert_close_records(ref, rec, losses=strategy == "data_parallel", **EXACT)
+    if strategy != "data_parallel":
         whole = fit(str(tmp_path / "one"), reference_loader(DATA.train_set, 8))[0]
         for rec in got:
             torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(whole["losses"]), atol=1e-6, rtol=0)

@@ -1,0 +1,263 @@
+"""The core's hooks when the layout runs a pipeline (several stages, or the pipeline preset at any size):
+install this rank's stage, parallelize what is left over its tensor-parallel group, and run each step's
+schedule (see [Note: schedule inside training_step] in :mod:`lightning_par.pipeline.runner`).
+
+[Note: activations between tensor-parallel stages]
+A region (the smallest module holding both sides of a Megatron pair, see [Note: one layout per region])
+takes plain tensors and hands back plain tensors, so a stage boundary, which is always between two blocks,
+carries a plain tensor that every rank of the tensor-parallel group holds whole (replicated). Each
+tensor-parallel rank of stage s sends to the rank of stage s + 1 with the same tp (and dp) coordinate, so
+the p2p groups are the ``pp`` groups of the mesh and nothing crosses tensor-parallel groups.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_par import checkpoint as ckpt
+from lightning_par.pipeline import sharded_checkpoint as sharded
+from lightning_par.pipeline.consolidate import consolidate, gather_optimizer_state, optimizer_state_of, owned_state
+from lightning_par.pipeline.discovery import find_blocks
+from lightning_par.pipeline.flow import trace_flow
+from lightning_par.pipeline.mailbox import ResultMailbox
+from lightning_par.pipeline.microbatch import check_microbatches
+from lightning_par.pipeline.partition import partition_blocks, stage_bounds, stage_table
+from lightning_par.pipeline.routing import ResultRouter, confine_metrics
+from lightning_par.pipeline.runner import ScheduleRunner, base_seed, rng_fork
+from lightning_par.pipeline.shared import SharedParameters, sync_found_inf
+from lightning_par.pipeline.stage import Ghost, StageRuntime
+from lightning_par.strategies._stage_setup import profile_blocks, sample_step
+from lightning_par.tensor.mixed import clip_grad_value_, install_scaler, settle_grads
+from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules
+from lightning_par.tensor.plan import build_plan
+
+
+class PipelinePath:
+    """The pipeline hooks of ``strategy`` (a :class:`~lightning_par.strategies.hybrid_parallel.HybridParallelStrategy`)."""
+
+    def __init__(self, strategy):
+        self.s = strategy
+        self.runtime: Optional[StageRuntime] = None
+        self.runner: Optional[ScheduleRunner] = None
+        self.shared: Optional[SharedParameters] = None
+        self.plan = None
+        self.new_grads: list[Optional[torch.Tensor]] = []  # this step's gradients, from training_step to backward
+        self.full_keys: list[str] = []
+        self.block_prefix = ""
+
+    @property
+    def stage(self) -> int:
+        return self.s.topology.coordinates(self.s.global_rank)["pp"]
+
+    def microbatches(self) -> int:
+        return self.s._microbatches or 2 * self.s.topology.pipeline_parallel_size
+
+    # -- setup ------------------------------------------------------------------------------------
+    def setup(self, trainer, ddp_setup) -> None:
+        s = self.s
+        if trainer.state.fn == TrainerFn.FITTING and not s.lightning_module.automatic_optimization:
+            raise ValueError(
+                f"{type(s).__name__} supports automatic optimization only: the schedule runs each "
+                "micro-batch's backward itself. Remove `self.automatic_optimization = False` from the module."
+            )
+        if self.runtime is not None:
+            # A later fit / validate / test / predict of the same Trainer (under popen, rank 0 is this very
+            # process): the stage is installed, and DDPStrategy's module-state broadcast would now pair
+            # tensors of different stages. Redo only what a stage needs.
+            if s._mesh is not None:
+                register_rules()  # taken out at teardown
+            s.accelerator.setup(trainer)
+            s.model_to_device()
+            if trainer.state.fn == TrainerFn.FITTING:
+                s.setup_optimizers(trainer)
+            s.setup_precision_plugin()
+            if trainer.state.fn == TrainerFn.FITTING:
+                _optimizers_to_device(s.optimizers, s.root_device)
+            return
+        ddp_setup(trainer)  # DDPStrategy.setup: configure_ddp (the stage, below) before the optimizers
+        if self.runtime is None:  # validate / test / predict: no configure_ddp
+            self.install()
+
+    def install(self) -> None:
+        s = self.s
+        lm, topo = s.lightning_module, s.topology
+        if any(isinstance(m, Ghost) for m in lm.modules()):
+            raise RuntimeError(
+                f"This {type(lm).__name__} was already split into pipeline stages by another Trainer in this "
+                f"process; its other stages' blocks are gone. Reuse that Trainer, or load the consolidated "
+                f"checkpoint into a fresh module (`{type(lm).__name__}.load_from_checkpoint(path)`)."
+            )
+        # 1. the block stack and what flows between its blocks ([Note: block flow] in pipeline/flow.py)
+        path, container = find_blocks(lm, s._blocks)
+        with rng_fork(s.root_device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
+            step = sample_step(s, lm, self.microbatches())
+            flow = trace_flow(lm, path, container, step) if step is not None else None
+        for warning in flow.warnings if flow is not None else ():
+            rank_zero_warn(warning)
+        # 2. blocks per stage: balanced by parameters, or by profiled time (balance="time")
+        params = [sum(p.numel() for p in b.parameters()) for b in container]
+        times = profile_blocks(s, lm, container, self.microbatches()) if s._balance == "time" else None
+        pp, v = topo.pipeline_parallel_size, s._stages_per_rank
+        counts = partition_blocks(len(container), pp * v, balance=s._balance,
+                                  costs=times[1] if times else [float(n) for n in params],
+                                  first_extra=times[0] if times else 0.0, last_extra=times[2] if times else 0.0)
+        bounds = stage_bounds(counts)
+        if flow is not None:
+            flow.check_stages(path, bounds)
+        # 3. the tensor plan, found on the whole module (pure: the same ValueError on every rank)
+        tp = topo.tensor_parallel_size
+        plan = build_plan(lm, tp, s._plan_arg) if tp > 1 else None
+        self.full_keys = list(lm.state_dict().keys())
+        self.block_prefix = f"{path}."
+        total = sum(p.numel() for p in lm.parameters())
+        rank_zero_info(stage_table(counts, params, times, path=path, total_params=total,
+                                   replicas=topo.data_parallel_size, schedule=s._schedule, balance=s._balance))
+        # 4. this rank's stage: its chunks' blocks stay, the others become ghosts; the rest is parallelized
+        ring = topo.group_ranks("pp", s.global_rank)
+        virtual = [c * pp + self.stage for c in range(v)]  # virtual stage c·p + s is this rank's chunk c
+        self.runtime = rt = StageRuntime(
+            container=container, chunks=[(k, *bounds[k]) for k in virtual], ranks=[ring[k % pp] for k in range(pp * v)],
+            device=s.root_device, seed=base_seed(), groups=s._p2p_groups, flow=flow,
+        )
+        if s.world_size > 1:  # after every check that can refuse: every rank starts from rank 0's weights
+            broadcast_state(lm, src=0)
+        rt.install()
+        if plan is not None:
+            ghosts = [f"{path}.{i}" for i, block in enumerate(container) if isinstance(block, Ghost)]
+            self.plan = plan.without(ghosts)
+            parallelize(lm, self.plan, s._mesh["tp"])
+            rank_zero_info(f"{topo}\n{self.plan.describe(lm)}")
+        rt.weights = [p for p in lm.parameters() if p.requires_grad]
+        # 5. the schedule, the routing of results, the gradients that span ranks
+        mailbox = (ResultMailbox(ranks=ring, me=s.global_rank, group=s._result_group, device=s.root_device)
+                   if s._result_group is not None else None)
+        router = ResultRouter(mailbox=mailbox, is_last=rt.is_last, device=s.root_device, dp_group=s._dp_group,
+                              dp_size=topo.data_parallel_size, pp_group=s._pp_group, last_rank=ring[-1])
+        self.runner = ScheduleRunner(rt, router, schedule=s._schedule, stage=self.stage, num_stages=pp,
+                                     microbatches=self.microbatches())
+        self.shared = SharedParameters(lm, [p for p in lm.parameters() if p.requires_grad],
+                                       {id(p) for b in container for p in b.parameters()}, topology=topo,
+                                       rank=s.global_rank, timeout=s._timeout, dp_group=s._dp_group)
+        s.model = lm
+        confine_metrics(lm, is_last=rt.is_last, dp_group=s._dp_group)
+        # 6. Lightning's clipping and loss scaling see the whole model
+        s.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # global norm over stages and shards
+        if s._mesh is not None:
+            s.precision_plugin.clip_grad_by_value = lambda optimizer, value: clip_grad_value_(
+                [p for g in optimizer.param_groups for p in g["params"]], value)
+        scaler = getattr(s.precision_plugin, "scaler", None)
+        if scaler is not None:
+            install_scaler(scaler if s._mesh is not None else None)
+            self._plugin_after_closure = s.precision_plugin._after_closure
+            s.precision_plugin._after_closure = self.after_closure
+
+    # -- training ---------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        loader = self.s.lightning_module.trainer.train_dataloader
+        if self.s.topology.pipeline_parallel_size > 1:
+            check_microbatches(self.s._microbatches, getattr(loader, "batch_size", None))
+
+    def training_step(self, args: tuple, kwargs: dict) -> Any:
+        s = self.s
+        lm, (batch, *rest) = s.lightning_module, args
+        with backward_context() if s._mesh is not None else _nothing():  # [Note: one layout per region]
+            result, self.new_grads = self.runner.train(
+                lm, batch, lambda mb: lm.training_step(mb, *rest, **kwargs),
+                context=s.precision_plugin.train_step_context,
+                params=self.shared.params, accumulate=lm.trainer.accumulate_grad_batches,
+                seed_step=lm.trainer.global_step * 65_537 + int(rest[0] if rest else 0),
+                scaler=getattr(s.precision_plugin, "scaler", None),  # 16-mixed: one loss scale, see after_closure
+            )
+        return result
+
+    def backward(self, closure_loss: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        lm = s.lightning_module
+        closure_loss = s.precision_plugin.pre_backward(closure_loss, lm)  # on_before_backward hooks
+        grads = self.new_grads
+        if s._tp_group is not None:
+            grads = settle_grads(self.shared.params, grads, s._tp_group)
+        self.shared.add_step_gradients(grads, s.optimizers)
+        self.new_grads = []
+        return s.precision_plugin.post_backward(closure_loss, lm)  # on_after_backward hooks
+
+    def owns(self, p: torch.nn.Parameter, name: str) -> bool:
+        """Whether this stage counts ``p`` (for the global gradient norm and the consolidated state)."""
+        return self.shared.owns(p, name)
+
+    def after_closure(self, model, optimizer) -> None:
+        """16-mixed: one overflow anywhere skips the step everywhere, before Lightning's hooks, clipping and
+        ``scaler.step`` see the flags."""
+        sync_found_inf(self.s.precision_plugin.scaler, optimizer, self.s.root_device)
+        self._plugin_after_closure(model, optimizer)
+
+    def clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.shared.clip_grad_norm_(params, clip_val, group=self.s._pp_group, device=self.s.root_device,
+                                    tp_group=self.s._tp_group)
+
+    def eval_step(self, hook: str, context, args: tuple, kwargs: dict) -> Any:
+        lm, (batch, *rest) = self.s.lightning_module, args
+        return self.runner.evaluate(lm, batch, lambda mb: getattr(lm, hook)(mb, *rest, **kwargs), context=context,
+                                    predict=hook == "predict_step")
+
+    # -- checkpoints ([Note: consolidated checkpoint] in pipeline/consolidate.py) -----------------------
+    def _mine(self) -> dict[str, torch.Tensor]:
+        s = self.s
+        return owned_state(s.lightning_module, block_prefix=self.block_prefix, owns=self.owns,
+                           first_stage=self.stage == 0,
+                           first_replica=s.topology.coordinates(s.global_rank)["dp"] == 0)
+
+    def caller_state(self) -> dict[str, Any]:
+        """The stages' owned state (tensor-parallel shards gathered within their group, whose ranks hold the
+        same keys in the same order), assembled on rank 0 in the module's key order."""
+        return consolidate(ckpt.full_state(self._mine()), self.full_keys, is_rank_zero=self.s.is_global_zero)
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.s._save_distributed_checkpoint:
+            return self.caller_state()
+        return self._mine()  # each rank writes its part: [Note: sharded pipeline checkpoint]
+
+    def load_model_state_dict(self, checkpoint, strict: bool) -> None:
+        lm = self.s.lightning_module
+        local = set(lm.state_dict())
+        ckpt.load_model_state(lm, {k: v for k, v in checkpoint["state_dict"].items() if k in local}, strict=strict)
+
+    def optimizer_state(self, optimizer, plain_state) -> dict[str, Any]:
+        s = self.s
+        if s._save_distributed_checkpoint:
+            names = {id(p): n for n, p in s.lightning_module.named_parameters()}
+            first = s.topology.coordinates(s.global_rank)["dp"] == 0
+            return sharded.optimizer_items(getattr(optimizer, "_optimizer", optimizer), names,
+                                           lambda p: first and self.owns(p, names[id(p)]))
+        return gather_optimizer_state(ckpt.local_state(plain_state()), s.topology.sizes)
+
+    def load_distributed(self, path: str) -> dict[str, Any]:  # the optimizer states load after setup
+        meta = ckpt.read_meta(path)
+        state = sharded.load_model(path, self.s.lightning_module.state_dict())
+        return {**meta, "state_dict": state, "optimizer_states": [None] * sharded.optimizer_count(path)}
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        s = self.s
+        if s._dcp_path is not None:
+            names = {id(p): n for n, p in s.lightning_module.named_parameters()}
+            for i, optimizer in enumerate(s.optimizers):
+                sharded.load_optimizer(s._dcp_path, getattr(optimizer, "_optimizer", optimizer), i, names)
+                _optimizer_to_device(optimizer, s.root_device)
+            return
+        for optimizer, state in zip(s.optimizers, checkpoint["optimizer_states"]):
+            ckpt.load_optimizer_state(getattr(optimizer, "_optimizer", optimizer),
+                                      optimizer_state_of(state, s.topology.sizes, s.global_rank), local=True)
+            _optimizer_to_device(optimizer, s.root_device)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None

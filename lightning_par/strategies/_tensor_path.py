@@ -1,0 +1,189 @@
+"""The core's hooks when the layout has one pipeline stage: the whole module is parallelized over its
+tensor-parallel group by a plan found by inspecting it (:mod:`lightning_par.tensor.plan`; rank 0 prints the
+plan), Lightning runs the user's step as usual, and the gradients are settled over the tensor-parallel
+ranks and averaged over the data-parallel replicas after the last backward of each optimizer step, before
+clipping.
+
+[Note: loss reporting over replicas]
+With data-parallel replicas every rank returns and logs the mean over the replicas (what one device gives
+for the global batch), as the pipeline does ([Note: log routing] in pipeline/routing.py): the step's
+``self.log`` calls are captured and replayed with the replicas' mean, and the returned loss becomes
+``loss + (mean - loss).detach()``: its value is the mean, its gradient this rank's own (the replicas'
+gradients are averaged by the strategy, not through the loss).
+
+[Note: loss parallel]
+With loss_parallel=True the logits are DTensors sharded on the vocabulary. The user's step runs inside
+``loss_parallel()`` (cross-entropy on shards) and so does backward, which runs outside the step. What a step
+returns and what it logs are turned into plain tensors (the loss is replicated: no communication;
+``full_tensor`` keeps the autograd graph), so Lightning never handles a DTensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Mapping
+
+import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_par import checkpoint as ckpt
+from lightning_par.pipeline.routing import LogCapture, ResultRouter
+from lightning_par.tensor.mixed import average_grads, install_clipping, install_scaler, reduce_partial_grads
+from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules, to_plain
+from lightning_par.tensor.plan import build_plan
+
+# modules this process parallelized, and their plans (weakly: a module that is gone takes its entry along);
+# a later Trainer of the same module finds its plan here instead of on the module
+_PARALLELIZED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+class TensorPath:
+    """The one-stage hooks of ``strategy`` (a :class:`~lightning_par.strategies.hybrid_parallel.HybridParallelStrategy`)."""
+
+    def __init__(self, strategy):
+        self.s = strategy
+        self.plan = None
+
+    def setup(self, trainer) -> None:
+        s = self.s
+        s.accelerator.setup(trainer)
+        s.precision_plugin.convert_module(s.model)
+        s.model_to_device()
+        self._parallelize()
+        if trainer.state.fn == TrainerFn.FITTING:
+            s.setup_optimizers(trainer)
+        s.setup_precision_plugin()
+        install_clipping(s.precision_plugin)
+        install_scaler(getattr(s.precision_plugin, "scaler", None))
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(s.optimizers, s.root_device)
+
+    def teardown(self) -> None:
+        # As Lightning's ModelParallelStrategy: the sharded module stays where it is (DDPStrategy would move it
+        # to the CPU, which swaps every DTensor parameter and fails when anything holds a weak reference to one).
+        s = self.s
+        s.cluster_environment.teardown()
+        s.precision_plugin.teardown()
+        s.accelerator.teardown()
+        s.checkpoint_io.teardown()
+
+    def _parallelize(self) -> None:
+        s = self.s
+        module = s.lightning_module
+        register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
+        if module in _PARALLELIZED:
+            self.plan = _PARALLELIZED[module]
+            return
+        # Pure: raises the same ValueError on every rank before any collective.
+        plan = build_plan(module, s.topology.tensor_parallel_size, s._plan_arg,
+                          sequence_parallel=s._sequence_parallel, loss_parallel=s._loss_parallel)
+        if s.world_size > 1:
+            broadcast_state(module, src=0)  # every rank starts from rank 0's weights
+            self._sync_rng()
+        parallelize(module, plan, s._mesh["tp"], sequence_parallel=s._sequence_parallel)
+        _PARALLELIZED[module] = self.plan = plan
+        if s.is_global_zero:
+            rank_zero_info(f"{s.topology}\n{plan.describe(module)}")
+
+    def _sync_rng(self) -> None:
+        """Every rank continues rank 0's random stream: tensor-parallel peers hold the same replicated
+        activations and must draw the same dropout masks on them (different masks would silently train a
+        different model)."""
+        s = self.s
+        cuda = s.root_device.type == "cuda"
+        state = [torch.get_rng_state(), torch.cuda.get_rng_state(s.root_device) if cuda else None]
+        torch.distributed.broadcast_object_list(state, src=0, device=s.root_device)
+        torch.set_rng_state(state[0])
+        if cuda:
+            torch.cuda.set_rng_state(state[1], s.root_device)
+
+    # -- steps ([Note: loss reporting over replicas], [Note: loss parallel]) -------------------------
+    def step(self, run, hook: str) -> Any:
+        """``run()`` (Lightning's call of the user's ``hook``), its result and logs made plain and, with
+        replicas, averaged over them."""
+        s = self.s
+        replicas = s.topology.data_parallel_size > 1 and hook != "predict_step"
+        if not replicas and not s._loss_parallel:
+            return run()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        lm = s.lightning_module
+        with loss_parallel() if s._loss_parallel else contextlib.nullcontext():
+            with LogCapture(lm, convert=to_plain) as capture:
+                out = to_plain(run())
+        logs = capture.combined([1])
+        if replicas:
+            router = ResultRouter(mailbox=None, is_last=True, device=s.root_device, dp_group=s._dp_group,
+                                  dp_size=s.topology.data_parallel_size)
+            mean, logs = router.mean_over_replicas(_detached(out), logs)
+            out = _with_values(out, mean)
+        for name, value, kw in logs:
+            lm.log(name, value.to(s.root_device), **kw)
+        return out
+
+    def backward(self, run):
+        with backward_context(loss_parallel=self.s._loss_parallel):  # see [Note: one layout per region]
+            return run()
+
+    def closure(self, closure):
+        """``closure`` followed by the gradients' tensor-parallel settling and the replicas' average."""
+        s = self.s
+        dp = s.topology.data_parallel_size
+
+        def closure_then_average():
+            result = closure()
+            params = list(s.lightning_module.parameters())
+            reduce_partial_grads(params, s._mesh["tp"].get_group())
+            average_grads(params, s._dp_group, dp)
+            return result
+
+        return closure_then_average
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.s._save_distributed_checkpoint:
+            return ckpt.sharded_model_state(self.s.lightning_module)
+        return ckpt.full_state(self.s.lightning_module.state_dict())
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self.s._save_distributed_checkpoint:
+            return ckpt.sharded_optimizer_state(self.s.lightning_module, optimizer)
+        return ckpt.full_state(optimizer.state_dict())
+
+    def load_distributed(self, path: str) -> dict[str, Any]:
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.s.optimizers]
+        checkpoint = ckpt.load_distributed(path, self.s.lightning_module, optimizers)
+        return {**checkpoint, "state_dict": {}, "optimizer_states": [None] * len(optimizers)}
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        if self.s._dcp_path is None:
+            ckpt.load_model_state(self.s.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.s._dcp_path is not None:
+            return
+        for opt, state in zip(self.s.optimizers, checkpoint["optimizer_states"]):
+            ckpt.load_optimizer_state(opt._optimizer if isinstance(opt, LightningOptimizer) else opt, state)
+
+
+def _detached(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, dict):
+        return {k: _detached(v) for k, v in out.items()}
+    return out
+
+
+def _with_values(out: Any, mean: Any) -> Any:
+    """``out`` with each scalar replaced by its replicas' mean: the value of ``mean``, the gradient of ``out``."""
+    if isinstance(out, torch.Tensor) and isinstance(mean, torch.Tensor) and out.numel() == 1:
+        mean = mean.to(out.device, out.dtype).reshape(out.shape)
+        return out + (mean - out.detach()) if out.requires_grad else mean
+    if isinstance(out, dict) and isinstance(mean, dict):
+        return {k: _with_values(v, mean.get(k)) for k, v in out.items()}
+    return out
