@@ -17,6 +17,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par.checkpoint import full_state, is_distributed_checkpoint, save_distributed
+from lightning_par.dp.zero import validate_zero_stage
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology
 
@@ -40,14 +41,9 @@ def as_timeout(timeout: Union[float, timedelta]) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-ZERO_STAGES = (0, 1, 2, 3)
-
-
 def check_zero_stage(zero_stage: int, *, built: tuple, strategy: str) -> int:
-    """``zero_stage`` is one of 0-3 (one meaning on every strategy's data axis) and one ``strategy`` runs."""
-    if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
-        raise ValueError(f"`zero_stage={zero_stage!r}` must be one of {ZERO_STAGES}: 0 replicas, 1 optimizer state "
-                         f"sharded over the data-parallel ranks, 2 gradients as well, 3 parameters as well.")
+    """``zero_stage`` is a ZeRO stage (one meaning on every strategy's data axis) that ``strategy`` runs."""
+    validate_zero_stage(zero_stage)
     if zero_stage not in built:
         raise ValueError(f"`zero_stage={zero_stage}` is not built for {strategy} yet (it runs {built}). Use "
                          f"DataParallelStrategy(zero_stage={zero_stage}) for a model that one device holds, or "
