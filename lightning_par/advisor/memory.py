@@ -6,13 +6,16 @@ follows are in DESIGN.md ("Numbers the field publishes"):
 - parameters / gradients / optimizer state: bytes per element from the precision and the optimizer
   (Lightning's mixed precision keeps fp32 weights and gradients, so mixed-precision Adam costs
   4 + 4 + 8 = 16 bytes per parameter, the 16Ψ of the ZeRO paper); ZeRO-1 divides the optimizer state by
-  the data-parallel size (4Ψ + 12Ψ/N in the paper's 16-bit accounting);
+  the data-parallel size (4Ψ + 12Ψ/N in the paper's 16-bit accounting), ZeRO-2 the gradients as well,
+  ZeRO-3 the parameters as well (FSDP2: each rank keeps 1/N of every sharded tensor);
 - activations: the measured bytes per sample × the micro-batch × the micro-batches a stage holds at
   once (GPipe all ``m``, 1F1B ``min(p − stage, m)``); tensor parallel scales the blocks' share by
   Korthikanti et al.'s ``(10 + 24/t) / 34`` (``1/t`` with sequence parallel) — the ``5as/h`` score term
   is left out because fused attention kernels save no ``s × s`` matrix;
 - communication (bytes each rank sends per optimizer step): ring all-reduce ``2(N−1)/N × bytes``;
-  ZeRO-1 adds ``(N−1)/N`` of the parameters (broadcast of the updated shards); a pipeline boundary
+  ZeRO-1 adds ``(N−1)/N`` of the parameters (broadcast of the updated shards); ZeRO-2 / 3 (FSDP2)
+  reduce-scatter the gradients ``(N−1)/N × bytes`` and all-gather the parameters ``(N−1)/N × bytes`` once
+  per step (ZeRO-2: kept gathered) or twice (ZeRO-3: forward, and again in backward); a pipeline boundary
   carries ``b·s·h`` activations forward and as many gradients back per micro-batch; Megatron tensor
   parallel all-reduces ``b·s·h`` 4 times per layer per micro-batch (2 forward, 2 backward).
 """
@@ -136,10 +139,24 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         acts = sum(profile.block_activation_bytes[i] for i in blocks) * tp_activation_factor(
             t, layout.sequence_parallel)
         acts += (profile.first_activation_bytes if s == 0 else 0) + (profile.last_activation_bytes if s == p - 1 else 0)
-        opt = params * states * s_bytes / (dp if layout.zero_stage >= 1 else 1)
+        # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
+        # kept for the step; ZeRO-3 one block at a time, beside the root unit (embeddings, head, final norm)
+        gathered = 0.0
+        if layout.zero_stage == 2:
+            gathered = params
+        elif layout.zero_stage == 3:
+            largest = max((profile.block_params[i] for i in blocks), default=0)
+            gathered = largest + (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)
+        zero = layout.zero_stage
+        opt = params * states * s_bytes / (dp if zero >= 1 else 1)
+        grads = params / (dp if zero >= 2 else 1)
+        held_params = params / (dp if zero >= 2 else 1)  # FSDP2 keeps shards between steps at ZeRO-2 too
 
-        comm = 2 * (dp - 1) / dp * params * g_bytes
-        if layout.zero_stage >= 1:
+        if zero >= 2:  # FSDP2: reduce-scatter the gradients, all-gather the parameters once or twice
+            comm = (dp - 1) / dp * params * (g_bytes + (2 if zero == 3 else 1) * p_bytes)
+        else:
+            comm = 2 * (dp - 1) / dp * params * g_bytes
+        if zero == 1:
             comm += (dp - 1) / dp * params * p_bytes
         if p > 1:
             comm += m * boundary * ((s < p - 1) + (s > 0))
@@ -147,7 +164,8 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
                 comm += profile.tied_params * g_bytes  # all-reduce of the tied weight over 2 ranks
         if t > 1:
             comm += len(blocks) * 4 * 2 * (t - 1) / t * m * boundary
-        est = Estimate(int(params * p_bytes), int(params * g_bytes), int(opt), int(acts * micro * held), int(comm))
+        est = Estimate(int(held_params * p_bytes), int(grads * g_bytes), int(opt),
+                       int(acts * micro * held + gathered * p_bytes), int(comm))
         if worst is None or est.total_bytes > worst.total_bytes:
             worst = est
     return worst  # type: ignore[return-value]

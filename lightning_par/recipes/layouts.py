@@ -17,7 +17,7 @@ from lightning_par.advisor.memory import Estimate
 from lightning_par.advisor.profile import ModuleProfile
 from lightning_par.recipes.common import accelerator, gpt_workload, measured_fit, start_method
 
-KINDS = ("single", "dp", "pp", "tp")
+KINDS = ("single", "dp", "pp", "tp", "hybrid")
 
 
 @dataclass
@@ -41,6 +41,8 @@ def strategy_for(kind: str, args: dict, acc: str):
         from lightning_par import PipelineParallelStrategy as cls
     elif kind == "tp":
         from lightning_par import TensorParallelStrategy as cls
+    elif kind == "hybrid":
+        from lightning_par import HybridParallelStrategy as cls
     else:
         raise ValueError(f"layout kind {kind!r} must be one of {KINDS}.")
     return cls(start_method=start_method(acc), **args)
@@ -53,6 +55,11 @@ def layout_for(kind: str, args: dict, devices: int) -> Layout:
         p = args.get("pipeline_parallel_size", devices)
         return Layout(data_parallel_size=devices // p, pipeline_parallel_size=p,
                       microbatches=args.get("microbatches") or 2 * p, schedule=args.get("schedule", "1f1b"))
+    if kind == "hybrid":
+        p, t = args.get("pipeline_parallel_size", 1), args.get("tensor_parallel_size", 1)
+        return Layout(data_parallel_size=devices // (p * t), pipeline_parallel_size=p, tensor_parallel_size=t,
+                      microbatches=args.get("microbatches") or 2 * p, schedule=args.get("schedule", "1f1b"),
+                      zero_stage=args.get("zero_stage", 0))
     t = args.get("tensor_parallel_size", devices)
     return Layout(data_parallel_size=devices // t, tensor_parallel_size=t,
                   sequence_parallel=args.get("sequence_parallel", False))

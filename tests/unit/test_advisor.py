@@ -31,6 +31,22 @@ def test_mixed_precision_adam_costs_16_bytes_per_parameter_and_zero1_shards_the_
     assert estimate(prof, Layout(), 8, optimizer="sgd").optimizer_bytes == 0
 
 
+def test_zero2_and_zero3_shard_gradients_and_parameters_and_count_fsdp_gathers_and_bytes():
+    prof = toy_profile()
+    psi, n = prof.total_params, 4
+    z0, z1, z2, z3 = (estimate(prof, Layout(data_parallel_size=n, zero_stage=z), batch_size=8) for z in range(4))
+    assert (z2.param_bytes, z2.grad_bytes, z2.optimizer_bytes) == (4 * psi // n, 4 * psi // n, 8 * psi // n)
+    assert (z3.param_bytes, z3.grad_bytes) == (4 * psi // n, 4 * psi // n)
+    # the all-gathered unsharded parameters: every unit for the step (2), one block beside the root unit (3)
+    assert z2.activation_bytes - z0.activation_bytes == 4 * psi
+    root = prof.first_params + prof.last_params
+    assert z3.activation_bytes - z0.activation_bytes == 4 * (max(prof.block_params) + root)
+    # FSDP's bytes: reduce-scatter the gradients, all-gather the parameters once (2) or twice (3)
+    assert z2.comm_bytes == int((n - 1) / n * psi * (4 + 4))
+    assert z3.comm_bytes == int((n - 1) / n * psi * (4 + 8))
+    assert z1.comm_bytes == int(2 * (n - 1) / n * 4 * psi + (n - 1) / n * 4 * psi)
+
+
 def test_data_parallel_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_gradients():
     prof = toy_profile()
     for n in (2, 4):
