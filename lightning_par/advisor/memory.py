@@ -15,7 +15,8 @@ follows are in DESIGN.md ("Numbers the field publishes"):
 - communication (bytes each rank sends per optimizer step): ring all-reduce ``2(N−1)/N × bytes``;
   ZeRO-1 adds ``(N−1)/N`` of the parameters (broadcast of the updated shards); ZeRO-2 / 3 (FSDP2)
   reduce-scatter the gradients ``(N−1)/N × bytes`` and all-gather the parameters ``(N−1)/N × bytes`` once
-  per step (ZeRO-2: kept gathered) or twice (ZeRO-3: forward, and again in backward); a pipeline boundary
+  per step (ZeRO-2: kept gathered) or, for the blocks, twice (ZeRO-3: forward, and again in backward; the
+  root unit stays gathered); a pipeline boundary
   carries ``b·s·h`` activations forward and as many gradients back per micro-batch; Megatron tensor
   parallel all-reduces ``b·s·h`` 4 times per layer per micro-batch (2 forward, 2 backward).
 """
@@ -139,21 +140,23 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         acts = sum(profile.block_activation_bytes[i] for i in blocks) * tp_activation_factor(
             t, layout.sequence_parallel)
         acts += (profile.first_activation_bytes if s == 0 else 0) + (profile.last_activation_bytes if s == p - 1 else 0)
+        ends = (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)  # root unit
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
         # kept for the step; ZeRO-3 one block at a time, beside the root unit (embeddings, head, final norm)
         gathered = 0.0
         if layout.zero_stage == 2:
             gathered = params
         elif layout.zero_stage == 3:
-            largest = max((profile.block_params[i] for i in blocks), default=0)
-            gathered = largest + (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)
+            gathered = max((profile.block_params[i] for i in blocks), default=0) + ends
         zero = layout.zero_stage
         opt = params * states * s_bytes / (dp if zero >= 1 else 1)
         grads = params / (dp if zero >= 2 else 1)
         held_params = params / (dp if zero >= 2 else 1)  # FSDP2 keeps shards between steps at ZeRO-2 too
 
-        if zero >= 2:  # FSDP2: reduce-scatter the gradients, all-gather the parameters once or twice
-            comm = (dp - 1) / dp * params * (g_bytes + (2 if zero == 3 else 1) * p_bytes)
+        if zero >= 2:  # FSDP2: reduce-scatter the gradients, all-gather the parameters (ZeRO-3: the blocks
+            # again in backward; the root unit, embeddings / head / final norm, stays gathered for the step)
+            again = params - ends if zero == 3 else 0
+            comm = (dp - 1) / dp * (params * (g_bytes + p_bytes) + again * p_bytes)
         else:
             comm = 2 * (dp - 1) / dp * params * g_bytes
         if zero == 1:

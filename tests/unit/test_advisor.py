@@ -41,9 +41,10 @@ def test_zero2_and_zero3_shard_gradients_and_parameters_and_count_fsdp_gathers_a
     assert z2.activation_bytes - z0.activation_bytes == 4 * psi
     root = prof.first_params + prof.last_params
     assert z3.activation_bytes - z0.activation_bytes == 4 * (max(prof.block_params) + root)
-    # FSDP's bytes: reduce-scatter the gradients, all-gather the parameters once (2) or twice (3)
+    # FSDP's bytes: reduce-scatter the gradients, all-gather the parameters once (2) or, but for the root
+    # unit (which stays gathered), twice (3)
     assert z2.comm_bytes == int((n - 1) / n * psi * (4 + 4))
-    assert z3.comm_bytes == int((n - 1) / n * psi * (4 + 8))
+    assert z3.comm_bytes == int((n - 1) / n * (psi * (4 + 4) + (psi - root) * 4))
     assert z1.comm_bytes == int(2 * (n - 1) / n * 4 * psi + (n - 1) / n * 4 * psi)
 
 
