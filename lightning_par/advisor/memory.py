@@ -82,23 +82,24 @@ class Estimate:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
 
 
-def stage_blocks(n_blocks: int, stages: int) -> list[range]:
-    """Contiguous, as-even-as-possible block ranges per stage (earlier stages take the remainder).
+def stage_blocks(n_blocks: int, stages: int, costs=None) -> list[range]:
+    """The block ranges per stage the pipeline strategy itself chooses (:func:`partition_blocks`: balanced by
+    ``costs``, its default ``balance="params"`` given the blocks' parameter counts; even without them).
 
     Example::
 
         >>> stage_blocks(5, 2)
         [range(0, 3), range(3, 5)]
+        >>> stage_blocks(4, 2, costs=[1, 1, 1, 3])
+        [range(0, 3), range(3, 4)]
     """
+    from lightning_par.pipeline.partition import partition_blocks, stage_bounds
+
     if not 1 <= stages <= n_blocks:
         raise ValueError(f"stages={stages} must be between 1 and the number of blocks ({n_blocks}).")
-    per, extra = divmod(n_blocks, stages)
-    bounds, start = [], 0
-    for s in range(stages):
-        end = start + per + (1 if s < extra else 0)
-        bounds.append(range(start, end))
-        start = end
-    return bounds
+    counts = partition_blocks(n_blocks, stages, balance="params" if costs else "uniform",
+                              costs=[float(c) for c in costs] if costs else None)
+    return [range(lo, hi) for lo, hi in stage_bounds(counts)]
 
 
 def tp_activation_factor(t: int, sequence_parallel: bool) -> float:
@@ -129,7 +130,7 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
     boundary = micro * profile.seq_len * profile.hidden_size * elem  # one activation message
 
     worst: Estimate | None = None
-    for s, blocks in enumerate(stage_blocks(profile.n_blocks, p)):
+    for s, blocks in enumerate(stage_blocks(profile.n_blocks, p, costs=profile.block_params)):
         block_params = sum(profile.block_params[i] for i in blocks)
         params = block_params * (shard_share / t + (1 - shard_share))
         if s == 0:

@@ -59,16 +59,11 @@ def parameter_storages(module: nn.Module) -> set[tuple[int, str]]:
 
 
 def _num_heads(block: nn.Module) -> int | None:
-    for m in block.modules():
-        for name in ("n_head", "num_heads", "num_attention_heads", "n_heads"):
-            value = getattr(m, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        config = getattr(m, "config", None)
-        value = getattr(config, "num_attention_heads", None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    """The attention head count of the first module of ``block`` that stores one (the plan's own reading:
+    :func:`lightning_par.tensor.plan.query_heads`)."""
+    from lightning_par.tensor.plan import query_heads
+
+    return next((n for n in map(query_heads, block.modules()) if n is not None), None)
 
 
 def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, batch_size: int) -> ModuleProfile:

@@ -592,6 +592,12 @@ def head_counts(m: nn.Module) -> dict[str, int]:
     return found
 
 
+def query_heads(m: nn.Module) -> int | None:
+    """The query-head count ``m`` stores (see :func:`head_counts`), or ``None``."""
+    counts = head_counts(m)
+    return next((counts[a] for a in _HEAD_ATTRS if counts.get(a, 0) > 0), None)
+
+
 def _check_heads(name: str, m: nn.Module, t: int) -> None:
     for attr, n in head_counts(m).items():
         if n % t:
