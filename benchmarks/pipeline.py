@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_par.models import GPT  # noqa: E402
 from lightning_par.pipeline.schedules import bubble_fraction  # noqa: E402
-from lightning_par.pipeline.stage import ActivationMeter  # noqa: E402
+from lightning_par.saved import SavedTensorMeter  # noqa: E402
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy  # noqa: E402
 
 
@@ -69,7 +69,7 @@ class Probe(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         strategy = trainer.strategy
         if self.meter and isinstance(strategy, PipelineParallelStrategy):
-            strategy.runtime.meter = ActivationMeter(pl_module.parameters())
+            strategy.runtime.meter = SavedTensorMeter(pl_module.parameters())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.t0 = time.perf_counter()

@@ -34,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils._pytree import tree_flatten
 
-from lightning_par.advisor.profile import parameter_storages, saved_storage
+from lightning_par.saved import SavedTensorMeter
 from lightning_par.comm import CommCounter, count_comm, local_nbytes
 from lightning_par.dp.zero import optimizer_state_bytes
 
@@ -46,41 +46,6 @@ def state_bytes(module: torch.nn.Module, optimizers) -> dict[str, int]:
     return {"param_bytes": sum(local_nbytes(p) for p in params),
             "grad_bytes": sum(local_nbytes(p.grad) for p in params),
             "optimizer_bytes": opt}
-
-
-class _SavedBytes:
-    """Context manager over the tensors autograd saves for backward (each storage once, no parameters):
-    ``total`` bytes saved, and ``peak`` bytes alive at once (a saved tensor stops being alive when autograd
-    frees it after its backward, seen through a weakref finalizer)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.params = parameter_storages(module)
-        self.live: dict[tuple[int, str], int] = {}
-        self.total = self.peak = self._live_bytes = 0
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _release(self, key: tuple[int, str]) -> None:
-        self._live_bytes -= self.live.pop(key, 0)
-
-    def _pack(self, t):
-        found = saved_storage(t)
-        if found is None:
-            return t
-        key, nbytes = found
-        if key not in self.params and key not in self.live:
-            self.live[key] = nbytes
-            self.total += nbytes
-            self._live_bytes += nbytes
-            self.peak = max(self.peak, self._live_bytes)
-            weakref.finalize(t, self._release, key)
-        return t
-
-    def __enter__(self):
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
 
 
 class ParallelMetrics(pl.Callback):
@@ -121,18 +86,18 @@ class ParallelMetrics(pl.Callback):
         if not self.samples_per_step:
             self._batch_size(trainer, batch)
         if self._measuring(trainer) and not self._stack:
-            saved = _SavedBytes(pl_module)
-            counting = count_comm(self._counter)
-            saved.__enter__()
+            saved = SavedTensorMeter(pl_module.parameters())
+            hooks, counting = saved.track(), count_comm(self._counter)
+            hooks.__enter__()
             counting.__enter__()
-            self._stack = [saved, counting]
+            self._stack = [saved, hooks, counting]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         now = time.perf_counter()
         if self._stack:
-            saved, counting = self._stack
+            saved, hooks, counting = self._stack
             counting.__exit__(None, None, None)
-            saved.__exit__(None, None, None)
+            hooks.__exit__(None, None, None)
             self._stack = []
             self._counter.steps = 1
             self.measured.update(state_bytes(pl_module, trainer.optimizers))

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_par.saved import SavedTensorMeter
+
 
 @dataclass(frozen=True)
 class ModuleProfile:
@@ -42,22 +44,6 @@ class ModuleProfile:
         return sum(self.block_activation_bytes) + self.first_activation_bytes + self.last_activation_bytes
 
 
-def saved_storage(t: torch.Tensor) -> tuple[tuple[int, str], int] | None:
-    """``(key, bytes)`` of the storage behind ``t`` (a DTensor's local shard), or None for a tensor
-    without a real storage. Tensors that share a storage share the key, so each is counted once."""
-    local = getattr(t, "_local_tensor", t)  # to_local() would record an autograd op inside a pack hook
-    try:
-        storage = local.untyped_storage()
-        return (storage.data_ptr(), local.device.type), storage.nbytes()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def parameter_storages(module: nn.Module) -> set[tuple[int, str]]:
-    """Keys of the storages of ``module``'s parameters: tensors saved for backward that are weights."""
-    return {s[0] for p in module.parameters() if (s := saved_storage(p)) is not None}
-
-
 def _num_heads(block: nn.Module) -> int | None:
     """The attention head count of the first module of ``block`` that stores one (the plan's own reading:
     :func:`lightning_par.tensor.plan.query_heads`)."""
@@ -74,48 +60,27 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
     """
     block_list = list(blocks)
     block_ids = {id(p) for b in block_list for p in b.parameters()}
-    param_storages = parameter_storages(module)
-    region = {"current": None}
-    seen: set = set()
-    saved = [0] * len(block_list)
-    outside = [0, 0]  # before, after the blocks
+    meter = SavedTensorMeter(module.parameters())  # tagged: a block's index, or "before" / "after" the blocks
+    meter.tag = "before"
     first_ids: set[int] = set()
     last_ids: set[int] = set()
-    phase = {"after": False}
     input_shape: list[torch.Size] = []
-    bytes_by_width: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        found = saved_storage(t)
-        if found is None:
-            return t
-        key, nbytes = found
-        if key not in param_storages and key not in seen:
-            seen.add(key)
-            bytes_by_width[t.element_size()] = bytes_by_width.get(t.element_size(), 0) + nbytes
-            if region["current"] is None:
-                outside[int(phase["after"])] += nbytes
-            else:
-                saved[region["current"]] += nbytes
-        return t
 
     def leaf_hook(mod, args):
-        if region["current"] is None:
-            target = last_ids if phase["after"] else first_ids
+        if meter.tag in ("before", "after"):
+            target = last_ids if meter.tag == "after" else first_ids
             target.update(id(p) for p in mod.parameters(recurse=False))
 
     def enter(i):
         def hook(mod, args):
-            region["current"] = i
+            meter.tag = i
             if i == 0 and args and isinstance(args[0], torch.Tensor):
                 input_shape.append(args[0].shape)
         return hook
 
     def leave(i):
         def hook(mod, args, out):
-            region["current"] = None
-            if i == len(block_list) - 1:
-                phase["after"] = True
+            meter.tag = "after" if i == len(block_list) - 1 else "before"  # code between blocks counts before
         return hook
 
     with ExitStack() as stack:
@@ -125,7 +90,7 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         for m in module.modules():
             if not any(True for _ in m.children()) and not any(id(p) in block_ids for p in m.parameters()):
                 stack.callback(m.register_forward_pre_hook(leaf_hook).remove)
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        stack.enter_context(meter.track())
         loss = run_step()
         loss.backward()
     module.zero_grad(set_to_none=True)
@@ -141,11 +106,11 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         last_params=sum(unique[i].numel() for i in last_ids - first_ids),
         tied_params=sum(unique[i].numel() for i in tied),
         shardable_block_params=sum(p.numel() for p in linear.values()),
-        block_activation_bytes=tuple(s // batch_size for s in saved),
-        first_activation_bytes=outside[0] // batch_size,
-        last_activation_bytes=outside[1] // batch_size,
+        block_activation_bytes=tuple(meter.by_tag.get(i, 0) // batch_size for i in range(len(block_list))),
+        first_activation_bytes=meter.by_tag.get("before", 0) // batch_size,
+        last_activation_bytes=meter.by_tag.get("after", 0) // batch_size,
         hidden_size=int(shape[-1]),
         seq_len=int(shape[1]) if len(shape) >= 3 else 1,
         num_heads=_num_heads(block_list[0]) if block_list else None,
-        dtype_bytes=max(bytes_by_width, key=bytes_by_width.get) if bytes_by_width else 4,
+        dtype_bytes=max(meter.by_width, key=meter.by_width.get) if meter.by_width else 4,
     )

@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_par.pipeline import p2p, split_backward
 from lightning_par.pipeline.flow import BlockFlow, hidden_name, no_mha_fastpath
+from lightning_par.saved import SavedTensorMeter
 
 
 class StopStage(BaseException):
@@ -139,7 +140,7 @@ class StageRuntime:
         self._handles: list = []
         self.wait_s = 0.0  # seconds spent blocked in receives (the bubble plus transfer time)
         self.busy_s = 0.0  # seconds in forwards and backwards, receives excluded (the stage's compute)
-        self.meter: ActivationMeter | None = None
+        self.meter: SavedTensorMeter | None = None  # activations alive, when a benchmark asks
         self.weights: list[torch.nn.Parameter] = []  # this rank's trainable parameters (zero bubble's W)
         self._deferred: dict = {}
         # [Note: receive plan] this step's receives in the order the schedule takes them, and the one posted
@@ -388,8 +389,6 @@ class StageRuntime:
         if k > 0:
             self._send_input_grads(chunk, microbatch, self.inputs.pop((chunk, microbatch)))
         self.busy_s += time.perf_counter() - t0 - (self.wait_s - w0)
-        if self.meter is not None:
-            self.meter.release((chunk, microbatch))
 
     def backward_input(self, microbatch: int, loss: torch.Tensor | None = None, chunk: int = 0) -> None:
         """Zero bubble's "B": the gradient of the stage input only, sent upstream at once; what the weight
@@ -421,8 +420,6 @@ class StageRuntime:
         else:
             split_backward.backward_weight(self.weights, a)
         self.busy_s += time.perf_counter() - t0
-        if self.meter is not None:
-            self.meter.release((chunk, microbatch))
 
     def gradient_arrived(self, microbatch: int, chunk: int = 0) -> bool:
         """Whether the output gradient ``backward`` of this micro-batch needs is here already (always on the
@@ -523,31 +520,3 @@ class ReceivePlan:
 
     def left(self) -> list:
         return self.keys[self.next - (self._posted is not None):]
-
-
-class ActivationMeter:
-    """Counts the bytes autograd saves for backward per micro-batch (parameters excluded), and the peak
-    held at once: the activation memory a schedule needs (GPipe: all micro-batches; 1F1B: at most p)."""
-
-    def __init__(self, params):
-        self.param_ptrs = {p.data_ptr() for p in params}
-        self.held: dict = {}
-        self.seen: dict = {}
-        self.peak = 0
-
-    def track(self, microbatch):
-        seen = self.seen.setdefault(microbatch, set())
-
-        def pack(t: torch.Tensor):
-            key = (t.data_ptr(), t.numel())
-            if t.data_ptr() not in self.param_ptrs and key not in seen:
-                seen.add(key)
-                self.held[microbatch] = self.held.get(microbatch, 0) + t.numel() * t.element_size()
-                self.peak = max(self.peak, sum(self.held.values()))
-            return t
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    def release(self, microbatch) -> None:
-        self.held.pop(microbatch, None)
-        self.seen.pop(microbatch, None)

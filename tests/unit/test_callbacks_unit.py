@@ -1,7 +1,9 @@
-"""The activation counter behind ParallelMetrics: peak bytes alive follows the schedule."""
+"""The saved-tensor meter behind ParallelMetrics, the stage runtime and the advisor: peak bytes alive follows the
+schedule."""
 import torch
 
-from lightning_par.callbacks import _SavedBytes, format_summary, state_bytes
+from lightning_par.callbacks import format_summary, state_bytes
+from lightning_par.saved import SavedTensorMeter
 
 
 def _mlp():
@@ -12,12 +14,13 @@ def _mlp():
 def test_peak_saved_bytes_all_forwards_first_vs_one_at_a_time():
     model = _mlp()
     # inputs are made inside the loops: a tensor the caller keeps (a list of inputs) stays alive and counts
-    with _SavedBytes(model) as gpipe:          # GPipe order: every forward, then every backward
+    gpipe, one = SavedTensorMeter(model.parameters()), SavedTensorMeter(model.parameters())
+    with gpipe.track():                        # GPipe order: every forward, then every backward
         losses = [model(torch.randn(4, 8)).square().sum() for _ in range(4)]
         for loss in losses:
             loss.backward()
     del losses
-    with _SavedBytes(model) as one:            # one micro-batch in flight at a time
+    with one.track():                          # one micro-batch in flight at a time
         for _ in range(4):
             model(torch.randn(4, 8)).square().sum().backward()
     assert gpipe.total == one.total > 0
