@@ -2,6 +2,9 @@
 
 A torch release that moves or renames one of them then breaks this file only, with the name at hand.
 Each function says what it wraps and what its callers do when the API is not there.
+
+Names re-exported from torch's private modules are listed in ``__all__``; the test
+``tests/unit/test_compat.py`` greps the rest of the package for private imports.
 """
 from __future__ import annotations
 
@@ -48,3 +51,106 @@ def broadcast_coalesced(group, tensors: Sequence[torch.Tensor], src: int, bucket
     ``bucket_bytes`` (few collectives for many small tensors). Wraps ``torch.distributed._broadcast_coalesced``,
     what DDP uses to sync module states at construction."""
     torch.distributed._broadcast_coalesced(group, list(tensors), bucket_bytes, src)
+
+
+# -- torch: pytree, dispatch modes, autograd, process groups ------------------------------------------------
+# (plain re-exports: torch.utils._pytree is how torch itself flattens nested containers)
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
+
+
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: the base class of a mode that sees every op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def current_autograd_node():
+    """The autograd node being run (``torch._C._current_autograd_node``): not None inside a backward."""
+    return torch._C._current_autograd_node()
+
+
+def set_pg_timeout(timeout, group) -> None:
+    """Set the collective timeout of an existing process ``group`` (``distributed_c10d._set_pg_timeout``):
+    ``init_device_mesh`` creates its groups with torch's default timeout."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
+
+
+def resolve_process_group(name: str):
+    """The process group a functional collective names by string (``distributed_c10d._resolve_process_group``)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def pipelining_backward():
+    """``torch.distributed.pipelining._backward``: stage_backward_input / stage_backward_weight (zero bubble's
+    split backward). Imported on first use: it pulls in much of torch."""
+    from torch.distributed.pipelining import _backward
+
+    return _backward
+
+
+# -- torch: DTensor's sharding propagation (the internals a sharding rule is written in) ---------------------
+def op_dispatcher():
+    """DTensor's process-global op dispatcher (``DTensor._op_dispatcher``)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher
+
+
+def sharding_propagator():
+    return op_dispatcher().sharding_propagator
+
+
+# the types and helpers a sharding rule is written in (re-exported)
+from torch.distributed.tensor._dtensor_spec import DTensorSpec  # noqa: E402
+from torch.distributed.tensor._op_schema import (  # noqa: E402
+    OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo, TupleStrategy)
+from torch.distributed.tensor._ops.utils import (  # noqa: E402
+    expand_to_full_mesh_op_strategy, generate_redistribute_costs)
+
+
+def expand_single_dim_strategy():
+    """torch 2.14's ``_expand_single_dim_strategy_to_mesh`` (a single-dim strategy as an op strategy), or None
+    on a torch without it."""
+    try:
+        from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
+    except ImportError:
+        return None
+    return _expand_single_dim_strategy_to_mesh
+
+
+# -- Lightning ----------------------------------------------------------------------------------------------
+def optimizer_to_device(optimizer, device) -> None:
+    """``lightning.fabric.utilities.optimizer._optimizer_to_device``: move an optimizer's state tensors."""
+    from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+    _optimizer_to_device(optimizer, device)
+
+
+def optimizers_to_device(optimizers, device) -> None:
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def multiprocessing_launcher() -> tuple[type, type]:
+    """Lightning's spawn / fork launcher class and the worker output it hands back (``_MultiProcessingLauncher``,
+    ``_WorkerOutput``), for a launcher that returns other weights to the caller."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+
+    return _MultiProcessingLauncher, _WorkerOutput
+
+
+def rich_available() -> bool:
+    from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+
+    return bool(_RICH_AVAILABLE)
+
+
+__all__ = ["DTensorSpec", "OpSchema", "OpSpec", "OpStrategy", "RuntimeSchemaInfo", "TupleStrategy",
+           "expand_to_full_mesh_op_strategy", "generate_redistribute_costs", "tree_flatten", "tree_map",
+           "tree_unflatten"]

@@ -16,7 +16,7 @@ import os
 import sys
 
 import torch
-from torch.utils._pytree import tree_map
+from lightning_par._compat import tree_map
 
 from lightning_par.advisor import advise, korthikanti_bytes_per_layer, profile_lightning_module
 from lightning_par.advisor.memory import OPTIMIZER_STATES, PRECISION_BYTES, SCHEDULES

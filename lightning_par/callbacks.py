@@ -27,12 +27,11 @@ from __future__ import annotations
 import json
 import statistics
 import time
-import weakref
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils._pytree import tree_flatten
+from lightning_par._compat import tree_flatten
 
 from lightning_par.saved import SavedTensorMeter
 from lightning_par.comm import CommCounter, count_comm, local_nbytes

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_par._compat import current_autograd_node, resolve_process_group
+
 # op name -> (kind, index of the argument with this rank's tensors)
 _OPS = {
     "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
@@ -87,9 +89,7 @@ def _group_size(func, args) -> int:
             return pg.size()
         if isinstance(a, str):
             try:
-                from torch.distributed.distributed_c10d import _resolve_process_group
-
-                return _resolve_process_group(a).size()
+                return resolve_process_group(a).size()
             except Exception:  # noqa: BLE001 - a str that names no group
                 continue
         if isinstance(a, int) and func.__name__.startswith(("all_gather_into_tensor", "reduce_scatter_tensor")):
@@ -148,7 +148,10 @@ def count_comm(counter: CommCounter | None = None):
         counter.calls["all_reduce[bwd]"]
     """
     from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_par._compat import torch_dispatch_mode
+
+    TorchDispatchMode = torch_dispatch_mode()
 
     counter = counter if counter is not None else CommCounter()
 
@@ -163,7 +166,7 @@ def count_comm(counter: CommCounter | None = None):
             out = func(*args, **(kwargs or {}))
             counter.seconds += time.perf_counter() - start
             kind, idx = _OPS[name]
-            backward = torch._C._current_autograd_node() is not None
+            backward = current_autograd_node() is not None
             counter.add(kind, local_nbytes(args[idx]), _group_size(func, args), backward, _sends(name, args))
             return out
 

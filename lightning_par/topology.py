@@ -149,12 +149,12 @@ class Topology:
         with torch's default (30 minutes on gloo) whatever the world group's timeout is.
         """
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.distributed_c10d import _set_pg_timeout
+        from lightning_par._compat import set_pg_timeout
 
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.order)
         if timeout is not None:
             for axis in AXES:
-                _set_pg_timeout(timeout, mesh.get_group(axis))
+                set_pg_timeout(timeout, mesh.get_group(axis))
         return mesh
 
 

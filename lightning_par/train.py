@@ -24,12 +24,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
-from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par._compat import rich_available
 from lightning_par.callbacks import ParallelMetrics
 from lightning_par.config import check_keys, register_configs
 from lightning_par.paths import conf_dir
@@ -115,7 +115,7 @@ class StepsBoundedProgressBar(RichProgressBar):
 
 def build_progress_bar() -> pl.Callback | None:
     """:class:`StepsBoundedProgressBar` where ``rich`` is installed; None leaves Lightning's TQDM bar."""
-    return StepsBoundedProgressBar() if _RICH_AVAILABLE else None
+    return StepsBoundedProgressBar() if rich_available() else None
 
 
 def build_loggers(run_dir: Path) -> list[Logger]:

@@ -66,6 +66,6 @@ def advise_module(module, batch, devices: int, device_memory: int, batch_size: i
 
 
 def _leaves(batch):
-    from torch.utils._pytree import tree_flatten
+    from lightning_par._compat import tree_flatten
 
     return tree_flatten(batch)[0]

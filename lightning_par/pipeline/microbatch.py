@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from lightning_par._compat import tree_flatten, tree_unflatten
 
 
 def batch_size(batch: Any) -> int:

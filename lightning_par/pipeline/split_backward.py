@@ -15,11 +15,13 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_par._compat import pipelining_backward
+
 
 def backward_input(outputs: list[torch.Tensor], grads: Optional[list[torch.Tensor]], stage_inputs: list[torch.Tensor],
                    weights: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
     """Set the ``.grad`` of each stage input; return what :func:`backward_weight` needs."""
-    from torch.distributed.pipelining import _backward  # imported on first use: it pulls in much of torch
+    _backward = pipelining_backward()  # imported on first use: it pulls in much of torch
 
     # torch detaches the outputs in place afterwards, which a view refuses (T5's carried position bias is a
     # permuted view): a view goes in as a copy, through which the same gradient flows
@@ -31,6 +33,6 @@ def backward_input(outputs: list[torch.Tensor], grads: Optional[list[torch.Tenso
 
 def backward_weight(weights: list[torch.nn.Parameter], groups: list[dict[str, Any]]) -> None:
     """Accumulate the weight gradients into ``.grad``."""
-    from torch.distributed.pipelining import _backward
+    _backward = pipelining_backward()
 
     _backward.stage_backward_weight(iter(weights), groups)

@@ -13,9 +13,9 @@ from typing import Any, Optional, Union
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_par._compat import multiprocessing_launcher
 from lightning_par.checkpoint import full_state, is_distributed_checkpoint, save_distributed
 from lightning_par.dp.zero import validate_zero_stage
 from lightning_par.strategies._registry import RegisteredByName
@@ -89,7 +89,7 @@ class LayoutStrategy(RegisteredByName, DDPStrategy):
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if isinstance(self._launcher, _MultiProcessingLauncher):
+        if isinstance(self._launcher, _Launcher):
             self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
 
     def caller_state(self) -> dict[str, Any]:
@@ -129,7 +129,10 @@ class LayoutStrategy(RegisteredByName, DDPStrategy):
         raise NotImplementedError
 
 
-class ConsolidatingLauncher(_MultiProcessingLauncher):
+_Launcher, _WorkerOutput = multiprocessing_launcher()
+
+
+class ConsolidatingLauncher(_Launcher):
     """Lightning's spawn/fork launcher, but the weights handed back to the calling process are the whole
     module's (``strategy.caller_state()``, every rank takes part): Lightning's own hands back rank 0's state
     dict and loads it with ``strict=False``, which would leave the caller's module with the shards and

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import torch
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_par._compat import optimizer_to_device, optimizers_to_device
 from lightning_par import checkpoint as ckpt
 from lightning_par.pipeline import sharded_checkpoint as sharded
 from lightning_par.pipeline.consolidate import consolidate, gather_optimizer_state, optimizer_state_of, owned_state
@@ -76,7 +76,7 @@ class PipelinePath:
                 s.setup_optimizers(trainer)
             s.setup_precision_plugin()
             if trainer.state.fn == TrainerFn.FITTING:
-                _optimizers_to_device(s.optimizers, s.root_device)
+                optimizers_to_device(s.optimizers, s.root_device)
             return
         ddp_setup(trainer)  # DDPStrategy.setup: configure_ddp (the stage, below) before the optimizers
         if self.runtime is None:  # validate / test / predict: no configure_ddp
@@ -247,12 +247,12 @@ class PipelinePath:
             names = {id(p): n for n, p in s.lightning_module.named_parameters()}
             for i, optimizer in enumerate(s.optimizers):
                 sharded.load_optimizer(s._dcp_path, getattr(optimizer, "_optimizer", optimizer), i, names)
-                _optimizer_to_device(optimizer, s.root_device)
+                optimizer_to_device(optimizer, s.root_device)
             return
         for optimizer, state in zip(s.optimizers, checkpoint["optimizer_states"]):
             ckpt.load_optimizer_state(getattr(optimizer, "_optimizer", optimizer),
                                       optimizer_state_of(state, s.topology.sizes, s.global_rank), local=True)
-            _optimizer_to_device(optimizer, s.root_device)
+            optimizer_to_device(optimizer, s.root_device)
 
 
 class _nothing:

@@ -24,11 +24,11 @@ import weakref
 from typing import Any, Mapping
 
 import torch
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_par._compat import optimizers_to_device
 from lightning_par import checkpoint as ckpt
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.tensor.mixed import average_grads, install_clipping, install_scaler, reduce_partial_grads
@@ -59,7 +59,7 @@ class TensorPath:
         install_clipping(s.precision_plugin)
         install_scaler(getattr(s.precision_plugin, "scaler", None))
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(s.optimizers, s.root_device)
+            optimizers_to_device(s.optimizers, s.root_device)
 
     def teardown(self) -> None:
         # As Lightning's ModelParallelStrategy: the sharded module stays where it is (DDPStrategy would move it

@@ -28,14 +28,13 @@ import datetime
 from typing import Any, Literal
 
 import torch.distributed
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
 from lightning_par.dp import comm_hooks, fsdp, zero
 from lightning_par.strategies._base import ConsolidatingLauncher, as_timeout, check_start_method
 from lightning_par.dp import lr_scaling as scaling
@@ -186,7 +185,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         if self._layer_sync is not None:
             raise ValueError(f"`Trainer(sync_batchnorm=True)` with `zero_stage={self._zero_stage}` is not supported "
                              f"(FSDP shards the module in place); use zero_stage=0 or 1 for SyncBatchNorm.")
-        if isinstance(self._launcher, _MultiProcessingLauncher):  # the caller's module receives whole weights
+        if isinstance(self._launcher, multiprocessing_launcher()[0]):  # the caller's module receives whole weights
             self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
 
     def setup(self, trainer) -> None:
@@ -210,7 +209,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     # Each *_step runs inside the module's __call__ once it is sharded ([Note: zero_stage 2 and 3 ...]).
     training_step = _step_through_root("training_step", "train_step_context")

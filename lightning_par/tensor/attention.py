@@ -145,8 +145,7 @@ def cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed, phi
 
 def _strategy(rule: Callable[..., Shardings | None], op_schema):
     """DTensor's ``OpStrategy`` for ``rule``'s alternatives (what ``register_sharding`` builds), or ``None``."""
-    from torch.distributed.tensor._op_schema import OpStrategy, TupleStrategy
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+    from lightning_par._compat import OpStrategy, TupleStrategy, expand_to_full_mesh_op_strategy
 
     def spec(s):
         if isinstance(s, OpStrategy):
@@ -178,7 +177,7 @@ def register_attention_rules() -> None:
     global _registered
     if _registered:
         return
-    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from lightning_par._compat import RuntimeSchemaInfo
 
     remember(_forget_registration)
     wrap_strategy(torch.ops.aten.cat.default, _cat_onto_empty,
@@ -208,9 +207,7 @@ unregister_attention_rules = restore_rules
 
 
 def _cat_onto_empty(op_schema):
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy
-    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+    from lightning_par._compat import DTensorSpec, OpSpec, OpStrategy, TupleStrategy, generate_redistribute_costs
 
     args = op_schema.args_schema
     if not isinstance(args[0], TupleStrategy):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_par._compat import sharding_propagator
 from lightning_par._compat import strided_shard_type
 from lightning_par.tensor.rules import cannot_install, only_spec, remember, wrap_strategy
 from lightning_par.tensor.transposed import ColwiseParallel, output_dim
@@ -79,7 +80,7 @@ def register_fused_rules() -> None:
     if _registered:
         return
     aten = torch.ops.aten
-    prop = DTensor._op_dispatcher.sharding_propagator
+    prop = sharding_propagator()
     adjusters = getattr(prop, "op_to_scalar_shape_adjuster", None)
     remember(_forget_registration)
     split_without = ("splitting a fused q|k|v projection output gathers it first: correct, with more "
@@ -119,9 +120,7 @@ def _parts_split(spec, args) -> tuple[int, int] | None:
 
 
 def _split_parts(op_schema):
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
-    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+    from lightning_par._compat import DTensorSpec, OpSpec, OpStrategy, generate_redistribute_costs
 
     args = op_schema.args_schema
     spec = only_spec(args[0])
@@ -137,7 +136,7 @@ def _split_parts(op_schema):
 def _local_split_sizes(input_specs, schema):
     """The split sizes of :func:`_split_parts`' case made local (each part is ``1/t`` on every rank);
     any other split keeps its arguments."""
-    from torch.distributed.tensor._op_schema import OpSchema
+    from lightning_par._compat import OpSchema
 
     args = list(schema.args_schema)
     found = _parts_split(input_specs[0], args)
@@ -149,9 +148,7 @@ def _local_split_sizes(input_specs, schema):
 
 
 def _cat_parts(op_schema):
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy
-    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+    from lightning_par._compat import DTensorSpec, OpSpec, OpStrategy, TupleStrategy, generate_redistribute_costs
 
     args = op_schema.args_schema
     if not isinstance(args[0], TupleStrategy) or len(args[0].children) < 2:

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from lightning_par._compat import op_dispatcher
 from lightning_par.tensor.attention import SplitAttentionMasks
 from lightning_par.tensor.fused import FusedColwiseParallel, register_fused_rules
 from lightning_par.tensor.plan import BLOCK, FUSED, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan, under
@@ -103,7 +104,7 @@ class ReplicatedIsland(ParallelStyle):
 def implicit_replication():
     """torch's ``implicit_replication`` (plain tensors meeting DTensors count as replicated), but restoring the
     previous setting on exit, so that it nests (a region inside a region, backward inside a step)."""
-    dispatcher = DTensor._op_dispatcher
+    dispatcher = op_dispatcher()
     before = dispatcher._allow_implicit_replication
     dispatcher._allow_implicit_replication = True
     try:

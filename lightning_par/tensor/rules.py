@@ -10,7 +10,8 @@ import warnings
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from lightning_par._compat import expand_single_dim_strategy, sharding_propagator
 
 
 _undo: list[Callable[[], None]] = []  # newest last
@@ -46,7 +47,7 @@ def _remember_entries(prop, op) -> None:
 
 def install_strategy(op, strategy: Callable, schema_info) -> None:
     """Make ``strategy`` DTensor's strategy for ``op`` (with ``schema_info``), remembering the one it replaces."""
-    prop = DTensor._op_dispatcher.sharding_propagator
+    prop = sharding_propagator()
     _remember_entries(prop, op)
     # DTensor consults a single-dim strategy before the op strategy: ours must be the only one
     getattr(prop, "op_single_dim_strategy_funcs", {}).pop(op, None)
@@ -64,7 +65,7 @@ def restore_rules() -> None:
 def _clear_caches() -> None:
     """Forget the sharding decisions DTensor cached: its Python cache, and the C++ dispatch fast path's (which
     would otherwise keep a decision made before a rule was installed, or by one already taken out)."""
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    sharding_propagator().propagate_op_sharding.cache_clear()
     clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_fast_path is not None:
         clear_fast_path()
@@ -73,7 +74,7 @@ def _clear_caches() -> None:
 def strategy_of(op):
     """What serves ``op`` in DTensor's propagator now, in its lookup order (a single-dim strategy first), or
     ``None`` (then DTensor decomposes the op or fails)."""
-    prop = DTensor._op_dispatcher.sharding_propagator
+    prop = sharding_propagator()
     single = getattr(prop, "op_single_dim_strategy_funcs", {}).get(op)
     return single if single is not None else prop.op_strategy_funcs.get(op)
 
@@ -94,7 +95,7 @@ def wrap_strategy(op, rule: Callable, without: str) -> bool:
     strategy, the single-dim entry is taken out (both recorded, so :func:`restore_rules` puts them back),
     and every call the rule leaves goes to torch's single-dim strategy expanded exactly as DTensor's
     propagator expands it (:func:`_expanded_single_dim`)."""
-    prop = DTensor._op_dispatcher.sharding_propagator
+    prop = sharding_propagator()
     single = getattr(prop, "op_single_dim_strategy_funcs", {}).get(op)
     original, schema_info = prop.op_strategy_funcs.get(op), prop.op_to_schema_info.get(op)
     if single is not None:
@@ -124,10 +125,10 @@ def cannot_install(op, without: str, why: str) -> None:
 def _expanded_single_dim(prop, op, info) -> Callable | None:
     """``op``'s single-dim strategy ``info`` as an op strategy (see [Note: single-dim strategies]), or ``None``
     where this torch lacks the expansion helper."""
-    try:
-        from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
-        from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
-    except ImportError:
+    from lightning_par._compat import OpSchema, OpStrategy, TupleStrategy
+
+    _expand_single_dim_strategy_to_mesh = expand_single_dim_strategy()
+    if _expand_single_dim_strategy_to_mesh is None:
         return None
 
     def spec(arg):  # DTensor wraps each input spec as a one-choice OpStrategy: take it out again
@@ -150,7 +151,7 @@ def _expanded_single_dim(prop, op, info) -> Callable | None:
 
 def only_spec(strategy):
     """The one placement spec of an argument's strategy on a 1-D mesh, else ``None``."""
-    from torch.distributed.tensor._op_schema import OpStrategy
+    from lightning_par._compat import OpStrategy
 
     if isinstance(strategy, OpStrategy) and len(strategy.strategies) == 1:
         spec = strategy.strategies[0].output_spec
