@@ -31,7 +31,8 @@ from lightning_par.pipeline.runner import ScheduleRunner, base_seed, rng_fork
 from lightning_par.pipeline.shared import SharedParameters, sync_found_inf
 from lightning_par.pipeline.stage import Ghost, StageRuntime
 from lightning_par.strategies._stage_setup import profile_blocks, sample_step
-from lightning_par.tensor.mixed import clip_grad_value_, install_scaler, settle_grads
+from lightning_par.strategies._precision import PrecisionHooks
+from lightning_par.tensor.mixed import clip_grad_value_, settle_grads
 from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules
 from lightning_par.tensor.plan import build_plan
 
@@ -45,6 +46,7 @@ class PipelinePath:
         self.runner: Optional[ScheduleRunner] = None
         self.shared: Optional[SharedParameters] = None
         self.plan = None
+        self.precision_hooks: Optional[PrecisionHooks] = None
         self.new_grads: list[Optional[torch.Tensor]] = []  # this step's gradients, from training_step to backward
         self.full_keys: list[str] = []
         self.block_prefix = ""
@@ -71,6 +73,7 @@ class PipelinePath:
             if s._mesh is not None:
                 register_rules()  # taken out at teardown
             s.accelerator.setup(trainer)
+            s._install_precision(self.precision_hooks)  # given back at the last teardown
             s.model_to_device()
             if trainer.state.fn == TrainerFn.FITTING:
                 s.setup_optimizers(trainer)
@@ -144,16 +147,14 @@ class PipelinePath:
                                        rank=s.global_rank, timeout=s._timeout, dp_group=s._dp_group)
         s.model = lm
         confine_metrics(lm, is_last=rt.is_last, dp_group=s._dp_group)
-        # 6. Lightning's clipping and loss scaling see the whole model
-        s.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # global norm over stages and shards
-        if s._mesh is not None:
-            s.precision_plugin.clip_grad_by_value = lambda optimizer, value: clip_grad_value_(
-                [p for g in optimizer.param_groups for p in g["params"]], value)
-        scaler = getattr(s.precision_plugin, "scaler", None)
-        if scaler is not None:
-            install_scaler(scaler if s._mesh is not None else None)
-            self._plugin_after_closure = s.precision_plugin._after_closure
-            s.precision_plugin._after_closure = self.after_closure
+        # 6. Lightning's clipping and loss scaling see the whole model ([Note: precision subclasses])
+        tensor = s._mesh is not None
+        self.precision_hooks = PrecisionHooks(
+            clip_by_norm=self.clip_grad_by_norm,  # global norm over stages and shards
+            clip_by_value=(lambda opt, value: clip_grad_value_(_params(opt), value)) if tensor else None,
+            before_optimizer_hooks=self.sync_found_inf if getattr(s.precision_plugin, "scaler", None) else None,
+            split_unscale=tensor)
+        s._install_precision(self.precision_hooks)
 
     # -- training ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:
@@ -189,15 +190,13 @@ class PipelinePath:
         """Whether this stage counts ``p`` (for the global gradient norm and the consolidated state)."""
         return self.shared.owns(p, name)
 
-    def after_closure(self, model, optimizer) -> None:
+    def sync_found_inf(self, optimizer) -> None:
         """16-mixed: one overflow anywhere skips the step everywhere, before Lightning's hooks, clipping and
         ``scaler.step`` see the flags."""
         sync_found_inf(self.s.precision_plugin.scaler, optimizer, self.s.root_device)
-        self._plugin_after_closure(model, optimizer)
 
     def clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.shared.clip_grad_norm_(params, clip_val, group=self.s._pp_group, device=self.s.root_device,
+        self.shared.clip_grad_norm_(_params(optimizer), clip_val, group=self.s._pp_group, device=self.s.root_device,
                                     tp_group=self.s._tp_group)
 
     def eval_step(self, hook: str, context, args: tuple, kwargs: dict) -> Any:
@@ -253,6 +252,10 @@ class PipelinePath:
             ckpt.load_optimizer_state(getattr(optimizer, "_optimizer", optimizer),
                                       optimizer_state_of(state, s.topology.sizes, s.global_rank), local=True)
             optimizer_to_device(optimizer, s.root_device)
+
+
+def _params(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 class _nothing:

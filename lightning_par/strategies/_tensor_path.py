@@ -31,7 +31,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_par._compat import optimizers_to_device
 from lightning_par import checkpoint as ckpt
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
-from lightning_par.tensor.mixed import average_grads, install_clipping, install_scaler, reduce_partial_grads
+from lightning_par.strategies._precision import PrecisionHooks
+from lightning_par.tensor.mixed import average_grads, clip_grad_norm_, clip_grad_value_, reduce_partial_grads
 from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules, to_plain
 from lightning_par.tensor.plan import build_plan
 
@@ -55,9 +56,11 @@ class TensorPath:
         self._parallelize()
         if trainer.state.fn == TrainerFn.FITTING:
             s.setup_optimizers(trainer)
+        # DTensor and plain gradients clipped and unscaled apart ([Note: precision subclasses])
+        s._install_precision(PrecisionHooks(
+            clip_by_norm=lambda opt, value: clip_grad_norm_(_params(opt), value),
+            clip_by_value=lambda opt, value: clip_grad_value_(_params(opt), value), split_unscale=True))
         s.setup_precision_plugin()
-        install_clipping(s.precision_plugin)
-        install_scaler(getattr(s.precision_plugin, "scaler", None))
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(s.optimizers, s.root_device)
 
@@ -169,6 +172,10 @@ class TensorPath:
             return
         for opt, state in zip(self.s.optimizers, checkpoint["optimizer_states"]):
             ckpt.load_optimizer_state(opt._optimizer if isinstance(opt, LightningOptimizer) else opt, state)
+
+
+def _params(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _detached(out: Any) -> Any:

@@ -108,6 +108,7 @@ class HybridParallelStrategy(LayoutStrategy):
         self._pp_group = self._dp_group = self._tp_group = self._mesh = self._result_group = None
         self._p2p_groups: tuple = (None, None, None, None)
         self._path: Union[PipelinePath, TensorPath, None] = None  # chosen with the layout (setup_environment)
+        self._user_precision = None  # the precision plugin this run got, given back at teardown
         self._restore_loader = lambda: None
 
     # -- layout -----------------------------------------------------------------------------------
@@ -199,13 +200,24 @@ class HybridParallelStrategy(LayoutStrategy):
             for opt in self.optimizers:
                 split_step_by_kind(opt._optimizer if isinstance(opt, LightningOptimizer) else opt)
 
+    def _install_precision(self, hooks) -> None:
+        """The layout's subclass of the precision plugin ([Note: precision subclasses])."""
+        from lightning_par.strategies._precision import layout_precision
+
+        if self._user_precision is None:
+            self._user_precision = self.precision_plugin
+        self.precision_plugin = layout_precision(self._user_precision, hooks)
+
     def teardown(self) -> None:
         self._restore_loader()
         if self._mesh is not None:
             restore_rules()  # DTensor's propagator is process-global: no rule of ours outlives the run
         if isinstance(self._path, TensorPath):
-            return self._path.teardown()
-        super().teardown()
+            self._path.teardown()
+        else:
+            super().teardown()
+        if self._user_precision is not None:
+            self.precision_plugin, self._user_precision = self._user_precision, None
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:

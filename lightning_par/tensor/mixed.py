@@ -14,6 +14,7 @@ weight directly would then mix kinds itself). Instead the replicated parameters 
 """
 from __future__ import annotations
 
+import copy
 import types
 from typing import Iterable
 
@@ -90,44 +91,36 @@ def clip_grad_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> N
             torch.nn.utils.clip_grad_value_(group, clip_value)
 
 
-def install_clipping(precision_plugin) -> None:
-    """Route a Lightning precision plugin's gradient clipping through the mixed-kind functions above."""
-    if getattr(precision_plugin, "_lp_mixed_clipping", False):
-        return
-
-    def by_norm(self, optimizer, clip_val):
-        clip_grad_norm_(self.main_params(optimizer), clip_val)
-
-    def by_value(self, optimizer, clip_val):
-        clip_grad_value_(self.main_params(optimizer), clip_val)
-
-    precision_plugin.clip_grad_by_norm = types.MethodType(by_norm, precision_plugin)
-    precision_plugin.clip_grad_by_value = types.MethodType(by_value, precision_plugin)
-    precision_plugin._lp_mixed_clipping = True
+_SCALERS: dict[type, type] = {}
 
 
-def install_scaler(scaler) -> None:
-    """Make a ``GradScaler`` unscale DTensor and plain gradients in separate calls (torch's fused unscale
-    refuses the mix) and merge the per-device inf flags (in place, idempotent)."""
-    if scaler is None or getattr(scaler, "_lp_split_unscale", False):
-        return
-    inner = scaler._unscale_grads_
+def split_unscale_scaler(scaler):
+    """A copy of ``scaler`` (sharing its state) whose class unscales DTensor and plain gradients in separate
+    calls (torch's fused unscale refuses the mix) and merges the per-device inf flags: a subclass of the
+    scaler's own class, made once per class."""
+    base = type(scaler)
+    if base not in _SCALERS:
+        class SplitUnscaleScaler(base):  # type: ignore[misc, valid-type]
+            def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+                groups = optimizer.param_groups
+                merged: dict = {}
+                try:
+                    for want_dtensor in (True, False):
+                        optimizer.param_groups = [{**g, "params": [p for p in g["params"]
+                                                                   if isinstance(p, DTensor) == want_dtensor]}
+                                                  for g in groups]
+                        flags = super()._unscale_grads_(optimizer, inv_scale, torch.zeros_like(found_inf), allow_fp16)
+                        for device, flag in flags.items():
+                            merged[device] = merged[device] + flag if device in merged else flag
+                finally:
+                    optimizer.param_groups = groups
+                return merged
 
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        groups = optimizer.param_groups
-        merged: dict = {}
-        try:
-            for want_dtensor in (True, False):
-                optimizer.param_groups = [{**g, "params": [p for p in g["params"]
-                                                           if isinstance(p, DTensor) == want_dtensor]} for g in groups]
-                for device, flag in inner(optimizer, inv_scale, torch.zeros_like(found_inf), allow_fp16).items():
-                    merged[device] = merged[device] + flag if device in merged else flag
-        finally:
-            optimizer.param_groups = groups
-        return merged
-
-    scaler._unscale_grads_ = types.MethodType(_unscale_grads_, scaler)
-    scaler._lp_split_unscale = True
+        SplitUnscaleScaler.__name__ = SplitUnscaleScaler.__qualname__ = f"SplitUnscale{base.__name__}"
+        _SCALERS[base] = SplitUnscaleScaler
+    new = copy.copy(scaler)
+    new.__class__ = _SCALERS[base]
+    return new
 
 
 def reduce_partial_grads(parameters: Iterable[torch.Tensor], group) -> int:
