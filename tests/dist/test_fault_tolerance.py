@@ -1,0 +1,121 @@
+"""DataParallelStrategy(fault_tolerance="torchft"): a torchft lighthouse and two replica groups (one torchrun each,
+one CPU rank each) on this machine; one group's process is SIGKILLed mid-run.
+
+The jobs are :mod:`lightning_par.recipes._ft_job` (a plain LightningModule: MLP regressor, AdamW, per-step StepLR);
+every step each process records its global_step, torchft's step, the live groups and digests of its parameters
+and optimizer state, which these tests compare.
+"""
+import pytest
+import torch
+
+from harness import TIMEOUT_S
+from lightning_par.recipes import _ft_job as job
+
+pytest.importorskip("torchft")  # installed by the `test` extras; the skip only spares a bare checkout
+
+RUN_S = 200  # the whole launch; the tests' own timeout is above it
+
+
+def _launch(tmp_path, *, steps: int, sleep: float, max_restarts: int, kill_after: int = 3):
+    lighthouse, address = job.start_lighthouse(min_replicas=1)
+    args = ["--steps", str(steps), "--sleep", str(sleep), "--width", "16"]
+    groups = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address,
+                              max_restarts=max_restarts if g == 1 else 0) for g in range(2)]
+    try:
+        kill_time, kill_step = job.kill_after(tmp_path, 1, kill_after, timeout_s=RUN_S, procs=groups)
+        codes = job.wait_all(groups, timeout_s=RUN_S)
+    finally:
+        job.wait_all(groups, timeout_s=1)
+        lighthouse.kill()
+        lighthouse.wait()
+    return codes, job.summarize_kill(tmp_path, survivor=0, killed=1, kill_time=kill_time, kill_step=kill_step)
+
+
+def _logs(tmp_path, name):
+    return (tmp_path / f"torchrun-{name}.log").read_text(errors="replace")[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_killed_replica_rejoins_with_the_survivors_exact_state(tmp_path):
+    # 160 steps of >= 0.2 s: the survivor is still training when torchrun has restarted the killed process
+    steps = 160
+    codes, res = _launch(tmp_path, steps=steps, sleep=0.2, max_restarts=1)
+    assert codes == [0, 0], (_logs(tmp_path, "g0"), _logs(tmp_path, "g1"))
+    assert res["killed"] and res["recovered"], res
+    # the survivor trained alone while the other group was away, then both trained together to the end
+    assert res["steps_alone"] >= 1 and res["final_step"] == steps, res
+    # the restarted process started from other random weights (seed 1) and received the survivor's parameters,
+    # AdamW moments and step counts, bit for bit; every step after it stays bit-equal
+    assert res["weights_equal_after_recovery"], res
+    # trainer.global_step == torchft's committed step on every record of both groups
+    assert res["steps_agree"], res
+    alive, back = job.read_records(tmp_path, 0), [r for r in job.read_records(tmp_path, 1) if r["restart"] == 1]
+    assert [r["step"] for r in alive] == list(range(1, steps + 1))  # no step lost or repeated on the survivor
+    assert back[0]["step"] == res["heal_step"] + 1 and back[-1]["step"] == steps
+    assert all(r["participants"] == 2 for r in back)
+    assert any(r["participants"] == 1 for r in alive) and alive[-1]["participants"] == 2
+    # the LR schedule came along: both groups end on the same learning rate and the same checkpoint
+    ckpts = [torch.load(tmp_path / f"ckpt-g{g}" / "last.ckpt", weights_only=False) for g in range(2)]
+    assert all(c["global_step"] == steps for c in ckpts)
+    assert ckpts[0]["lr_schedulers"] == ckpts[1]["lr_schedulers"]
+    for name, value in ckpts[0]["state_dict"].items():
+        assert torch.equal(value, ckpts[1]["state_dict"][name]), name
+    # Lightning's logger kept logging in the rejoined process, at the steps it continued from
+    logged = (tmp_path / "logs1").rglob("metrics.csv")
+    text = "\n".join(p.read_text() for p in logged)
+    assert "train_loss" in text and f",{steps - 1}," in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S)
+def test_survivor_trains_to_the_end_when_the_lost_replica_never_returns(tmp_path):
+    steps = 40
+    codes, res = _launch(tmp_path, steps=steps, sleep=0.1, max_restarts=0)
+    assert codes[0] == 0 and codes[1] != 0, (_logs(tmp_path, "g0"), codes)
+    assert res["killed"] and not res["recovered"] and res["recovery_s"] is None
+    alive = job.read_records(tmp_path, 0)
+    assert [r["step"] for r in alive] == list(range(1, steps + 1)) and res["steps_agree"]
+    after = [r for r in alive if r["step"] > res["kill_step"]]
+    assert after and all(r["participants"] == 1 for r in after)  # min_replicas=1: alone to the end
+    assert res["steps_alone"] == steps - res["kill_step"]
+
+
+def test_fault_tolerance_refuses_a_launch_without_torchft_variables(monkeypatch):
+    from lightning_par.dp.ft import ReplicaGroup
+
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE.*torchft_lighthouse"):
+        ReplicaGroup.from_env()
+    with pytest.raises(RuntimeError, match="REPLICA_GROUP_ID=2 must be in 0..NUM_REPLICA_GROUPS-1"):
+        ReplicaGroup.from_env({"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": "http://h:1"})
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("case, match", [
+    ("accumulate", r"ValueError: `fault_tolerance='torchft'` does not support `accumulate_grad_batches=2`: a step "
+                   r"that loses a peer is retried"),
+    ("manual", r"ValueError: `fault_tolerance='torchft'` supports automatic optimization only: Manual sets "
+               r"`automatic_optimization = False`"),
+])
+def test_fault_tolerance_refuses_at_setup_what_it_cannot_retry(case, match, monkeypatch):
+    import lightning.pytorch as pl
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    from lightning_par import DataParallelStrategy
+
+    class Manual(job.Regressor):
+        def __init__(self):
+            super().__init__(width=8)
+            self.automatic_optimization = False
+
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "1")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:1")  # never reached: refused before
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+                         strategy=DataParallelStrategy(fault_tolerance="torchft", start_method="fork"),
+                         accumulate_grad_batches=2 if case == "accumulate" else 1, enable_progress_bar=False)
+    module = Manual() if case == "manual" else job.Regressor(width=8)
+    with pytest.raises(ProcessRaisedException, match=match):  # on both ranks, before any replica exists
+        trainer.fit(module, torch.utils.data.DataLoader(job.dataset(64), batch_size=8))
