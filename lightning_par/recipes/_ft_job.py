@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=10)
         devices, resume = 1, None
     else:
-        strategy = DataParallelStrategy(timeout=args.ft_timeout)
+        strategy = DataParallelStrategy(timeout=300)  # a restarted rank may wait for its peer's imports
         checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
                                                   every_n_train_steps=args.ckpt_every)
         devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -186,16 +186,23 @@ def read_records(out: Path, ident: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def try_kill(out: Path, ident: int, steps: int) -> tuple[float, int] | None:
+    """SIGKILL process ``ident``'s worker if it has recorded ``steps`` steps: (time of the kill, its last step)."""
+    rows = read_records(out, ident)
+    if len(rows) < steps:
+        return None
+    pid = int((out / f"pid{ident}-{rows[-1]['restart']}").read_text())
+    os.kill(pid, signal.SIGKILL)
+    return time.time(), rows[-1]["step"]
+
+
 def kill_after(out: Path, ident: int, steps: int, timeout_s: float, procs=()) -> tuple[float, int]:
-    """SIGKILL process ``ident``'s first worker once it has recorded ``steps`` steps; returns the time of the kill
-    and the last step it recorded."""
+    """:func:`try_kill` as soon as it can; a launch that ends or a timeout first is an error."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        rows = read_records(out, ident)
-        if len(rows) >= steps:
-            pid = int((out / f"pid{ident}-{rows[-1]['restart']}").read_text())
-            os.kill(pid, signal.SIGKILL)
-            return time.time(), rows[-1]["step"]
+        killed = try_kill(out, ident, steps)
+        if killed:
+            return killed
         if any(p.poll() is not None for p in procs):
             break
         time.sleep(0.05)

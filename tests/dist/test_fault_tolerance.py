@@ -81,6 +81,39 @@ def test_survivor_trains_to_the_end_when_the_lost_replica_never_returns(tmp_path
     assert res["steps_alone"] == steps - res["kill_step"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S)
+def test_replica_groups_average_gradients_as_ddp(tmp_path):
+    """No kill: two replica groups under a lighthouse that waits for both train as 2-rank DDP on the same batches."""
+    steps, args = 20, ["--steps", "20", "--sleep", "0", "--width", "16", "--ckpt-every", "10"]
+    ft, ddp = tmp_path / "ft", tmp_path / "ddp"
+    lighthouse, address = job.start_lighthouse(min_replicas=2)  # the first quorum holds both groups
+    procs = []
+    try:
+        for path in (ft, ddp):
+            path.mkdir()
+        procs = [job.start_group(ft, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0)
+                 for g in range(2)]
+        procs.append(job.start_group(ddp, ["--mode", "ckpt", *args], group_id=None, num_groups=1, lighthouse=None,
+                                     max_restarts=0, nproc=2))
+        codes = job.wait_all(procs, timeout_s=RUN_S)
+    finally:
+        job.wait_all(procs, timeout_s=1)
+        lighthouse.kill()
+        lighthouse.wait()
+    assert codes == [0, 0, 0], codes
+    for rank in range(2):
+        got, want = job.read_records(ft, rank), job.read_records(ddp, rank)
+        assert [r["step"] for r in got] == list(range(1, steps + 1)) and all(r["participants"] == 2 for r in got)
+        assert len(want) == steps
+        # fp32 round-off only (torchft sums then divides, DDP divides then sums); a lost or unaveraged gradient is >1e-3
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(got, want)) <= 1e-5
+    ft_state = torch.load(ft / "ckpt-g1" / "last.ckpt", weights_only=False)
+    ddp_state = torch.load(ddp / "ckpt" / "last.ckpt", weights_only=False)
+    assert ft_state["global_step"] == ddp_state["global_step"] == steps
+    torch.testing.assert_close(ft_state["state_dict"], ddp_state["state_dict"], atol=1e-5, rtol=1e-5)
+
+
 def test_fault_tolerance_refuses_a_launch_without_torchft_variables(monkeypatch):
     from lightning_par.dp.ft import ReplicaGroup
 
@@ -94,6 +127,7 @@ def test_fault_tolerance_refuses_a_launch_without_torchft_variables(monkeypatch)
 
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("case, match", [
+    ("two ranks", r"ValueError: `fault_tolerance='torchft'` runs one rank per replica group \(this group has 2"),
     ("accumulate", r"ValueError: `fault_tolerance='torchft'` does not support `accumulate_grad_batches=2`: a step "
                    r"that loses a peer is retried"),
     ("manual", r"ValueError: `fault_tolerance='torchft'` supports automatic optimization only: Manual sets "
@@ -116,6 +150,7 @@ def test_fault_tolerance_refuses_at_setup_what_it_cannot_retry(case, match, monk
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
                          strategy=DataParallelStrategy(fault_tolerance="torchft", start_method="fork"),
                          accumulate_grad_batches=2 if case == "accumulate" else 1, enable_progress_bar=False)
+
     module = Manual() if case == "manual" else job.Regressor(width=8)
     with pytest.raises(ProcessRaisedException, match=match):  # on both ranks, before any replica exists
         trainer.fit(module, torch.utils.data.DataLoader(job.dataset(64), batch_size=8))
