@@ -179,8 +179,9 @@ class Replica:
         self._load_state_dict, self._received, self._joining = load_state_dict, False, False
         self.group, self.group_rank, self.group_world_size = group, group_rank, group_world_size
         self.intra_group = intra_group
+        self._pg = torchft.ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=torchft.ProcessGroupGloo(timeout=timeout), min_replica_size=min_replicas,
+            pg=self._pg, min_replica_size=min_replicas,
             load_state_dict=self._receive, state_dict=state_dict,
             use_async_quorum=False,  # a recovering replica takes the peer's state before its forward pass
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
@@ -245,4 +246,5 @@ class Replica:
                              f"and it rejoins with a peer's state.")
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
+        self.manager.shutdown(wait=False)  # its server, checkpoint transport and quorum thread
+        self._pg.shutdown()

@@ -30,6 +30,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
+ATTEMPT_ENV = "LIGHTNING_PAR_FT_ATTEMPT"  # a relaunch's attempt number (torchrun's restart count otherwise)
+
+
+def attempt() -> int:
+    """How many times this process's run was started before: relaunches plus torchrun's restarts."""
+    return int(os.environ.get(ATTEMPT_ENV, 0)) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 class Regressor(pl.LightningModule):
     def __init__(self, width: int = 32, lr: float = 1e-2):
         super().__init__()
@@ -91,7 +99,7 @@ class StepRecord(pl.Callback):
                "healed_at": replica.healed_at if replica else None, "epoch": trainer.current_epoch,
                "loss": float(outputs["loss"]), "time": time.time(), "before": self._before,
                "after": state_digest(pl_module, trainer.optimizers[0]),
-               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
+               "restart": attempt()}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         time.sleep(self.sleep_s)
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_par import DataParallelStrategy
 
     ident = os.environ.get("REPLICA_GROUP_ID", "0") if args.mode == "ft" else os.environ.get("RANK", "0")
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    restart = str(attempt())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"pid{ident}-{restart}").write_text(str(os.getpid()))
     if args.mode == "ft" and restart == "0":  # all groups start together (imports take seconds under load)
@@ -166,9 +174,10 @@ def start_lighthouse(min_replicas: int = 1, join_timeout_ms: int = 1000, heartbe
 
 
 def start_group(out: Path, job_args: list[str], *, group_id: int | None, num_groups: int, lighthouse: str | None,
-                max_restarts: int, nproc: int = 1) -> subprocess.Popen:
-    """One torchrun (its own store) running :func:`main`; ``group_id=None``: plain DDP over ``nproc`` ranks."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                max_restarts: int, nproc: int = 1, attempt: int = 0) -> subprocess.Popen:
+    """One torchrun (its own store) running :func:`main`; ``group_id=None``: plain DDP over ``nproc`` ranks;
+    ``attempt``: the how-manyth launch of the same run (a whole-job relaunch that resumes from its checkpoint)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)})
     if group_id is not None:
         env.update(REPLICA_GROUP_ID=str(group_id), NUM_REPLICA_GROUPS=str(num_groups), TORCHFT_LIGHTHOUSE=lighthouse)
     name = f"g{group_id}" if group_id is not None else "ckpt"

@@ -6,7 +6,13 @@ Three launches of the same job (:mod:`lightning_par.recipes._ft_job`, a plain Li
 1. ``DataParallelStrategy(fault_tolerance="torchft")``: ``torchft_lighthouse`` and two replica groups, one torchrun
    each; group 1's worker is SIGKILLed, its torchrun restarts it, it rejoins with group 0's state;
 2. plain DDP on 2 ranks (one torchrun), uninterrupted: the reference loss curve and throughput;
-3. the same DDP run killed at the same step: torchrun restarts both ranks and they resume from ``last.ckpt``.
+3. the same DDP run killed at the same step: the job is launched again and resumes from ``last.ckpt``.
+
+[Note: the checkpoint restart is a relaunch]
+Without fault tolerance a lost rank fails the whole job: torchrun stops the other rank, and the job starts again
+from its last checkpoint. The recipe relaunches it (a new torchrun, as a scheduler's requeue would) as soon as the
+killed launch has exited, rather than through torchrun's ``--max-restarts``: on this machine a restarted gloo
+rendezvous sometimes failed to connect (the new rank 1 refused by a stale address) when the cores were loaded.
 """
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ def _start(cfg, out: Path, mode: str, lighthouse: str | None = None) -> list:
         return [job.start_group(out, _job_args(cfg, "ft"), group_id=g, num_groups=2, lighthouse=lighthouse,
                                 max_restarts=1 if g == 1 else 0) for g in range(2)]
     return [job.start_group(out, _job_args(cfg, "ckpt"), group_id=None, num_groups=1, lighthouse=None,
-                            max_restarts=1, nproc=2)]
+                            max_restarts=0, nproc=2)]
 
 
 def _kill_both(cfg, targets: dict[str, Path], procs: list) -> dict[str, tuple[float, int]]:
@@ -86,6 +92,10 @@ def run(cfg, out_dir: Path, command: str) -> Report:
                  "ckpt": _start(cfg, dirs["ckpt"], "ckpt")}
         everything = [p for ps in procs.values() for p in ps]
         kills = _kill_both(cfg, {"torchft": dirs["torchft"], "ckpt": dirs["ckpt"]}, everything)
+        # [Note: the checkpoint restart is a relaunch]
+        job.wait_all(procs["ckpt"], timeout_s=cfg.timeout_s)
+        procs["ckpt"] = [job.start_group(dirs["ckpt"], _job_args(cfg, "ckpt"), group_id=None, num_groups=1,
+                                         lighthouse=None, max_restarts=0, nproc=2, attempt=1)]
         codes = {name: job.wait_all(ps, timeout_s=cfg.timeout_s) for name, ps in procs.items()}
     finally:
         for ps in procs.values():
@@ -100,7 +110,8 @@ def run(cfg, out_dir: Path, command: str) -> Report:
     after_kill = [r for r in alive if r["step"] >= kill_step]
     res["survivor_pause_s"] = after_kill[1]["time"] - after_kill[0]["time"] if len(after_kill) > 1 else None
     # steps before both groups were in one quorum (the first to start trains alone until the other joins)
-    res["steps_before_both_joined"] = min(r["step"] for r in job.read_records(dirs["torchft"], 1)) - 1
+    res["steps_before_both_joined"] = max(min(r["step"] for r in job.read_records(dirs["torchft"], g)
+                                              if r["restart"] == 0) for g in range(2)) - 1
     redo = [r for r in job.read_records(dirs["ckpt"], 0) if r["restart"] >= 1]
     res["ckpt_restart"] = {
         "kill_step": ckpt_kill_step, "resumed_from_step": redo[0]["step"] - 1 if redo else None,
