@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 
 FAULT_TOLERANCE = (None, "torchft")
 ENV_VARS = ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE")
@@ -148,13 +147,10 @@ class FellBehind(RuntimeError):
 
 
 def all_reduce_hook(replica: "Replica", bucket):  # no return annotation: DDP checks it, and it is a string here
-    """DDP communication hook: the bucket averaged within the replica group (DDP's own reduction), then over the
-    live replica groups (torchft's Manager, gloo). A lost peer does not raise here: the Manager records the
-    error and the step is retried ([Note: one step, committed exactly once])."""
+    """DDP communication hook: the bucket averaged over the live replica groups (torchft's Manager, gloo; one rank
+    per group). A lost peer does not raise here: the Manager records the error and the step is retried
+    ([Note: one step, committed exactly once])."""
     buffer = bucket.buffer()
-    if replica.group_world_size > 1:
-        dist.all_reduce(buffer, group=replica.intra_group)
-        buffer.div_(replica.group_world_size)
     replica.manager.allreduce(buffer).wait()  # AVG over the participants, in place
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(buffer)
@@ -171,14 +167,13 @@ class Replica:
 
     def __init__(self, group: ReplicaGroup, *, min_replicas: int, timeout_s: float, group_rank: int,
                  group_world_size: int, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
-                 step: int = 0, intra_group=None, max_retries: int = 10) -> None:
+                 step: int = 0, max_retries: int = 10) -> None:
         torchft = import_torchft()
         from torchft.manager import Manager
 
         timeout = datetime.timedelta(seconds=timeout_s)
         self._load_state_dict, self._received, self._joining = load_state_dict, False, False
         self.group, self.group_rank, self.group_world_size = group, group_rank, group_world_size
-        self.intra_group = intra_group
         self._pg = torchft.ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=self._pg, min_replica_size=min_replicas,

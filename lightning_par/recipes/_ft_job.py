@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--ft-timeout", type=float, default=30.0)
-    p.add_argument("--ckpt-every", type=int, default=10, help="ckpt mode: steps between checkpoints")
+    p.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="ft mode: resume from last.ckpt (a whole-job restart)")
     args = p.parse_args(argv)
     from lightning_par import DataParallelStrategy
 
@@ -131,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "ft":
         strategy = DataParallelStrategy(fault_tolerance="torchft", min_replicas=args.min_replicas,
                                         ft_timeout=args.ft_timeout)
-        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=10)
-        devices, resume = 1, None
+        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
+                                                  every_n_train_steps=args.ckpt_every)
+        devices, resume = 1, ("last" if args.resume else None)
     else:
         strategy = DataParallelStrategy(timeout=300)  # a restarted rank may wait for its peer's imports
         checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,

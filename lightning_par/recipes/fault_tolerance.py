@@ -64,15 +64,17 @@ def _start(cfg, out: Path, mode: str, lighthouse: str | None = None) -> list:
                             max_restarts=0, nproc=2)]
 
 
-def _kill_both(cfg, targets: dict[str, Path], procs: list) -> dict[str, tuple[float, int]]:
-    """SIGKILL process 1 of every launch in ``targets`` once it has recorded ``kill_after`` steps."""
+def _kill_both(cfg, targets: dict[str, Path], procs: dict[str, list]) -> dict[str, tuple[float, int]]:
+    """SIGKILL process 1 of every launch in ``targets`` once it has recorded ``kill_after`` steps (a launch that
+    ends before its kill is an error; a killed one may end)."""
     kills: dict[str, tuple[float, int]] = {}
     deadline = time.time() + cfg.timeout_s
     while len(kills) < len(targets):
         for name, out in targets.items():
             if name not in kills and (killed := job.try_kill(out, 1, cfg.kill_after)):
                 kills[name] = killed
-        if time.time() > deadline or any(p.poll() is not None for p in procs):
+        waiting = [p for name in targets if name not in kills for p in procs[name]]
+        if time.time() > deadline or any(p.poll() is not None for p in waiting):
             raise RuntimeError(f"{sorted(set(targets) - set(kills))} did not record {cfg.kill_after} steps "
                                f"(logs under {next(iter(targets.values())).parent})")
         time.sleep(0.05)
@@ -90,8 +92,7 @@ def run(cfg, out_dir: Path, command: str) -> Report:
     try:
         procs = {"torchft": _start(cfg, dirs["torchft"], "ft", address), "ddp": _start(cfg, dirs["ddp"], "ckpt"),
                  "ckpt": _start(cfg, dirs["ckpt"], "ckpt")}
-        everything = [p for ps in procs.values() for p in ps]
-        kills = _kill_both(cfg, {"torchft": dirs["torchft"], "ckpt": dirs["ckpt"]}, everything)
+        kills = _kill_both(cfg, {"torchft": dirs["torchft"], "ckpt": dirs["ckpt"]}, procs)
         # [Note: the checkpoint restart is a relaunch]
         job.wait_all(procs["ckpt"], timeout_s=cfg.timeout_s)
         procs["ckpt"] = [job.start_group(dirs["ckpt"], _job_args(cfg, "ckpt"), group_id=None, num_groups=1,

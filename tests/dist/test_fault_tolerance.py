@@ -114,6 +114,31 @@ def test_replica_groups_average_gradients_as_ddp(tmp_path):
     torch.testing.assert_close(ft_state["state_dict"], ddp_state["state_dict"], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S)
+def test_whole_job_restart_resumes_every_group_from_its_checkpoint(tmp_path):
+    """Both groups stop after 10 steps; relaunched with ckpt_path="last" they continue at step 11 in one quorum,
+    torchft's step taken from the checkpoint."""
+    procs = []
+    lighthouse, address = job.start_lighthouse(min_replicas=2)
+    try:
+        for attempt, steps in ((0, 10), (1, 16)):
+            args = ["--steps", str(steps), "--sleep", "0", "--width", "16", "--ckpt-every", "5", "--resume"]
+            procs = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0,
+                                     attempt=attempt) for g in range(2)]
+            assert job.wait_all(procs, timeout_s=RUN_S) == [0, 0], _logs(tmp_path, "g1")
+    finally:
+        job.wait_all(procs, timeout_s=1)
+        lighthouse.kill()
+        lighthouse.wait()
+    records = [job.read_records(tmp_path, g) for g in range(2)]
+    for rows in records:
+        assert [r["step"] for r in rows] == list(range(1, 17)) and [r["restart"] for r in rows] == [0] * 10 + [1] * 6
+        assert all(r["step"] == r["ft_step"] and r["participants"] == 2 for r in rows)
+        assert rows[10]["before"] == rows[9]["after"]  # resumed from the step-10 checkpoint exactly
+    assert [r["after"] for r in records[0]] == [r["after"] for r in records[1]]
+
+
 def test_fault_tolerance_refuses_a_launch_without_torchft_variables(monkeypatch):
     from lightning_par.dp.ft import ReplicaGroup
 
