@@ -11,8 +11,6 @@ import torch
 from harness import TIMEOUT_S
 from lightning_par.recipes import _ft_job as job
 
-pytest.importorskip("torchft")  # installed by the `test` extras; the skip only spares a bare checkout
-
 RUN_S = 200  # the whole launch; the tests' own timeout is above it
 
 
