@@ -154,3 +154,28 @@ def rich_available() -> bool:
 __all__ = ["DTensorSpec", "OpSchema", "OpSpec", "OpStrategy", "RuntimeSchemaInfo", "TupleStrategy",
            "expand_to_full_mesh_op_strategy", "generate_redistribute_costs", "tree_flatten", "tree_map",
            "tree_unflatten"]
+
+
+# -- Lightning's checkpoint connector (``trainer._checkpoint_connector``), for the fault-tolerant replicas ----------
+# A recovering replica takes a live peer's state as a checkpoint resume takes a file: Lightning's own
+# ``dump_checkpoint`` on the peer, and its own restore functions here (see lightning_par.strategies._fault_tolerance).
+
+def pending_checkpoint(trainer) -> dict:
+    """The checkpoint a run is resuming from, between Lightning's ``resume_start`` and ``resume_end`` ({} else)."""
+    return trainer._checkpoint_connector._loaded_checkpoint
+
+
+def dump_checkpoint(trainer) -> dict:
+    """Everything a ``.ckpt`` file holds, in memory (``_CheckpointConnector.dump_checkpoint``)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def restore_module_and_callbacks(trainer, checkpoint: dict) -> None:
+    """Make ``checkpoint`` the one being resumed and restore the module, datamodule and callbacks from it now;
+    Lightning restores the rest (precision, loops, optimizers, LR schedulers) from it after the strategy's
+    ``setup``, in ``restore_training_state``, as for a file given as ``ckpt_path``."""
+    connector = trainer._checkpoint_connector
+    connector._loaded_checkpoint = checkpoint
+    connector.restore_model()
+    connector.restore_datamodule()
+    connector.restore_callbacks()

@@ -58,6 +58,9 @@ class DataParallelStrategyConfig:
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
+    fault_tolerance: Optional[str] = None  # null | torchft (one torchrun per replica group, see README)
+    min_replicas: int = 1  # torchft: the fewest live replica groups a step commits with
+    ft_timeout: float = 60.0  # torchft: seconds to wait for a quorum, a peer's all-reduce or its state
 
 
 @dataclass

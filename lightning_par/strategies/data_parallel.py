@@ -35,8 +35,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
-from lightning_par.dp import comm_hooks, fsdp, zero
+from lightning_par.dp import comm_hooks, fsdp, ft, zero
 from lightning_par.strategies._base import ConsolidatingLauncher, as_timeout, check_start_method
+from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
 from lightning_par.dp import lr_scaling as scaling
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology, keep_loader_on_one_process
@@ -54,7 +55,7 @@ def _step_through_root(name: str, context: str):
     return step
 
 
-class DataParallelStrategy(RegisteredByName, DDPStrategy):
+class DataParallelStrategy(FaultTolerantReplicas, RegisteredByName, DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -76,6 +77,10 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
       step (per-device batch × accumulate_grad_batches), i.e. the factor is the world size (or its
       root). The factor is printed on rank 0, logged as hyper-parameter ``lr_scale_factor`` and
       available as :attr:`lr_scale_factor`.
+    - ``fault_tolerance``: ``None`` or ``"torchft"``: each torchrun job is one replica group of a torchft quorum
+      (:mod:`lightning_par.dp.ft`); gradients are averaged over the live groups, a lost group drops out while
+      at least ``min_replicas`` train on, and a restarted one rejoins with a live peer's state
+      (``ft_timeout``: seconds to wait for a quorum, a peer or its state).
 
     DDP settings (passed to ``DistributedDataParallel``, defaults as there): ``find_unused_parameters``,
     ``bucket_cap_mb`` (None: 25 MiB buckets after a 1 MiB first one), ``gradient_as_bucket_view``
@@ -106,6 +111,9 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         process_group_backend: str | None = None,
+        fault_tolerance: Literal["torchft"] | None = None,
+        min_replicas: int = 1,
+        ft_timeout: float = 60.0,
     ) -> None:
         # 1. validate everything before any process or collective exists
         comm_hooks.validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
@@ -115,6 +123,8 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
                                 bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
                                 static_graph=static_graph)
         scaling.validate_lr_scaling(lr_scaling, reference_batch_size)
+        ft.validate_fault_tolerance(fault_tolerance, min_replicas, ft_timeout, zero_stage=zero_stage,
+                                    comm_hook=comm_hook, static_graph=static_graph, lr_scaling=lr_scaling)
         check_start_method(start_method)
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or not bucket_cap_mb > 0):
@@ -125,7 +135,8 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
                             ("static_graph", static_graph)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}={value!r}` must be True or False.")
-        ddp_kwargs: dict[str, Any] = dict(find_unused_parameters=find_unused_parameters,
+        # [Note: forcing DDP's unused-parameter search] in lightning_par.dp.ft
+        ddp_kwargs: dict[str, Any] = dict(find_unused_parameters=find_unused_parameters or bool(fault_tolerance),
                                           gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
         if bucket_cap_mb is not None:  # None leaves DDP's own bucketing (as Lightning's DDPStrategy does)
             ddp_kwargs["bucket_cap_mb"] = float(bucket_cap_mb)
@@ -141,6 +152,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         self._restore_loader = lambda: None
         self._fsdp_units: list[str] | None = None  # set once the module is sharded (zero_stage >= 2)
         self._steps: fsdp.StepRunner | None = None
+        self._init_fault_tolerance(fault_tolerance, min_replicas, ft_timeout)
 
     # -- public state -------------------------------------------------------------------------------
 
@@ -190,9 +202,10 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
 
     def setup(self, trainer) -> None:
         # [Note: one process keeps the user's loader] in lightning_par/topology.py
-        self._restore_loader = keep_loader_on_one_process(trainer, self.world_size)
+        self._restore_loader = keep_loader_on_one_process(trainer, self.distributed_sampler_kwargs["num_replicas"])
         if self._zero_stage < 2:
-            return super().setup(trainer)
+            super().setup(trainer)
+            return self._join_replicas()
         # As DDPStrategy.setup, with FSDP in place of DDP in every trainer function ([Note: zero_stage 2 and 3 ...]).
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -234,6 +247,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         self._reshard()
 
     def teardown(self) -> None:
+        self._stop_replica()
         self._restore_loader()
         if self._fsdp_units is None:
             return super().teardown()
@@ -272,7 +286,9 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         """Register the chosen communication hook on every device type (Lightning: CUDA only; for bf16 on
-        a CPU build see [Note: bf16 hook on CPU] in :mod:`lightning_par.dp.comm_hooks`)."""
+        a CPU build see [Note: bf16 hook on CPU] in :mod:`lightning_par.dp.comm_hooks`); or torchft's."""
+        if self._start_replica(self.lightning_module.trainer):
+            return
         selected = comm_hooks.select_comm_hook(self._comm_hook, powersgd_rank=self._powersgd_rank,
                                                powersgd_start_iter=self._powersgd_start_iter,
                                                backend=torch.distributed.get_backend())

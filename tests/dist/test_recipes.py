@@ -32,6 +32,11 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
         for layout, curve in results["curves"].items():
             # fp32 round-off over a few AdamW steps; a wrong split or a lost gradient is off by >1e-3
             assert max(abs(a - b) for a, b in zip(curve, results["curves"]["single"])) < 1e-5, layout
+    if name == "fault_tolerance":
+        # the killed replica group came back, received the survivor's exact state, and both ended on the last step
+        assert results["killed"] and results["recovered"] and results["weights_equal_after_recovery"], results
+        assert results["steps_agree"] and results["final_step"] == 300 and results["steps_alone"] >= 1
+        assert results["recovery_s"] > 0 and results["ckpt_restart"]["steps_redone"] >= 1
     if name == "pipeline_bubble":
         for res in results.values():
             assert all(0 < b < 1 for b in res["per_rank_bubble"]) and len(res["per_rank_bubble"]) == res["p"]

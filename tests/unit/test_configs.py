@@ -316,3 +316,12 @@ def test_validate_at_last_step_validates_the_final_weights_once(accumulate):
     trainer.fit(model, datamodule=data)  # 16 batches per epoch: 3 optimizer steps end mid-epoch
     assert trainer.global_step == 3 and counter.at_steps == [3]
     assert "val_loss" in trainer.callback_metrics
+
+
+def test_fault_tolerance_from_the_command_line():
+    strategy = train.build_strategy(_compose("strategy.fault_tolerance=torchft", "strategy.min_replicas=2").strategy)
+    assert strategy.fault_tolerance == "torchft" and strategy._min_replicas == 2
+    from hydra.errors import InstantiationException
+
+    with pytest.raises(InstantiationException, match="`fault_tolerance='torchft'` does not support `zero_stage=1`"):
+        train.build_strategy(_compose("strategy.fault_tolerance=torchft", "strategy.zero_stage=1").strategy)

@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import DataParallelStrategy
-from lightning_par.dp import comm_hooks, fsdp, lr_scaling, zero
+from lightning_par.dp import comm_hooks, fsdp, ft, lr_scaling, zero
 
 # -- bad input: ValueError naming the value and the fix ---------------------------------------------
 
@@ -40,6 +40,21 @@ from lightning_par.dp import comm_hooks, fsdp, lr_scaling, zero
     (dict(timeout=float("inf")), r"`timeout=inf`"),
     (dict(bucket_cap_mb=-1), r"`bucket_cap_mb=-1` must be a positive number of MiB or None"),
     (dict(static_graph="yes"), r"`static_graph='yes'` must be True or False"),
+    (dict(fault_tolerance="torchelastic"), r"`fault_tolerance='torchelastic'` must be None \(off\) or 'torchft'"),
+    (dict(fault_tolerance=True), r"`fault_tolerance=True` must be None \(off\) or 'torchft'"),
+    (dict(fault_tolerance="torchft", min_replicas=0), r"`min_replicas=0` must be an integer >= 1: the fewest replica "
+                                                      r"groups a step may commit with"),
+    (dict(fault_tolerance="torchft", min_replicas=1.5), r"`min_replicas=1.5` must be an integer >= 1"),
+    (dict(fault_tolerance="torchft", ft_timeout=0), r"`ft_timeout=0` must be a finite positive number of seconds"),
+    (dict(fault_tolerance="torchft", zero_stage=2), r"`fault_tolerance='torchft'` does not support `zero_stage=2`: a "
+                                                    r"recovering replica receives the whole optimizer state.*FSDP"),
+    (dict(fault_tolerance="torchft", zero_stage=1), r"does not support `zero_stage=1`.*Use zero_stage=0"),
+    (dict(fault_tolerance="torchft", comm_hook="bf16"), r"does not support `comm_hook='bf16'`: the cross-replica "
+                                                        r"all-reduce is itself DDP's communication hook"),
+    (dict(fault_tolerance="torchft", static_graph=True), r"does not support `static_graph=True`: DDP rebuilds its "
+                                                         r"gradient buckets"),
+    (dict(fault_tolerance="torchft", lr_scaling="linear"), r"does not support `lr_scaling='linear'`: the number of "
+                                                           r"live replicas changes"),
 ])
 def test_bad_input_is_a_value_error_with_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -72,7 +87,7 @@ def test_fsdp_stages_before_setup():
         s.fsdp_units
 
 
-@pytest.mark.parametrize("module", [zero, fsdp])
+@pytest.mark.parametrize("module", [zero, fsdp, ft])
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -232,3 +247,12 @@ def test_optimizer_state_bytes_counts_tensors():
     opt.step()
     # exp_avg + exp_avg_sq (10 floats each) + the scalar step tensor
     assert zero.optimizer_state_bytes(opt) == 2 * 10 * 4 + opt.state[p]["step"].element_size()
+
+
+def test_fault_tolerance_defaults_and_the_ddp_it_configures():
+    off, on = DataParallelStrategy(), DataParallelStrategy(fault_tolerance="torchft", min_replicas=2)
+    assert off.fault_tolerance is None and on.fault_tolerance == "torchft"
+    # [Note: forcing DDP's unused-parameter search]: buckets are never rebuilt, so a restarted replica's match
+    assert on._ddp_kwargs["find_unused_parameters"] is True and off._ddp_kwargs["find_unused_parameters"] is False
+    with pytest.raises(RuntimeError, match="`replica` exists from Trainer.fit's setup on"):
+        on.replica

@@ -1,0 +1,260 @@
+"""One replica group's training job for the fault-tolerance runs, and the launcher that starts a lighthouse, the
+replica groups and the kill (used by ``lightning-par-recipe fault_tolerance`` and ``tests/dist/test_fault_tolerance.py``).
+
+    python -m lightning_par.recipes._ft_job --out DIR --steps 40             # under torchrun, one per replica group
+    python -m lightning_par.recipes._ft_job --mode ckpt --out DIR --steps 40  # 2 ranks of plain DDP, resumed from disk
+
+The module is a plain ``LightningModule`` (an MLP regressor, AdamW with a per-step LR schedule): nothing in it
+knows lightning_par. Every process appends one JSON line per optimizer step to ``DIR/rec<id>.jsonl`` (``id`` =
+REPLICA_GROUP_ID, or the rank in ``ckpt`` mode): the step (Lightning's ``global_step`` and torchft's), the live
+replica groups, the loss, the wall clock, and sha256 digests of the parameters and optimizer state at the step's
+start and end (equal digests = bit-equal states). ``DIR/pid<id>-<restart>`` holds the worker's pid, which the
+launcher SIGKILLs.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+ATTEMPT_ENV = "LIGHTNING_PAR_FT_ATTEMPT"  # a relaunch's attempt number (torchrun's restart count otherwise)
+
+
+def attempt() -> int:
+    """How many times this process's run was started before: relaunches plus torchrun's restarts."""
+    return int(os.environ.get(ATTEMPT_ENV, 0)) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, width: int = 32, lr: float = 1e-2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                 nn.Linear(width, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, prog_bar=False)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def dataset(n: int = 1024, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    y = torch.sin(x[:, :4].sum(1, keepdim=True)) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def state_digest(module: nn.Module, optimizer) -> str:
+    """sha256 over every parameter's and optimizer-state tensor's bytes and the groups' hyper-parameters."""
+    h = hashlib.sha256()
+    for name, p in module.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    sd = optimizer.state_dict()
+    for idx in sorted(sd["state"]):
+        for key in sorted(sd["state"][idx]):
+            v = sd["state"][idx][key]
+            h.update(f"{idx}.{key}".encode())
+            h.update(v.cpu().contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
+    h.update(repr([{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]).encode())
+    return h.hexdigest()
+
+
+class StepRecord(pl.Callback):
+    """One JSON line per optimizer step (see the module's doc); ``sleep_s`` after each makes steps last."""
+
+    def __init__(self, path: Path, sleep_s: float):
+        self.path, self.sleep_s = path, sleep_s
+
+    def _replica(self, trainer):
+        return getattr(trainer.strategy, "_replica", None)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = state_digest(pl_module, trainer.optimizers[0])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        replica = self._replica(trainer)
+        row = {"step": trainer.global_step, "ft_step": replica.step if replica else None,
+               "participants": replica.participants if replica else None,
+               "healed_at": replica.healed_at if replica else None, "epoch": trainer.current_epoch,
+               "loss": float(outputs["loss"]), "time": time.time(), "before": self._before,
+               "after": state_digest(pl_module, trainer.optimizers[0]),
+               "restart": attempt()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        time.sleep(self.sleep_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=("ft", "ckpt"), default="ft")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--sleep", type=float, default=0.1, help="seconds after every step")
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--ft-timeout", type=float, default=30.0)
+    p.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="ft mode: resume from last.ckpt (a whole-job restart)")
+    args = p.parse_args(argv)
+    from lightning_par import DataParallelStrategy
+
+    ident = os.environ.get("REPLICA_GROUP_ID", "0") if args.mode == "ft" else os.environ.get("RANK", "0")
+    restart = str(attempt())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"pid{ident}-{restart}").write_text(str(os.getpid()))
+    if args.mode == "ft" and restart == "0":  # all groups start together (imports take seconds under load)
+        _wait_for(lambda: all((args.out / f"pid{g}-0").exists()
+                              for g in range(int(os.environ["NUM_REPLICA_GROUPS"]))), timeout_s=300)
+    torch.manual_seed(int(restart))  # a restarted process starts from other weights: a peer's must replace them
+    ckpt_dir = args.out / (f"ckpt-g{ident}" if args.mode == "ft" else "ckpt")
+    if args.mode == "ft":
+        strategy = DataParallelStrategy(fault_tolerance="torchft", min_replicas=args.min_replicas,
+                                        ft_timeout=args.ft_timeout)
+        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
+                                                  every_n_train_steps=args.ckpt_every)
+        devices, resume = 1, ("last" if args.resume else None)
+    else:
+        strategy = DataParallelStrategy(timeout=300)  # a restarted rank may wait for its peer's imports
+        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
+                                                  every_n_train_steps=args.ckpt_every)
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        resume = "last" if (ckpt_dir / "last.ckpt").exists() else None
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps,
+                         callbacks=[StepRecord(args.out / f"rec{ident}.jsonl", args.sleep), checkpoint],
+                         logger=pl.loggers.CSVLogger(args.out, name=f"logs{ident}"), enable_progress_bar=False,
+                         enable_model_summary=False, log_every_n_steps=1)
+    loader = DataLoader(dataset(), batch_size=args.batch, shuffle=True)
+    trainer.fit(Regressor(width=args.width), loader, ckpt_path=resume)
+
+
+def _wait_for(condition, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        if time.time() > deadline:
+            raise TimeoutError(f"waited {timeout_s} s for the other replica groups to start")
+        time.sleep(0.05)
+
+
+# -- the launcher --------------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_lighthouse(min_replicas: int = 1, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 2000):
+    """``torchft_lighthouse`` (the console script of torchft's wheel) on a free port: (process, its address)."""
+    port = free_port()
+    exe = Path(sys.executable).with_name("torchft_lighthouse")
+    cmd = [str(exe) if exe.exists() else "torchft_lighthouse", "--min_replicas", str(min_replicas),
+           "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+           "--quorum_tick_ms", "20", "--bind", f"[::]:{port}"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), f"http://localhost:{port}"
+
+
+def start_group(out: Path, job_args: list[str], *, group_id: int | None, num_groups: int, lighthouse: str | None,
+                max_restarts: int, nproc: int = 1, attempt: int = 0) -> subprocess.Popen:
+    """One torchrun (its own store) running :func:`main`; ``group_id=None``: plain DDP over ``nproc`` ranks;
+    ``attempt``: the how-manyth launch of the same run (a whole-job relaunch that resumes from its checkpoint)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)})
+    if group_id is not None:
+        env.update(REPLICA_GROUP_ID=str(group_id), NUM_REPLICA_GROUPS=str(num_groups), TORCHFT_LIGHTHOUSE=lighthouse)
+    name = f"g{group_id}" if group_id is not None else "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(max_restarts), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--monitor-interval", "0.2", "-m", "lightning_par.recipes._ft_job", "--out", str(out), *job_args]
+    log = (out / f"torchrun-{name}.log").open("ab")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def read_records(out: Path, ident: int) -> list[dict]:
+    path = out / f"rec{ident}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def try_kill(out: Path, ident: int, steps: int) -> tuple[float, int] | None:
+    """SIGKILL process ``ident``'s worker if it has recorded ``steps`` steps: (time of the kill, its last step)."""
+    rows = read_records(out, ident)
+    if len(rows) < steps:
+        return None
+    pid = int((out / f"pid{ident}-{rows[-1]['restart']}").read_text())
+    os.kill(pid, signal.SIGKILL)
+    return time.time(), rows[-1]["step"]
+
+
+def kill_after(out: Path, ident: int, steps: int, timeout_s: float, procs=()) -> tuple[float, int]:
+    """:func:`try_kill` as soon as it can; a launch that ends or a timeout first is an error."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        killed = try_kill(out, ident, steps)
+        if killed:
+            return killed
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"process {ident} did not record {steps} steps in {timeout_s:.0f} s (logs in {out})")
+
+
+def summarize_kill(out: Path, *, survivor: int, killed: int, kill_time: float, kill_step: int) -> dict:
+    """What a kill of replica group ``killed`` did, from the records (see the module's doc)."""
+    alive, lost = read_records(out, survivor), read_records(out, killed)
+    back = [r for r in lost if r["restart"] >= 1]
+    by_step = {r["step"]: r for r in alive}
+    first = back[0] if back else None
+    common = [r for r in back if r["step"] in by_step]
+    return {
+        "killed": any(r["restart"] == 0 for r in lost),
+        "recovered": bool(first and first["healed_at"] is not None and first["healed_at"] >= kill_step),
+        "heal_step": first["healed_at"] if first else None,
+        # the rejoined replica's parameters and optimizer state at the start of its first step, and after every
+        # step from then on, are bit-equal to the survivor's
+        "weights_equal_after_recovery": bool(common) and common[0] is first
+        and first["before"] == by_step[first["step"]]["before"]
+        and all(r["after"] == by_step[r["step"]]["after"] for r in common),
+        "steps_agree": all(r["step"] == r["ft_step"] for r in alive + lost),  # global_step == torchft's step
+        "final_step": min(alive[-1]["step"], lost[-1]["step"]) if back else alive[-1]["step"],
+        "steps_alone": sum(1 for r in alive if r["step"] > kill_step and r["participants"] == 1),
+        "recovery_s": first["time"] - kill_time if first else None,
+        "kill_step": kill_step,
+    }
+
+
+def wait_all(procs, timeout_s: float) -> list[int]:
+    """Exit codes of ``procs`` (each killed with its session if still running after ``timeout_s``)."""
+    deadline, codes = time.time() + timeout_s, []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            codes.append(proc.wait())
+    return codes
+
+
+if __name__ == "__main__":
+    main()
