@@ -53,6 +53,7 @@ class DataParallelStrategyConfig:
     reference_batch_size: Optional[int] = None
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
+    nonfinite: str = "error"  # error (stop, naming the value) | skip (skip that optimizer step on every rank)
     find_unused_parameters: bool = False
     bucket_cap_mb: Optional[float] = None  # null: DDP's default (25 MiB)
     gradient_as_bucket_view: bool = False
@@ -75,6 +76,7 @@ class PipelineStrategyConfig:
     save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
+    nonfinite: str = "error"  # error | skip: a NaN / inf loss or gradient stops training or skips the step
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
 
 
@@ -91,6 +93,7 @@ class TensorStrategyConfig:
     save_distributed_checkpoint: bool = False
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
+    nonfinite: str = "error"  # error | skip: a NaN / inf loss or gradient stops training or skips the step
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_par.checkpoint import is_distributed_checkpoint, save_distributed
+from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology
 
@@ -42,7 +43,7 @@ def check_flags(**flags: Any) -> None:
             raise ValueError(f"`{name}={value!r}` must be True or False.")
 
 
-class LayoutStrategy(RegisteredByName, DDPStrategy):
+class LayoutStrategy(NonFiniteChecks, RegisteredByName, DDPStrategy):
     """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
     subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, and
     checkpoints as one file or, with ``save_distributed_checkpoint=True``, as a DCP directory (see
@@ -51,8 +52,10 @@ class LayoutStrategy(RegisteredByName, DDPStrategy):
 
     def __init__(self, *, save_distributed_checkpoint: bool, start_method: str, timeout: Union[float, timedelta],
                  accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
-                 precision_plugin=None, process_group_backend: Optional[str] = None) -> None:
+                 precision_plugin=None, process_group_backend: Optional[str] = None,
+                 nonfinite: str = "error") -> None:
         check_flags(save_distributed_checkpoint=save_distributed_checkpoint)
+        self._set_nonfinite(nonfinite)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,

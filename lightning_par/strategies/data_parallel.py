@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par.dp import comm_hooks, fsdp, zero
 from lightning_par.strategies._base import as_timeout, check_start_method
+from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.dp import lr_scaling as scaling
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.strategies.tensor_parallel import _ConsolidatingLauncher
@@ -56,7 +57,7 @@ def _step_through_root(name: str, context: str):
     return step
 
 
-class DataParallelStrategy(RegisteredByName, DDPStrategy):
+class DataParallelStrategy(NonFiniteChecks, RegisteredByName, DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -103,6 +104,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         reference_batch_size: int | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: float | datetime.timedelta = 1800.0,
+        nonfinite: Literal["error", "skip"] = "error",
         find_unused_parameters: bool = False,
         bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = False,
@@ -118,6 +120,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
                                 static_graph=static_graph)
         scaling.validate_lr_scaling(lr_scaling, reference_batch_size)
         check_start_method(start_method)
+        self._set_nonfinite(nonfinite)
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or not bucket_cap_mb > 0):
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB or None (DDP's "

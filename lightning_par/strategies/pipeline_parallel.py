@@ -63,6 +63,7 @@ class PipelineParallelStrategy(LayoutStrategy):
         save_distributed_checkpoint: bool = False,
         start_method: str = "popen",
         timeout: Union[float, timedelta] = 1800.0,
+        nonfinite: str = "error",
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -77,7 +78,7 @@ class PipelineParallelStrategy(LayoutStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method, timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-        )
+            nonfinite=nonfinite)
         self._pp_size, self._dp_size = pipeline_parallel_size, data_parallel_size
         self._microbatches, self._schedule, self._stages_per_rank = microbatches, schedule, stages_per_rank
         self._blocks, self._balance = blocks, list(balance) if not isinstance(balance, str) else balance

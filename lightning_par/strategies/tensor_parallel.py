@@ -71,6 +71,7 @@ class TensorParallelStrategy(LayoutStrategy):
         save_distributed_checkpoint: bool = False,
         start_method: str = "popen",
         timeout: Union[float, int, timedelta] = DEFAULT_TIMEOUT_S,
+        nonfinite: str = "error",
         process_group_backend: Optional[str] = None,
         accelerator=None,
         parallel_devices=None,
@@ -85,7 +86,8 @@ class TensorParallelStrategy(LayoutStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
                          timeout=timeout, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend)
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         nonfinite=nonfinite)
         self._tp_size, self._dp_size = tensor_parallel_size, data_parallel_size
         self._plan_arg = plan
         self._sequence_parallel, self._loss_parallel = sequence_parallel, loss_parallel

@@ -1,0 +1,32 @@
+"""No processes: the non-finite checks (lightning_par.nonfinite) and the `nonfinite` argument's refusal."""
+import doctest
+
+import pytest
+import torch
+
+from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy, nonfinite
+
+
+def test_docstring_examples():
+    result = doctest.testmod(nonfinite)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_first_bad_gradient_in_parameter_order_is_named():
+    grads = [("a", torch.ones(3)), ("b", None), ("c", torch.tensor([float("inf"), 1.0])),
+             ("d", torch.tensor([float("nan")]))]
+    assert nonfinite.find_nonfinite(None, grads) == ["gradient of `c` is inf"]
+    assert nonfinite.find_nonfinite(torch.tensor(float("-inf")), []) == ["loss is -inf"]
+    assert nonfinite.kind_of(torch.tensor([float("inf"), float("nan")])) == "nan"  # NaN wins
+
+
+def test_one_process_agrees_with_itself():
+    assert nonfinite.agree(["loss is nan"], where="rank 0", device=torch.device("cpu")) == ["loss is nan on rank 0"]
+    assert nonfinite.agree([], where="rank 0", device=torch.device("cpu")) == []
+
+
+@pytest.mark.parametrize("cls", [DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy])
+def test_nonfinite_must_be_error_or_skip(cls):
+    with pytest.raises(ValueError, match=r"`nonfinite='ignore'` must be 'error' .* or 'skip'"):
+        cls(nonfinite="ignore")
+    assert cls(nonfinite="skip")._nonfinite == "skip"
