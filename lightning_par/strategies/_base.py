@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_par.checkpoint import is_distributed_checkpoint, save_distributed
 from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.strategies._registry import RegisteredByName
+from lightning_par.strategies._waits import NamedWaits
 from lightning_par.topology import Topology
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -43,7 +44,7 @@ def check_flags(**flags: Any) -> None:
             raise ValueError(f"`{name}={value!r}` must be True or False.")
 
 
-class LayoutStrategy(NonFiniteChecks, RegisteredByName, DDPStrategy):
+class LayoutStrategy(NonFiniteChecks, NamedWaits, RegisteredByName, DDPStrategy):
     """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
     subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, and
     checkpoints as one file or, with ``save_distributed_checkpoint=True``, as a DCP directory (see

@@ -30,3 +30,19 @@ def test_nonfinite_must_be_error_or_skip(cls):
     with pytest.raises(ValueError, match=r"`nonfinite='ignore'` must be 'error' .* or 'skip'"):
         cls(nonfinite="ignore")
     assert cls(nonfinite="skip")._nonfinite == "skip"
+
+
+def test_waits_name_the_operation_and_leave_other_errors_alone():
+    from lightning_par import waits
+
+    assert doctest.testmod(waits).failed == 0
+    with pytest.raises(waits.CommunicationError, match=r"^DDP's all-reduce did not complete: Read error .*Connection "
+                                                      r"reset by peer\. A rank of the group stopped answering"):
+        with waits.named_wait("DDP's all-reduce"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:25778: Connection reset by peer")
+    with pytest.raises(ValueError, match="user's own"):  # not a communication failure: untouched
+        with waits.named_wait("anything"):
+            raise ValueError("user's own")
+    with pytest.raises(RuntimeError, match="^timeout of my own$"):
+        with waits.named_wait("anything"):
+            raise RuntimeError("timeout of my own")
