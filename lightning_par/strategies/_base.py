@@ -12,7 +12,9 @@ from typing import Any, Optional, Union
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
+from lightning_par.atomic import write_directory
 from lightning_par.checkpoint import is_distributed_checkpoint, save_distributed
+from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.strategies._waits import NamedWaits
@@ -44,7 +46,7 @@ def check_flags(**flags: Any) -> None:
             raise ValueError(f"`{name}={value!r}` must be True or False.")
 
 
-class LayoutStrategy(NonFiniteChecks, NamedWaits, RegisteredByName, DDPStrategy):
+class LayoutStrategy(AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName, DDPStrategy):
     """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
     subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, and
     checkpoints as one file or, with ``save_distributed_checkpoint=True``, as a DCP directory (see
@@ -92,8 +94,8 @@ class LayoutStrategy(NonFiniteChecks, NamedWaits, RegisteredByName, DDPStrategy)
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = self.broadcast(str(filepath))
-        save_distributed(path, checkpoint, is_rank_zero=self.is_global_zero)
-        self.barrier("save_distributed_checkpoint")
+        write_directory(path, lambda tmp: save_distributed(tmp, checkpoint, is_rank_zero=self.is_global_zero),
+                        publisher=self.is_global_zero, barrier=lambda: self.barrier("save_distributed_checkpoint"))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par.dp import comm_hooks, fsdp, zero
 from lightning_par.strategies._base import as_timeout, check_start_method
+from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.strategies._waits import NamedWaits
 from lightning_par.dp import lr_scaling as scaling
@@ -58,7 +59,7 @@ def _step_through_root(name: str, context: str):
     return step
 
 
-class DataParallelStrategy(NonFiniteChecks, NamedWaits, RegisteredByName, DDPStrategy):
+class DataParallelStrategy(AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName, DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
