@@ -88,7 +88,9 @@ class DataParallelStrategy(AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredB
     step uses the same parameters: lets DDP skip per-step graph bookkeeping).
     ``start_method``: ``"popen"`` (Lightning's default, re-runs the script per rank), ``"spawn"``,
     ``"fork"`` (fast on CPU; never after CUDA is initialised) or ``"forkserver"``. ``timeout``: seconds
-    (or a timedelta) before a collective gives up. ``process_group_backend``: ``None`` picks gloo for
+    (or a timedelta) before a collective gives up. ``nonfinite``: ``"error"`` (a NaN / inf loss or gradient
+    stops training, naming it) or ``"skip"`` (that optimizer step is skipped on every rank); see
+    [Note: non-finite values] in :mod:`lightning_par.nonfinite`. ``process_group_backend``: ``None`` picks gloo for
     CPU and NCCL for CUDA.
     """
 

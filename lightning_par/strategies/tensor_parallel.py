@@ -55,6 +55,8 @@ class TensorParallelStrategy(LayoutStrategy):
         save_distributed_checkpoint: write ``torch.distributed.checkpoint`` directories instead of one file.
         start_method: ``"popen"`` (as DDPStrategy), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         timeout: collective timeout in seconds (or a ``timedelta``).
+        nonfinite: ``"error"`` (stop at a NaN / inf loss or gradient, naming it) or ``"skip"`` (skip that step
+            on every rank); see [Note: non-finite values] in :mod:`lightning_par.nonfinite`.
     """
 
     strategy_name = "tensor_parallel"
