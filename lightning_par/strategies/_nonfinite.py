@@ -21,7 +21,8 @@ class NonFiniteChecks:
     [Note: checking inside the closure] Every torch optimizer, the ``GradScaler`` path of ``16-mixed`` and
     ``ZeroRedundancyOptimizer`` call the closure before they change anything, so the check runs at the end
     of the closure: an error leaves the weights as they were, and a skip leaves ``optimizer.step`` by an
-    exception caught here. Optimizers that call the closure several times (LBFGS) get every call checked.
+    exception caught here. An optimizer that calls the closure again after updating (LBFGS) has every call
+    checked; a skip there keeps the updates of the step's earlier calls.
     """
 
     _nonfinite = "error"
