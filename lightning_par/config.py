@@ -53,6 +53,7 @@ class DataParallelStrategyConfig:
     reference_batch_size: Optional[int] = None
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
+    nonfinite: str = "error"  # error (stop, naming the value) | skip (skip that optimizer step on every rank)
     find_unused_parameters: bool = False
     bucket_cap_mb: Optional[float] = None  # null: DDP's default (25 MiB)
     gradient_as_bucket_view: bool = False
@@ -79,6 +80,7 @@ class PipelineStrategyConfig:
     save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
+    nonfinite: str = "error"  # error | skip: a NaN / inf loss or gradient stops training or skips the step
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
 
 
@@ -96,6 +98,7 @@ class TensorStrategyConfig:
     save_distributed_checkpoint: bool = False
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
+    nonfinite: str = "error"  # error | skip: a NaN / inf loss or gradient stops training or skips the step
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
 
 
@@ -117,6 +120,7 @@ class HybridStrategyConfig:
     plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
     sequence_parallel: bool = False  # one stage only, for now
     loss_parallel: bool = False  # one stage only, for now
+    nonfinite: str = "error"  # error | skip
     save_distributed_checkpoint: bool = False
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer

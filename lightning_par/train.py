@@ -26,6 +26,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_par  # noqa: F401  (registers the strategy names)
@@ -186,6 +187,28 @@ def summary_lines(metrics: dict[str, Any], loss_floor: float | None) -> list[str
     ]
 
 
+def resume_path(cfg: DictConfig) -> str | None:
+    """The checkpoint ``fit`` resumes from: ``cfg.ckpt_path``, or ``"last"`` when torchrun restarted this run.
+
+    [Note: restarts resume by themselves]
+    ``torchrun --max-restarts=N`` restarts every worker of a run in which one failed, with the same
+    arguments, the same rendezvous id (so the same run dir, [Note: one run dir per launch]) and
+    ``TORCHELASTIC_RESTART_COUNT`` counting the restarts. A restarted run with no ``ckpt_path`` of its own
+    resumes from the run dir's last checkpoint (Lightning's ``ckpt_path="last"``), which is complete
+    whatever moment the failure hit ([Note: atomic checkpoints] in lightning_par/atomic.py). A first
+    launch with ``ckpt_path=last`` and no checkpoint yet starts afresh (Lightning warns), so ``ckpt_path=last``
+    also serves a scheduler that requeues the same command (SLURM's ``--requeue``) with a fixed ``hydra.run.dir``.
+    """
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torch#135712: workers of a restart find the addresses of the failed ones in torchrun's shared store
+        rank_zero_warn("torchrun shares its rendezvous store with the workers, so a restarted run may fail to "
+                       "connect (it can read the failed workers' addresses; torch issue 135712). Launch torchrun "
+                       "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment for restarts that reconnect.")
+    if cfg.ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return "last"
+    return cfg.ckpt_path
+
+
 def run(cfg: DictConfig, run_dir: str | os.PathLike) -> dict[str, float]:
     """Build everything from ``cfg``, fit (validating at the end), print the summary on rank 0; return the metrics."""
     check_keys(cfg)
@@ -201,7 +224,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> dict[str, float]:
     if cfg.metrics:
         callbacks.append(ParallelMetrics())
     trainer = pl.Trainer(strategy=strategy, **trainer_kw)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=resume_path(cfg))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         _print_summary(metrics, getattr(datamodule, "loss_floor", None), run_dir)

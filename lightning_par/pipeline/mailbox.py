@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_par.waits import named_wait
+
 MIN_CAPACITY = 256  # bytes of the pre-posted message before any payload has been seen (a loss and a log fit)
 _LEN = 8  # the payload's length, little-endian int64, leads the message
 
@@ -104,20 +106,23 @@ class ResultMailbox:
         self.post()
         work, buf = self._posted
         self._posted = None
-        work.wait()
-        buf = buf.cpu()
-        n = int(buf[:_LEN].view(torch.int64)[0])
-        if n <= self.capacity - _LEN:
-            data = buf[_LEN:_LEN + n]
-        else:
-            data = torch.empty(n, dtype=torch.uint8, device=self.device)
-            dist.recv(data, self.sender, group=self.group)
-            data = data.cpu()
+        with named_wait(f"pipeline receive of the step's result from the last stage (rank {self.sender})",
+                        peer=self.sender):  # [Note: every wait bounded] in lightning_par/waits.py
+            work.wait()
+            buf = buf.cpu()
+            n = int(buf[:_LEN].view(torch.int64)[0])
+            if n <= self.capacity - _LEN:
+                data = buf[_LEN:_LEN + n]
+            else:
+                data = torch.empty(n, dtype=torch.uint8, device=self.device)
+                dist.recv(data, self.sender, group=self.group)
+                data = data.cpu()
         self.capacity = capacity_after(n)
         return pickle.loads(data.numpy().tobytes())
 
     def finish(self) -> None:
         """The sender: wait until every receiver has taken this step's message."""
-        for work, _ in self._works:
-            work.wait()
+        with named_wait(f"pipeline send of the step's result to ranks {self.receivers}"):
+            for work, _ in self._works:
+                work.wait()
         self._works.clear()

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_par.waits import named_wait
+
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
 _MAX_DIMS = 8
@@ -164,7 +166,13 @@ def recv_bundle(src: int, device: torch.device, count: int = 1, tag: int = 0, gr
     if posted is None:
         posted = post_recv_bundle(src, device, count, tag=tag, group=group)
     work, buf, count, framed = posted
-    work.wait()
+    with named_wait(f"pipeline receive of an activation from rank {src}", peer=src):  # [Note: every wait bounded]
+        work.wait()
+        return _received(buf, src, device, count, tag, group, framed)
+
+
+def _received(buf, src: int, device, count: int, tag: int, group, framed: bool) -> list[torch.Tensor | None]:
+    """The bundle whose headers (``framed``: and data) arrived in ``buf``; what did not is received now."""
     start = count * _HEADER_BYTES
     likes, refill = _announced(buf[:start], count)
     if framed and not refill:
@@ -219,11 +227,17 @@ def post_recv_grads(likes: list[torch.Tensor], src: int, tag: int = 0, group=Non
 
 def recv_grads(likes: list[torch.Tensor], src: int, tag: int = 0, group=None) -> list[torch.Tensor]:
     work, grads = post_recv_grads(likes, src, tag=tag, group=group)
-    work.wait()
+    wait_grads(work, src)
     return grads
 
 
-def wait_all(works: list) -> None:
-    for work, _ in works:
+def wait_grads(work, src: int) -> None:
+    with named_wait(f"pipeline receive of a gradient from rank {src}", peer=src):
         work.wait()
+
+
+def wait_all(works: list) -> None:
+    with named_wait("pipeline sends of this step (activations, gradients)"):
+        for work, _ in works:
+            work.wait()
     works.clear()

@@ -442,7 +442,7 @@ class StageRuntime:
             return p2p.recv_grads(outs, self.ranks[k + 1], tag=self._tag(1, k, microbatch),
                                   group=self._group("grad", k + 1, k))
         work, grads = posted
-        work.wait()
+        p2p.wait_grads(work, self.ranks[k + 1])
         self._post_next_gradient()
         return grads
 

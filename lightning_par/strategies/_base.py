@@ -16,9 +16,13 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par._compat import multiprocessing_launcher
+from lightning_par.atomic import write_directory
 from lightning_par.checkpoint import full_state, is_distributed_checkpoint, save_distributed
 from lightning_par.dp.zero import validate_zero_stage
+from lightning_par.strategies._checkpoint_io import AtomicSaves
+from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.strategies._registry import RegisteredByName
+from lightning_par.strategies._waits import NamedWaits
 from lightning_par.topology import Topology
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -57,7 +61,7 @@ def check_flags(**flags: Any) -> None:
             raise ValueError(f"`{name}={value!r}` must be True or False.")
 
 
-class LayoutStrategy(RegisteredByName, DDPStrategy):
+class LayoutStrategy(AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName, DDPStrategy):
     """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
     subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, and
     checkpoints as one file or, with ``save_distributed_checkpoint=True``, as a DCP directory (see
@@ -66,8 +70,10 @@ class LayoutStrategy(RegisteredByName, DDPStrategy):
 
     def __init__(self, *, save_distributed_checkpoint: bool, start_method: str, timeout: Union[float, timedelta],
                  accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
-                 precision_plugin=None, process_group_backend: Optional[str] = None) -> None:
+                 precision_plugin=None, process_group_backend: Optional[str] = None,
+                 nonfinite: str = "error") -> None:
         check_flags(save_distributed_checkpoint=save_distributed_checkpoint)
+        self._set_nonfinite(nonfinite)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -113,8 +119,8 @@ class LayoutStrategy(RegisteredByName, DDPStrategy):
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = self.broadcast(str(filepath))
-        save_distributed(path, checkpoint, is_rank_zero=self.is_global_zero)
-        self.barrier("save_distributed_checkpoint")
+        write_directory(path, lambda tmp: save_distributed(tmp, checkpoint, is_rank_zero=self.is_global_zero),
+                        publisher=self.is_global_zero, barrier=lambda: self.barrier("save_distributed_checkpoint"))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))

@@ -37,7 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
 from lightning_par.dp import comm_hooks, fsdp, ft, zero
 from lightning_par.strategies._base import ConsolidatingLauncher, as_timeout, check_start_method
+from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
+from lightning_par.strategies._nonfinite import NonFiniteChecks
+from lightning_par.strategies._waits import NamedWaits
 from lightning_par.dp import lr_scaling as scaling
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology, keep_loader_on_one_process
@@ -55,7 +58,8 @@ def _step_through_root(name: str, context: str):
     return step
 
 
-class DataParallelStrategy(FaultTolerantReplicas, RegisteredByName, DDPStrategy):
+class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName,
+                           DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -88,7 +92,9 @@ class DataParallelStrategy(FaultTolerantReplicas, RegisteredByName, DDPStrategy)
     step uses the same parameters: lets DDP skip per-step graph bookkeeping).
     ``start_method``: ``"popen"`` (Lightning's default, re-runs the script per rank), ``"spawn"``,
     ``"fork"`` (fast on CPU; never after CUDA is initialised) or ``"forkserver"``. ``timeout``: seconds
-    (or a timedelta) before a collective gives up. ``process_group_backend``: ``None`` picks gloo for
+    (or a timedelta) before a collective gives up. ``nonfinite``: ``"error"`` (a NaN / inf loss or gradient
+    stops training, naming it) or ``"skip"`` (that optimizer step is skipped on every rank); see
+    [Note: non-finite values] in :mod:`lightning_par.nonfinite`. ``process_group_backend``: ``None`` picks gloo for
     CPU and NCCL for CUDA.
     """
 
@@ -106,6 +112,7 @@ class DataParallelStrategy(FaultTolerantReplicas, RegisteredByName, DDPStrategy)
         reference_batch_size: int | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: float | datetime.timedelta = 1800.0,
+        nonfinite: Literal["error", "skip"] = "error",
         find_unused_parameters: bool = False,
         bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = False,
@@ -126,6 +133,7 @@ class DataParallelStrategy(FaultTolerantReplicas, RegisteredByName, DDPStrategy)
         ft.validate_fault_tolerance(fault_tolerance, min_replicas, ft_timeout, zero_stage=zero_stage,
                                     comm_hook=comm_hook, static_graph=static_graph, lr_scaling=lr_scaling)
         check_start_method(start_method)
+        self._set_nonfinite(nonfinite)
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or not bucket_cap_mb > 0):
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB or None (DDP's "

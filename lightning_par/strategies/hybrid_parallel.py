@@ -52,7 +52,8 @@ class HybridParallelStrategy(LayoutStrategy):
     tensor option (``plan``, ``sequence_parallel``, ``loss_parallel``) of the two presets; with one stage the
     pipeline options are accepted and ignored, so one config spans layouts. ``sequence_parallel`` and
     ``loss_parallel`` run with one stage only, for now. With data-parallel replicas every rank returns and
-    logs the mean over the replicas."""
+    logs the mean over the replicas. ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in
+    :mod:`lightning_par.nonfinite`)."""
 
     strategy_name = "hybrid_parallel"
     strategy_description = "lightning_par data × pipeline × tensor parallel (unchanged module)"
@@ -74,6 +75,7 @@ class HybridParallelStrategy(LayoutStrategy):
         plan: Union[str, Mapping[str, str]] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
+        nonfinite: str = "error",
         save_distributed_checkpoint: bool = False,
         start_method: str = "popen",
         timeout: Union[float, timedelta] = 1800.0,
@@ -98,6 +100,7 @@ class HybridParallelStrategy(LayoutStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method, timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+            nonfinite=nonfinite,
         )
         self._sizes = {"data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
                        "tensor_parallel_size": tensor_parallel_size}

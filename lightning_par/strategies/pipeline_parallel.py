@@ -33,6 +33,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         blocks: Optional[str] = None,
         balance: Union[str, Sequence[int]] = "params",
         zero_stage: int = 0,
+        nonfinite: str = "error",
         save_distributed_checkpoint: bool = False,
         start_method: str = "popen",
         timeout: Union[float, timedelta] = 1800.0,
@@ -47,7 +48,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             data_parallel_size=data_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             tensor_parallel_size=1, zero_stage=zero_stage, microbatches=microbatches, schedule=schedule,
             stages_per_rank=stages_per_rank, blocks=blocks, balance=balance,
-            save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method, timeout=timeout,
+            nonfinite=nonfinite, save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
+            timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
         )

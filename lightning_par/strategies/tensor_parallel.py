@@ -38,6 +38,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
             vocabulary-parallel) and the user's ``F.cross_entropy`` runs on the shards inside
             ``torch.distributed.tensor.parallel.loss_parallel()``; see [Note: loss parallel].
         zero_stage: 0 (replicas; stages 1-3 are built on DataParallelStrategy only, for now).
+        nonfinite: ``"error"`` (stop at a NaN / inf loss or gradient, naming it) or ``"skip"`` (skip that step
+            on every rank); see [Note: non-finite values] in :mod:`lightning_par.nonfinite`.
         save_distributed_checkpoint: write ``torch.distributed.checkpoint`` directories instead of one file.
         start_method: ``"popen"`` (as DDPStrategy), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         timeout: collective timeout in seconds (or a ``timedelta``).
@@ -56,6 +58,7 @@ class TensorParallelStrategy(HybridParallelStrategy):
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         zero_stage: int = 0,
+        nonfinite: str = "error",
         save_distributed_checkpoint: bool = False,
         start_method: str = "popen",
         timeout: Union[float, int, timedelta] = 1800.0,
@@ -69,7 +72,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
         super().__init__(
             data_parallel_size=data_parallel_size, pipeline_parallel_size=1, tensor_parallel_size=tensor_parallel_size,
             zero_stage=zero_stage, plan=plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-            save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method, timeout=timeout,
+            nonfinite=nonfinite, save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
+            timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
         )

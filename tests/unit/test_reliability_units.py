@@ -1,0 +1,48 @@
+"""No processes: the non-finite checks (lightning_par.nonfinite) and the `nonfinite` argument's refusal."""
+import doctest
+
+import pytest
+import torch
+
+from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy, nonfinite
+
+
+def test_docstring_examples():
+    result = doctest.testmod(nonfinite)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_first_bad_gradient_in_parameter_order_is_named():
+    grads = [("a", torch.ones(3)), ("b", None), ("c", torch.tensor([float("inf"), 1.0])),
+             ("d", torch.tensor([float("nan")]))]
+    assert nonfinite.find_nonfinite(None, grads) == ["gradient of `c` is inf"]
+    assert nonfinite.find_nonfinite(torch.tensor(float("-inf")), []) == ["loss is -inf"]
+    assert nonfinite.kind_of(torch.tensor([float("inf"), float("nan")])) == "nan"  # NaN wins
+
+
+def test_one_process_agrees_with_itself():
+    assert nonfinite.agree(["loss is nan"], where="rank 0", device=torch.device("cpu")) == ["loss is nan on rank 0"]
+    assert nonfinite.agree([], where="rank 0", device=torch.device("cpu")) == []
+
+
+@pytest.mark.parametrize("cls", [DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy])
+def test_nonfinite_must_be_error_or_skip(cls):
+    with pytest.raises(ValueError, match=r"`nonfinite='ignore'` must be 'error' .* or 'skip'"):
+        cls(nonfinite="ignore")
+    assert cls(nonfinite="skip")._nonfinite == "skip"
+
+
+def test_waits_name_the_operation_and_leave_other_errors_alone():
+    from lightning_par import waits
+
+    assert doctest.testmod(waits).failed == 0
+    with pytest.raises(waits.CommunicationError, match=r"^DDP's all-reduce did not complete: Read error .*Connection "
+                                                      r"reset by peer\. A rank of the group stopped answering"):
+        with waits.named_wait("DDP's all-reduce"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:25778: Connection reset by peer")
+    with pytest.raises(ValueError, match="user's own"):  # not a communication failure: untouched
+        with waits.named_wait("anything"):
+            raise ValueError("user's own")
+    with pytest.raises(RuntimeError, match="^timeout of my own$"):
+        with waits.named_wait("anything"):
+            raise RuntimeError("timeout of my own")
