@@ -51,6 +51,8 @@ class DataParallelStrategyConfig:
     zero_stage: int = 0  # 0 | 1 | 2 | 3 (optimizer state, + gradients, + parameters sharded)
     lr_scaling: str = "none"  # none | linear | sqrt
     reference_batch_size: Optional[int] = None
+    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
+    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
     find_unused_parameters: bool = False
@@ -72,6 +74,8 @@ class PipelineStrategyConfig:
     stages_per_rank: int = 1
     blocks: Optional[str] = None  # null: the longest ModuleList/Sequential of same-class blocks
     balance: Any = "params"  # uniform | params | time | [blocks per stage]
+    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
+    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
@@ -88,6 +92,8 @@ class TensorStrategyConfig:
     plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
+    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     save_distributed_checkpoint: bool = False
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_par.checkpoint import is_distributed_checkpoint, save_distributed
+from lightning_par.strategies._materialize import MaterializingStrategy, check_weights
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology
 
@@ -42,22 +43,25 @@ def check_flags(**flags: Any) -> None:
             raise ValueError(f"`{name}={value!r}` must be True or False.")
 
 
-class LayoutStrategy(RegisteredByName, DDPStrategy):
+class LayoutStrategy(RegisteredByName, MaterializingStrategy, DDPStrategy):
     """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
     subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, and
     checkpoints as one file or, with ``save_distributed_checkpoint=True``, as a DCP directory (see
     :func:`lightning_par.checkpoint.save_distributed`); a subclass writes what goes in either and reads a
-    directory back in :meth:`_load_distributed`."""
+    directory back in :meth:`_load_distributed`. Meta builds and ``weights=``: :class:`MaterializingStrategy`."""
 
     def __init__(self, *, save_distributed_checkpoint: bool, start_method: str, timeout: Union[float, timedelta],
-                 accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
-                 precision_plugin=None, process_group_backend: Optional[str] = None) -> None:
+                 weights=None, weights_prefix: str = "", accelerator=None, parallel_devices=None,
+                 cluster_environment=None, checkpoint_io=None, precision_plugin=None,
+                 process_group_backend: Optional[str] = None) -> None:
         check_flags(save_distributed_checkpoint=save_distributed_checkpoint)
+        check_weights(weights, weights_prefix)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          start_method=check_start_method(start_method), timeout=as_timeout(timeout))
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._set_weights(weights, weights_prefix)
         self._topology: Optional[Topology] = None
         self._dcp_path: Optional[str] = None  # a sharded checkpoint being resumed
 

@@ -25,20 +25,22 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_par.checkpoint import read_meta
+from lightning_par.materialize import move_real
 from lightning_par.pipeline import sharded_checkpoint as sharded
 from lightning_par.pipeline.consolidate import consolidate, gather_optimizer_state, optimizer_state_of, owned_state
 from lightning_par.pipeline.discovery import find_blocks
+from lightning_par.pipeline.ends import first_owner, stage_needs
 from lightning_par.pipeline.flow import trace_flow
 from lightning_par.pipeline.mailbox import ResultMailbox
-from lightning_par.pipeline.microbatch import check_microbatches, first_batch, split_batch
+from lightning_par.pipeline.microbatch import check_microbatches
 from lightning_par.pipeline.options import check_layout, check_options
 from lightning_par.pipeline.partition import partition_blocks, stage_bounds, stage_table
-from lightning_par.pipeline.profile import mean_over_ranks, profile_step
-from lightning_par.pipeline.routing import LogCapture, ResultRouter, confine_metrics
-from lightning_par.pipeline.runner import ScheduleRunner, base_seed, loss_of, rng_fork
+from lightning_par.pipeline.routing import ResultRouter, confine_metrics
+from lightning_par.pipeline.runner import ScheduleRunner, base_seed, rng_fork
 from lightning_par.pipeline.shared import SharedParameters, sync_found_inf
 from lightning_par.pipeline.stage import Ghost, StageRuntime
 from lightning_par.strategies._base import LayoutStrategy
+from lightning_par.strategies._pipeline_sample import profile_blocks, sample_step
 from lightning_par.topology import Topology, check_sizes, keep_loader_on_one_process
 
 
@@ -60,6 +62,8 @@ class PipelineParallelStrategy(LayoutStrategy):
         stages_per_rank: int = 1,
         blocks: Optional[str] = None,
         balance: Union[str, Sequence[int]] = "params",
+        weights: Optional[str] = None,
+        weights_prefix: str = "",
         save_distributed_checkpoint: bool = False,
         start_method: str = "popen",
         timeout: Union[float, timedelta] = 1800.0,
@@ -75,8 +79,9 @@ class PipelineParallelStrategy(LayoutStrategy):
                       balance=balance)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method, timeout=timeout,
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+            weights=weights, weights_prefix=weights_prefix, accelerator=accelerator, parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
         )
         self._pp_size, self._dp_size = pipeline_parallel_size, data_parallel_size
         self._microbatches, self._schedule, self._stages_per_rank = microbatches, schedule, stages_per_rank
@@ -142,16 +147,30 @@ class PipelineParallelStrategy(LayoutStrategy):
             if trainer.state.fn == TrainerFn.FITTING:
                 _optimizers_to_device(self.optimizers, self.root_device)
             return
-        super().setup(trainer)
-        if self._runtime is None:  # validate / test / predict: no configure_ddp
-            self._install()
+        super().setup(trainer)  # model_to_device installs the stage
+        self.lightning_module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
 
     def teardown(self) -> None:
         self._restore_loader()
         super().teardown()
 
+    def model_to_device(self) -> None:
+        # DDPStrategy.setup's first step: the stage is installed before anything is placed. Outside fit DDPStrategy
+        # then broadcasts rank 0's states, another stage's: DDP's ignore list keeps every name out (until setup ends)
+        if self._runtime is None:
+            self._install()
+            lm = self.lightning_module
+            if lm.trainer.state.fn != TrainerFn.FITTING:
+                lm._ddp_params_and_buffers_to_ignore = [n for n, _ in [*lm.named_parameters(), *lm.named_buffers()]]
+        move_real(self.model, self.root_device)
+
     def configure_ddp(self) -> None:  # called by DDPStrategy.setup before the optimizers are built
-        self._install()
+        if self._runtime is None:
+            self._install()
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self._restore_after_setup()  # into the materialized stage, after weights=
 
     def _install(self) -> None:
         lm, topo = self.lightning_module, self.topology
@@ -161,16 +180,20 @@ class PipelineParallelStrategy(LayoutStrategy):
                 f"process; its other stages' blocks are gone. Reuse that Trainer, or load the consolidated "
                 f"checkpoint into a fresh module (`{type(lm).__name__}.load_from_checkpoint(path)`)."
             )
-        # 1. the block stack and what flows between its blocks ([Note: block flow] in pipeline/flow.py)
+        # 1. the block stack, what flows between its blocks ([Note: block flow] in pipeline/flow.py) and where the
+        #    step uses what lies outside them ([Note: the ends a stage needs] in pipeline/ends.py), traced on the
+        #    meta device for a meta-built module; a weights file is checked against the whole module first
         path, container = find_blocks(lm, self._blocks)
+        reader = self._open_weights(lm)
         with rng_fork(self.root_device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
-            step = self._sample_step(lm)
+            step = sample_step(self, lm, record=container)
             flow = trace_flow(lm, path, container, step) if step is not None else None
+        uses = getattr(step, "uses", {})
         for warning in flow.warnings if flow is not None else ():
             rank_zero_warn(warning)
         # 2. blocks per stage: balanced by parameters, or by profiled time (balance="time")
         params = [sum(p.numel() for p in b.parameters()) for b in container]
-        times = self._profile(lm, container) if self._balance == "time" else None
+        times = profile_blocks(self, lm, container) if self._balance == "time" else None
         pp, v = topo.pipeline_parallel_size, self._stages_per_rank
         counts = partition_blocks(len(container), pp * v, balance=self._balance,
                                   costs=times[1] if times else [float(n) for n in params],
@@ -191,7 +214,9 @@ class PipelineParallelStrategy(LayoutStrategy):
             device=self.root_device, seed=base_seed(), groups=self._p2p_groups, flow=flow,
         )
         rt.install()
-        rt.weights = [p for p in lm.parameters() if p.requires_grad]
+        needs = stage_needs(uses, rt.chunks, pp * v)  # this stage's blocks and the ends it needs: placed, weights=
+        self._place_share(lm, reader, owned=lambda n: n.startswith(self._block_prefix) or needs(n))
+        rt.weights = [p for p in lm.parameters() if p.requires_grad and not p.is_meta]
         # 4. the schedule, the routing of results, the gradients that span ranks
         mailbox = (ResultMailbox(ranks=ring, me=self.global_rank, group=self._result_group, device=self.root_device)
                    if self._result_group is not None else None)
@@ -201,7 +226,8 @@ class PipelineParallelStrategy(LayoutStrategy):
                                       microbatches=self._num_microbatches())
         self._shared = SharedParameters(lm, [p for p in lm.parameters() if p.requires_grad],
                                         {id(p) for b in container for p in b.parameters()}, topology=topo,
-                                        rank=self.global_rank, timeout=self._timeout, dp_group=self._dp_group)
+                                        rank=self.global_rank, timeout=self._timeout, dp_group=self._dp_group,
+                                        default_owner=first_owner(uses, bounds, v))
         self.model = lm
         confine_metrics(lm, is_last=rt.is_last, dp_group=self._dp_group)
         # 5. Lightning's clipping and loss scaling see the whole pipeline
@@ -209,42 +235,6 @@ class PipelineParallelStrategy(LayoutStrategy):
         if getattr(self.precision_plugin, "scaler", None) is not None:
             self._plugin_after_closure = self.precision_plugin._after_closure
             self.precision_plugin._after_closure = self._after_closure
-
-    def _profile(self, lm, container):
-        """Every rank times the user's step on one micro-batch of its first training batch (see
-        [Note: profiling the unchanged step] in pipeline/profile.py), all at once, so the timings see the
-        contention of the real run (CPU ranks share cores and memory bandwidth, which slows a large head
-        more than the blocks); every rank then uses the mean over ranks, so all choose the same split."""
-        if lm.trainer.state.fn != TrainerFn.FITTING:
-            rank_zero_warn("balance='time' profiles a training batch; outside fit the split follows 'params'.")
-            return None
-
-        def measure():
-            with rng_fork(self.root_device, True):
-                step = self._sample_step(lm)
-                result = profile_step(container, lambda: loss_of(step()), self.root_device, repeats=8)
-            for p in lm.parameters():
-                p.grad = None
-            return result
-        return mean_over_ranks(measure)
-
-    def _sample_step(self, lm):
-        """The user's step (of this trainer function) on one micro-batch of its first batch, or None."""
-        t, plugin = lm.trainer, self.precision_plugin
-        loop, hook, context = {TrainerFn.FITTING: (t.fit_loop, "training_step", plugin.train_step_context),
-                               TrainerFn.VALIDATING: (t.validate_loop, "validation_step", plugin.val_step_context),
-                               TrainerFn.TESTING: (t.test_loop, "test_step", plugin.test_step_context),
-                               TrainerFn.PREDICTING: (t.predict_loop, "predict_step", plugin.predict_step_context),
-                               }[t.state.fn]
-        batch = first_batch(loop._data_source.dataloader() if loop._data_source.is_defined() else None)
-        if batch is None:
-            return None
-        mb = split_batch(self.batch_to_device(batch), self._num_microbatches())[0]
-
-        def step():
-            with LogCapture(lm), context():
-                return getattr(lm, hook)(mb, 0)
-        return step
 
     # -- training ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:

@@ -28,6 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par import checkpoint as ckpt
+from lightning_par.materialize import move_real
 from lightning_par.strategies._base import LayoutStrategy, check_flags
 from lightning_par.tensor.mixed import (average_grads, install_clipping, install_scaler, reduce_partial_grads,
                                         split_step_by_kind)
@@ -52,6 +53,8 @@ class TensorParallelStrategy(LayoutStrategy):
         loss_parallel: the output head writes vocabulary-sharded logits (the tied / matching embedding becomes
             vocabulary-parallel) and the user's ``F.cross_entropy`` runs on the shards inside
             ``torch.distributed.tensor.parallel.loss_parallel()``; see [Note: loss parallel].
+        weights: a weights file or directory read into each rank's shards at setup (see the README);
+            ``weights_prefix``: what the module's names have before the file's (``"net."``).
         save_distributed_checkpoint: write ``torch.distributed.checkpoint`` directories instead of one file.
         start_method: ``"popen"`` (as DDPStrategy), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         timeout: collective timeout in seconds (or a ``timedelta``).
@@ -68,6 +71,8 @@ class TensorParallelStrategy(LayoutStrategy):
         plan: Union[str, Mapping[str, str]] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
+        weights: Optional[str] = None,
+        weights_prefix: str = "",
         save_distributed_checkpoint: bool = False,
         start_method: str = "popen",
         timeout: Union[float, int, timedelta] = DEFAULT_TIMEOUT_S,
@@ -83,7 +88,7 @@ class TensorParallelStrategy(LayoutStrategy):
             plan = check_user_plan(plan)
         check_flags(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
-                         timeout=timeout, accelerator=accelerator, parallel_devices=parallel_devices,
+                         timeout=timeout, weights=weights, weights_prefix=weights_prefix, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend)
         self._tp_size, self._dp_size = tensor_parallel_size, data_parallel_size
@@ -133,7 +138,7 @@ class TensorParallelStrategy(LayoutStrategy):
         self._restore_loader = keep_loader_on_one_process(trainer, self.world_size)  # [Note: one process ...]
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        move_real(self.model, self.root_device)  # a meta-built module gets its shards' storage in _parallelize
         self._parallelize()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -165,9 +170,11 @@ class TensorParallelStrategy(LayoutStrategy):
         # Pure: raises the same ValueError on every rank before any collective.
         plan = build_plan(module, self.topology.tensor_parallel_size, self._plan_arg,
                           sequence_parallel=self._sequence_parallel, loss_parallel=self._loss_parallel)
+        reader = self._open_weights(module)  # checked against the whole module before anything is sharded
         self._sync_plain_state(module)
         self._sync_rng()
         parallelize(module, plan, self.tp_mesh, sequence_parallel=self._sequence_parallel)
+        self._place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
         module._lp_tensor_parallel = self._plan = plan
         if self._loss_parallel:
             _log_plain_values(module)
@@ -176,7 +183,7 @@ class TensorParallelStrategy(LayoutStrategy):
 
     def _sync_plain_state(self, module: torch.nn.Module) -> None:
         """Every rank starts from rank 0's weights (a module built without a common seed would diverge)."""
-        tensors = [t for t in list(module.parameters()) + list(module.buffers())]
+        tensors = [t for t in list(module.parameters()) + list(module.buffers()) if not t.is_meta]
         if self.world_size > 1 and tensors:
             with torch.no_grad():
                 torch.distributed._broadcast_coalesced(torch.distributed.group.WORLD, tensors, 1 << 24, 0)
