@@ -26,6 +26,24 @@ def module_ties(module: nn.Module) -> dict[str, str]:
     return ties
 
 
+def assign_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Take the tensors of ``state`` as ``module``'s own (``load_state_dict(assign=True)``, not strict), keeping
+    tied parameters tied: a module whose parameters are meta receives storage this way."""
+    ties = module_ties(module)
+    module.load_state_dict(dict(state), strict=False, assign=True)
+
+    def place(name):
+        owner, _, attr = name.rpartition(".")
+        return module.get_submodule(owner) if owner else module, attr
+
+    for alias, first in ties.items():  # both directions are listed: the one that received a tensor wins
+        (a, a_attr), (f, f_attr) = place(alias), place(first)
+        if is_meta(getattr(f, f_attr)) and not is_meta(getattr(a, a_attr)):
+            setattr(f, f_attr, getattr(a, a_attr))
+        elif getattr(a, a_attr) is not getattr(f, f_attr):
+            setattr(a, a_attr, getattr(f, f_attr))
+
+
 def open_module_weights(path, module: nn.Module, *, prefix: str = "",
                         expected: Optional[Mapping[str, TensorInfo]] = None) -> WeightsReader:
     """Open ``path`` under the module's names (file names gain ``prefix``) and check it against the module's

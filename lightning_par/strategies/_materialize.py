@@ -15,8 +15,8 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import nn
 
-from lightning_par.materialize import (free_parameters, has_meta, initialize, is_meta, materialize, meta_parameters,
-                                       move_real, open_module_weights, read_weights)
+from lightning_par.materialize import (assign_state, free_parameters, has_meta, initialize, is_meta, materialize,
+                                       meta_parameters, move_real, open_module_weights, read_weights)
 from lightning_par.weights import WeightsReader
 
 
@@ -143,7 +143,16 @@ class MaterializingStrategy:
 class _HeldTensorsLauncher(_MultiProcessingLauncher):
     """Lightning's fork / spawn launcher, but the weights rank 0 hands back to the calling process leave out the
     meta tensors of what other ranks own (the caller loads them with ``strict=False``; a meta value would fail
-    to copy)."""
+    to copy), and a caller's meta-built module takes them as its tensors (copying into meta ones does nothing)."""
+
+    def _recover_results_in_main_process(self, worker_output, trainer) -> None:
+        module = trainer.lightning_module
+        if worker_output.weights_path is not None and has_meta(module):
+            state = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
+            assign_state(module, state)
+            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+            worker_output = worker_output._replace(weights_path=None)
+        super()._recover_results_in_main_process(worker_output, trainer)
 
     def _collect_rank_zero_results(self, trainer, results):
         def drop_meta(module, state_dict, prefix, local_metadata):

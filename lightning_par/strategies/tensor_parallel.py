@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_par import checkpoint as ckpt
 from lightning_par.materialize import move_real
 from lightning_par.strategies._base import LayoutStrategy, check_flags
+from lightning_par.strategies._materialize import _HeldTensorsLauncher
 from lightning_par.tensor.mixed import (average_grads, install_clipping, install_scaler, reduce_partial_grads,
                                         split_step_by_kind)
 from lightning_par.tensor.parallelize import backward_context, parallelize, register_rules, to_plain
@@ -287,7 +288,7 @@ def _log_plain_values(module) -> None:
     module._lp_plain_log = True
 
 
-class _ConsolidatingLauncher(_MultiProcessingLauncher):
+class _ConsolidatingLauncher(_HeldTensorsLauncher):
     """Lightning's spawn/fork launcher, but the weights handed back to the calling process are gathered to full
     tensors (every rank takes part), so the caller's unparallelized module receives plain trained weights."""
 

@@ -81,7 +81,8 @@ def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -
     from lightning_par.tensor.parallelize import parallelize
 
     m = module.get_submodule(region)
-    if has_meta(m):  # a meta-built module: the probe runs on a copy of the region given storage and its own init
+    private = has_meta(m)  # a meta-built module: the probe runs on a copy of the region given storage and init,
+    if private:  # which is its own to shard in place (one whole copy fewer: a meta-built model may barely fit)
         m = copy.deepcopy(m)
         if initialize(m, materialize(m, torch.device(mesh.device_type)), seed=0):
             return _TRUSTED, "not checked (built on the meta device, and no init gives all of its weights)"
@@ -96,11 +97,13 @@ def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -
     # further required positional inputs (a decoder layer's ``memory``) get other random hidden states
     extra = [torch.randn(*PROBE_SHAPE, width, generator=g).to(x) for _ in range(required_positional(m) - 1)]
     try:
-        whole = _run(copy.deepcopy(m), x, extra)
+        whole = _run(m if private else copy.deepcopy(m), x, extra)
     except Exception as e:  # noqa: BLE001 -- any failure means "cannot be called with a hidden state alone"
         return _TRUSTED, f"not checked (its forward needs more than a hidden state: {_first_line(e)})"
+    if private:
+        m.zero_grad(set_to_none=True)
     try:
-        sharded = parallelize(copy.deepcopy(m), sub, mesh, check=False)
+        sharded = parallelize(m if private else copy.deepcopy(m), sub, mesh, check=False)
         got = _run(sharded, x, extra)
     except Exception as e:  # noqa: BLE001 -- reported as the reason the region stays replicated
         return _FAILED, f"the sharded module raised {_first_line(e)}"

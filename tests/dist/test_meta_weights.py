@@ -160,7 +160,19 @@ def fit_meta(factory, strategy, out_dir: str, max_steps: int = 2) -> tuple[list,
     trainer.fit(model, DataLoader(DATA.train_set, batch_size=4 if isinstance(strategy, DataParallelStrategy) else 8))
     load = lambda pattern: [torch.load(f, weights_only=False)  # noqa: E731
                             for f in sorted(glob.glob(os.path.join(out_dir, pattern)))]
-    return load("rank*.pt"), load("share*.pt")
+    records = load("rank*.pt")
+    # the caller's module received what rank 0 held at the end (under TP and zero 3: everything, gathered)
+    # (a module that builds its layers in configure_model built them in the ranks only)
+    if not isinstance(model, Configured):
+        received = {n: p for n, p in model.named_parameters() if not p.is_meta}
+        assert set(received) == set(records[0]["params"])
+        for name, p in received.items():
+            torch.testing.assert_close(p.detach(), records[0]["params"][name], atol=0, rtol=0)
+        if not isinstance(strategy, PipelineParallelStrategy):
+            assert len(received) == len(list(model.parameters()))
+        assert model.model.lm_head.weight is not model.model.model.embed_tokens.weight if isinstance(
+            model, LitLlama) else model.lm_head.weight is model.tok_emb.weight  # ties kept
+    return records, load("share*.pt")
 
 
 def check_shares(kind: str, shares: list, sharded: list[str], names: list[str]) -> None:
