@@ -116,3 +116,13 @@ def test_where_the_step_uses_the_ends_and_which_stage_needs_them():
     assert [last(n) for n in ("tok_emb.weight", "pos_emb.weight", "ln_f.weight")] == [True, True, True]
     assert first_owner(step.uses, [(0, 2), (2, 4)], 1) == {"tok_emb.weight": 0, "pos_emb.weight": 0,
                                                           "ln_f.weight": 1, "ln_f.bias": 1}
+
+
+@pytest.mark.parametrize("kwargs,match", [({"weights": 3}, r"`weights=3` must be a path"),
+                                          ({"weights_prefix": None}, r"`weights_prefix=None` must be a string")])
+def test_weights_arguments_are_checked_by_every_strategy(kwargs, match):
+    from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
+
+    for cls in (DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy):
+        with pytest.raises(ValueError, match=match):
+            cls(**kwargs)
