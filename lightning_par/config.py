@@ -51,6 +51,8 @@ class DataParallelStrategyConfig:
     zero_stage: int = 0  # 0 | 1 | 2 | 3 (optimizer state, + gradients, + parameters sharded)
     lr_scaling: str = "none"  # none | linear | sqrt
     reference_batch_size: Optional[int] = None
+    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
+    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
     nonfinite: str = "error"  # error (stop, naming the value) | skip (skip that optimizer step on every rank)
@@ -77,6 +79,8 @@ class PipelineStrategyConfig:
     blocks: Optional[str] = None  # null: the longest ModuleList/Sequential of same-class blocks
     balance: Any = "params"  # uniform | params | time | [blocks per stage]
     zero_stage: int = 0  # 0 replicas (stages 1-3: DataParallelStrategy only, for now)
+    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
+    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
@@ -95,6 +99,8 @@ class TensorStrategyConfig:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     zero_stage: int = 0  # 0 replicas (stages 1-3: DataParallelStrategy only, for now)
+    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
+    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     save_distributed_checkpoint: bool = False
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
@@ -120,6 +126,8 @@ class HybridStrategyConfig:
     plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
     sequence_parallel: bool = False  # one stage only, for now
     loss_parallel: bool = False  # one stage only, for now
+    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
+    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     nonfinite: str = "error"  # error | skip
     save_distributed_checkpoint: bool = False
     start_method: str = "popen"  # popen | spawn | fork | forkserver

@@ -31,6 +31,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().cpu().clone()
 
 
+def _is_meta(t: torch.Tensor) -> bool:
+    from lightning_par.materialize import is_meta
+
+    return is_meta(t)
+
+
 def _scalar(x) -> float | None:
     if isinstance(x, dict):
         x = x.get("loss")
@@ -62,7 +68,8 @@ class Recorder(pl.Callback):
             )
 
     def on_fit_end(self, trainer, pl_module):
-        params = {n: _full(p) for n, p in pl_module.named_parameters()}
+        # a pipeline stage holds what other stages own as meta tensors (no storage): not recorded
+        params = {n: _full(p) for n, p in pl_module.named_parameters() if not _is_meta(p)}
         metrics = {k: float(_full(v)) for k, v in trainer.callback_metrics.items()}
         os.makedirs(self.out_dir, exist_ok=True)
         torch.save(

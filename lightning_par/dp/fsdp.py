@@ -193,7 +193,7 @@ class StepRunner:
 def _broadcast_from_first_rank(module: nn.Module, mesh) -> None:
     """Every rank starts from the first mesh rank's parameters and buffers (FSDP takes each rank's own
     weights for its shard: ranks that built different weights would train a model nobody initialised)."""
-    tensors = [t.detach() for t in list(module.parameters()) + list(module.buffers())]
+    tensors = [t.detach() for t in list(module.parameters()) + list(module.buffers()) if not t.is_meta]  # meta: no values
     if mesh.size() > 1 and tensors:
         group = mesh.get_group()
         with torch.no_grad():

@@ -80,7 +80,7 @@ def load_optimizer(path: str, optimizer: torch.optim.Optimizer, index: int, name
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     prefix = _optimizer_key(index) + "."
-    ours = {names[id(p)] for g in optimizer.param_groups for p in g["params"]}
+    ours = {names[id(p)] for g in optimizer.param_groups for p in g["params"] if not p.is_meta}  # held here
     entries: dict[str, Any] = {_GROUPS: None}
     for key, meta in _saved(path).items():
         entry = key[len(prefix):]

@@ -6,7 +6,8 @@ runs (an embedding tied to the head, a position table every block reads). After 
 rank reports which of them got a gradient (one ``all_gather_object``); a parameter used by several stages
 of a pipeline gets a group of exactly those ranks and its gradient is summed there every step; the lowest
 such stage owns it for the global norm and the consolidated checkpoint. Copies that a stage never uses
-stay untouched (stale) on that rank.
+stay untouched (stale) on that rank. Until then (and for parameters no stage trains) the owner is the one
+decided at setup, the lowest stage that holds it ([Note: the ends a stage needs] in ends.py), or stage 0.
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ class SharedParameters:
     its order), ``block_ids`` the ids of those in this stage's blocks."""
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], block_ids: set[int], *,
-                 topology: Topology, rank: int, timeout: timedelta, dp_group=None):
+                 topology: Topology, rank: int, timeout: timedelta, dp_group=None,
+                 default_owner: Optional[dict[str, int]] = None):
         self.module, self.params, self.block_ids = module, params, block_ids
+        self.default_owner = dict(default_owner or {})  # non-block parameter name -> stage, decided at setup
         self.topology, self.rank, self.timeout, self.dp_group = topology, rank, timeout, dp_group
         self.owner_stage: Optional[dict[str, int]] = None  # non-block parameter name -> owning stage
         self.groups: dict[str, Any] = {}  # non-block parameter name -> group of the stages that use it
@@ -113,7 +116,7 @@ class SharedParameters:
         """Whether this stage counts ``p`` (for the global gradient norm and the consolidated state)."""
         if id(p) in self.block_ids:
             return True
-        return (self.owner_stage or {}).get(name, 0) == self.stage
+        return (self.owner_stage or {}).get(name, self.default_owner.get(name, 0)) == self.stage
 
     def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: Union[int, float], *, group,
                         device: torch.device, tp_group=None) -> None:

@@ -20,6 +20,7 @@ from lightning_par.atomic import write_directory
 from lightning_par.checkpoint import full_state, is_distributed_checkpoint, save_distributed
 from lightning_par.dp.zero import validate_zero_stage
 from lightning_par.strategies._checkpoint_io import AtomicSaves
+from lightning_par.strategies._materialize import HeldTensorsLauncher, MaterializingStrategy, check_weights
 from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.strategies._waits import NamedWaits
@@ -61,24 +62,26 @@ def check_flags(**flags: Any) -> None:
             raise ValueError(f"`{name}={value!r}` must be True or False.")
 
 
-class LayoutStrategy(AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName, DDPStrategy):
+class LayoutStrategy(AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName, MaterializingStrategy, DDPStrategy):
     """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
     subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, and
     checkpoints as one file or, with ``save_distributed_checkpoint=True``, as a DCP directory (see
     :func:`lightning_par.checkpoint.save_distributed`); a subclass writes what goes in either and reads a
-    directory back in :meth:`_load_distributed`."""
+    directory back in :meth:`_load_distributed`. Meta builds and ``weights=``: :class:`MaterializingStrategy`."""
 
     def __init__(self, *, save_distributed_checkpoint: bool, start_method: str, timeout: Union[float, timedelta],
-                 accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
-                 precision_plugin=None, process_group_backend: Optional[str] = None,
-                 nonfinite: str = "error") -> None:
+                 weights=None, weights_prefix: str = "", accelerator=None, parallel_devices=None,
+                 cluster_environment=None, checkpoint_io=None, precision_plugin=None,
+                 process_group_backend: Optional[str] = None, nonfinite: str = "error") -> None:
         check_flags(save_distributed_checkpoint=save_distributed_checkpoint)
+        check_weights(weights, weights_prefix)
         self._set_nonfinite(nonfinite)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          start_method=check_start_method(start_method), timeout=as_timeout(timeout))
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._set_weights(weights, weights_prefix)
         self._topology: Optional[Topology] = None
         self._dcp_path: Optional[str] = None  # a sharded checkpoint being resumed
 
@@ -138,11 +141,12 @@ class LayoutStrategy(AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName,
 _Launcher, _WorkerOutput = multiprocessing_launcher()
 
 
-class ConsolidatingLauncher(_Launcher):
+class ConsolidatingLauncher(HeldTensorsLauncher):
     """Lightning's spawn/fork launcher, but the weights handed back to the calling process are the whole
     module's (``strategy.caller_state()``, every rank takes part): Lightning's own hands back rank 0's state
     dict and loads it with ``strict=False``, which would leave the caller's module with the shards and
-    stages rank 0 did not hold at their initial values, silently."""
+    stages rank 0 did not hold at their initial values, silently. A caller's meta-built module takes them as its
+    tensors (:class:`HeldTensorsLauncher`)."""
 
     def _collect_rank_zero_results(self, trainer, results):
         callback = trainer.checkpoint_callback

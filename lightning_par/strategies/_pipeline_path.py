@@ -21,7 +21,9 @@ from lightning_par._compat import optimizer_to_device, optimizers_to_device
 from lightning_par import checkpoint as ckpt
 from lightning_par.pipeline import sharded_checkpoint as sharded
 from lightning_par.pipeline.consolidate import consolidate, gather_optimizer_state, optimizer_state_of, owned_state
+from lightning_par.materialize import move_real
 from lightning_par.pipeline.discovery import find_blocks
+from lightning_par.pipeline.ends import first_owner, stage_needs
 from lightning_par.pipeline.flow import trace_flow
 from lightning_par.pipeline.mailbox import ResultMailbox
 from lightning_par.pipeline.microbatch import check_microbatches
@@ -30,7 +32,7 @@ from lightning_par.pipeline.routing import ResultRouter, confine_metrics
 from lightning_par.pipeline.runner import ScheduleRunner, base_seed, rng_fork
 from lightning_par.pipeline.shared import SharedParameters, sync_found_inf
 from lightning_par.pipeline.stage import Ghost, StageRuntime
-from lightning_par.strategies._stage_setup import profile_blocks, sample_step
+from lightning_par.strategies._pipeline_sample import profile_blocks, sample_step
 from lightning_par.strategies._precision import PrecisionHooks
 from lightning_par.tensor.mixed import clip_grad_value_, settle_grads
 from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules
@@ -56,7 +58,7 @@ class PipelinePath:
         return self.s.topology.coordinates(self.s.global_rank)["pp"]
 
     def microbatches(self) -> int:
-        return self.s._microbatches or 2 * self.s.topology.pipeline_parallel_size
+        return self.s._num_microbatches()
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self, trainer, ddp_setup) -> None:
@@ -81,9 +83,20 @@ class PipelinePath:
             if trainer.state.fn == TrainerFn.FITTING:
                 optimizers_to_device(s.optimizers, s.root_device)
             return
-        ddp_setup(trainer)  # DDPStrategy.setup: configure_ddp (the stage, below) before the optimizers
-        if self.runtime is None:  # validate / test / predict: no configure_ddp
+        ddp_setup(trainer)  # DDPStrategy.setup: model_to_device installs the stage (see place), before the optimizers
+        s.lightning_module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
+
+    def place(self) -> None:
+        """DDPStrategy.setup's first step (``model_to_device``): the stage is installed before anything is placed.
+        Outside fit DDPStrategy then broadcasts rank 0's states, another stage's: DDP's ignore list keeps every
+        name out (until setup ends)."""
+        s = self.s
+        if self.runtime is None:
             self.install()
+            lm = s.lightning_module
+            if lm.trainer.state.fn != TrainerFn.FITTING:
+                lm._ddp_params_and_buffers_to_ignore = [n for n, _ in [*lm.named_parameters(), *lm.named_buffers()]]
+        move_real(s.model, s.root_device)
 
     def install(self) -> None:
         s = self.s
@@ -94,16 +107,20 @@ class PipelinePath:
                 f"process; its other stages' blocks are gone. Reuse that Trainer, or load the consolidated "
                 f"checkpoint into a fresh module (`{type(lm).__name__}.load_from_checkpoint(path)`)."
             )
-        # 1. the block stack and what flows between its blocks ([Note: block flow] in pipeline/flow.py)
+        # 1. the block stack, what flows between its blocks ([Note: block flow] in pipeline/flow.py) and where the
+        #    step uses what lies outside them ([Note: the ends a stage needs] in pipeline/ends.py), traced on the
+        #    meta device for a meta-built module; a weights file is checked against the whole module first
+        reader = s._open_weights(lm)
         path, container = find_blocks(lm, s._blocks)
         with rng_fork(s.root_device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
-            step = sample_step(s, lm, self.microbatches())
+            step = sample_step(s, lm, record=container)
             flow = trace_flow(lm, path, container, step) if step is not None else None
+        uses = getattr(step, "uses", {})
         for warning in flow.warnings if flow is not None else ():
             rank_zero_warn(warning)
         # 2. blocks per stage: balanced by parameters, or by profiled time (balance="time")
         params = [sum(p.numel() for p in b.parameters()) for b in container]
-        times = profile_blocks(s, lm, container, self.microbatches()) if s._balance == "time" else None
+        times = profile_blocks(s, lm, container) if s._balance == "time" else None
         pp, v = topo.pipeline_parallel_size, s._stages_per_rank
         counts = partition_blocks(len(container), pp * v, balance=s._balance,
                                   costs=times[1] if times else [float(n) for n in params],
@@ -129,12 +146,14 @@ class PipelinePath:
         if s.world_size > 1:  # after every check that can refuse: every rank starts from rank 0's weights
             broadcast_state(lm, src=0)
         rt.install()
-        if plan is not None:
+        if plan is not None:  # a meta-built stage is parallelized as meta tensors: each rank then makes its shards
             ghosts = [f"{path}.{i}" for i, block in enumerate(container) if isinstance(block, Ghost)]
             self.plan = plan.without(ghosts)
             parallelize(lm, self.plan, s._mesh["tp"])
             rank_zero_info(f"{topo}\n{self.plan.describe(lm)}")
-        rt.weights = [p for p in lm.parameters() if p.requires_grad]
+        needs = stage_needs(uses, rt.chunks, pp * v)  # this stage's blocks and the ends it needs: placed, weights=
+        s._place_share(lm, reader, owned=lambda n: n.startswith(self.block_prefix) or needs(n))
+        rt.weights = [p for p in lm.parameters() if p.requires_grad and not p.is_meta]
         # 5. the schedule, the routing of results, the gradients that span ranks
         mailbox = (ResultMailbox(ranks=ring, me=s.global_rank, group=s._result_group, device=s.root_device)
                    if s._result_group is not None else None)
@@ -144,7 +163,8 @@ class PipelinePath:
                                      microbatches=self.microbatches())
         self.shared = SharedParameters(lm, [p for p in lm.parameters() if p.requires_grad],
                                        {id(p) for b in container for p in b.parameters()}, topology=topo,
-                                       rank=s.global_rank, timeout=s._timeout, dp_group=s._dp_group)
+                                       rank=s.global_rank, timeout=s._timeout, dp_group=s._dp_group,
+                                       default_owner=first_owner(uses, bounds, v))
         s.model = lm
         confine_metrics(lm, is_last=rt.is_last, dp_group=s._dp_group)
         # 6. Lightning's clipping and loss scaling see the whole model ([Note: precision subclasses])

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par._compat import optimizers_to_device
 from lightning_par import checkpoint as ckpt
+from lightning_par.materialize import move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._precision import PrecisionHooks
 from lightning_par.tensor.mixed import average_grads, clip_grad_norm_, clip_grad_value_, reduce_partial_grads
@@ -52,7 +53,7 @@ class TensorPath:
         s = self.s
         s.accelerator.setup(trainer)
         s.precision_plugin.convert_module(s.model)
-        s.model_to_device()
+        move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
         self._parallelize()
         if trainer.state.fn == TrainerFn.FITTING:
             s.setup_optimizers(trainer)
@@ -83,10 +84,12 @@ class TensorPath:
         # Pure: raises the same ValueError on every rank before any collective.
         plan = build_plan(module, s.topology.tensor_parallel_size, s._plan_arg,
                           sequence_parallel=s._sequence_parallel, loss_parallel=s._loss_parallel)
+        reader = s._open_weights(module)  # checked against the whole module before anything is sharded
         if s.world_size > 1:
             broadcast_state(module, src=0)  # every rank starts from rank 0's weights
             self._sync_rng()
         parallelize(module, plan, s._mesh["tp"], sequence_parallel=s._sequence_parallel)
+        s._place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
         _PARALLELIZED[module] = self.plan = plan
         if s.is_global_zero:
             rank_zero_info(f"{s.topology}\n{plan.describe(module)}")

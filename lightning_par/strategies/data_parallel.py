@@ -36,12 +36,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
 from lightning_par.dp import comm_hooks, fsdp, ft, zero
+from lightning_par.materialize import move_real
 from lightning_par.strategies._base import ConsolidatingLauncher, as_timeout, check_start_method
 from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
 from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.strategies._waits import NamedWaits
 from lightning_par.dp import lr_scaling as scaling
+from lightning_par.strategies._materialize import MaterializingStrategy
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology, keep_loader_on_one_process
 
@@ -59,7 +61,7 @@ def _step_through_root(name: str, context: str):
 
 
 class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName,
-                           DDPStrategy):
+                           MaterializingStrategy, DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -86,6 +88,8 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
       at least ``min_replicas`` train on, and a restarted one rejoins with a live peer's state
       (``ft_timeout``: seconds to wait for a quorum, a peer or its state).
 
+    ``weights`` / ``weights_prefix``: a weights file read into the module at setup (each rank reads its FSDP
+    shards only under stages 2 / 3, which also build ``trainer.init_module()`` modules on the meta device).
     DDP settings (passed to ``DistributedDataParallel``, defaults as there): ``find_unused_parameters``,
     ``bucket_cap_mb`` (None: 25 MiB buckets after a 1 MiB first one), ``gradient_as_bucket_view``
     (True saves a copy and the bucket-sized second gradient buffer), ``static_graph`` (True when every
@@ -110,6 +114,8 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
         zero_stage: int = 0,
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
         reference_batch_size: int | None = None,
+        weights: str | None = None,
+        weights_prefix: str = "",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: float | datetime.timedelta = 1800.0,
         nonfinite: Literal["error", "skip"] = "error",
@@ -154,6 +160,7 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
         self._powersgd_rank = powersgd_rank
         self._powersgd_start_iter = powersgd_start_iter
         self._zero_stage = zero_stage
+        self._set_weights(weights, weights_prefix)  # meta builds (zero_stage 2 / 3) and weights=: MaterializingStrategy
         self._lr_scaling = lr_scaling
         self._reference_batch_size = reference_batch_size
         self._lr_scale_factor: float | None = None
@@ -192,7 +199,10 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return self._zero_stage >= 2  # whole tensors are loaded into the shards
+        return self._zero_stage >= 2 or self._restore_after_setup()  # whole tensors are loaded into the shards
+
+    def _meta_build(self) -> bool:
+        return self._zero_stage >= 2  # DDP replicas hold the whole module anyway
 
     # -- Lightning hooks ----------------------------------------------------------------------------
 
@@ -217,13 +227,17 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
         # As DDPStrategy.setup, with FSDP in place of DDP in every trainer function ([Note: zero_stage 2 and 3 ...]).
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        if not fsdp.is_sharded(module):
+        sharded = fsdp.is_sharded(module)
+        reader = None if sharded else self._open_weights(module)  # checked before anything is placed
+        if not sharded:
             self.precision_plugin.convert_module(module)
-            self.model_to_device()
+            move_real(module, self.root_device)  # a meta-built module gets its shards' storage below
         mesh = Topology.resolve(self.world_size, data_parallel_size=self.world_size).build_mesh(
             self.root_device.type, timeout=self._timeout)["dp"]
         self._fsdp_units = fsdp.shard_module(module, mesh, zero_stage=self._zero_stage,
                                              precision=self.precision_plugin.precision)
+        if not sharded:
+            self._place_share(module, reader)  # each rank's FSDP shards: storage, init, weights=
         self._steps = fsdp.StepRunner(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -231,6 +245,10 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def model_to_device(self) -> None:  # DDPStrategy.setup (zero_stage 0 / 1): a meta-built module, weights=
+        move_real(self.model, self.root_device)
+        self._place_share(self.model, self._open_weights(self.model))
 
     # Each *_step runs inside the module's __call__ once it is sharded ([Note: zero_stage 2 and 3 ...]).
     training_step = _step_through_root("training_step", "train_step_context")

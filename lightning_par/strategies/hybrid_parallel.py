@@ -53,7 +53,9 @@ class HybridParallelStrategy(LayoutStrategy):
     pipeline options are accepted and ignored, so one config spans layouts. ``sequence_parallel`` and
     ``loss_parallel`` run with one stage only, for now. With data-parallel replicas every rank returns and
     logs the mean over the replicas. ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in
-    :mod:`lightning_par.nonfinite`)."""
+    :mod:`lightning_par.nonfinite`). ``weights`` / ``weights_prefix``: a weights file or directory read into each
+    rank's share at setup; with ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is
+    built on the meta device and each rank materializes only its share (:mod:`lightning_par.materialize`)."""
 
     strategy_name = "hybrid_parallel"
     strategy_description = "lightning_par data × pipeline × tensor parallel (unchanged module)"
@@ -75,6 +77,8 @@ class HybridParallelStrategy(LayoutStrategy):
         plan: Union[str, Mapping[str, str]] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
+        weights: Optional[str] = None,
+        weights_prefix: str = "",
         nonfinite: str = "error",
         save_distributed_checkpoint: bool = False,
         start_method: str = "popen",
@@ -100,7 +104,7 @@ class HybridParallelStrategy(LayoutStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method, timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-            nonfinite=nonfinite,
+            nonfinite=nonfinite, weights=weights, weights_prefix=weights_prefix,
         )
         self._sizes = {"data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
                        "tensor_parallel_size": tensor_parallel_size}
@@ -154,6 +158,9 @@ class HybridParallelStrategy(LayoutStrategy):
         """Whether this rank counts ``p`` (for the global gradient norm and the consolidated state)."""
         return self._path.owns(p, name) if isinstance(self._path, PipelinePath) else True
 
+    def _num_microbatches(self) -> int:
+        return self._microbatches or 2 * self.topology.pipeline_parallel_size
+
     def _resolve(self) -> Topology:
         world = self.num_nodes * len(self.parallel_devices or [None])
         return Topology.resolve(world, model_axis=self._model_axis, order=self._order, **self._sizes)
@@ -194,8 +201,14 @@ class HybridParallelStrategy(LayoutStrategy):
         else:
             self._path.setup(trainer)
 
+    def model_to_device(self) -> None:
+        if isinstance(self._path, PipelinePath):
+            return self._path.place()  # the stage first: nothing outside this rank's share is placed
+        super().model_to_device()
+
     def configure_ddp(self) -> None:  # called by DDPStrategy.setup before the optimizers are built
-        self._path.install()
+        if getattr(self._path, "runtime", None) is None:
+            self._path.install()
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
@@ -224,7 +237,9 @@ class HybridParallelStrategy(LayoutStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return isinstance(self._path, TensorPath)  # one stage: full tensors loaded into the shards, after setup
+        if isinstance(self._path, TensorPath):
+            return True  # one stage: full tensors loaded into the shards, after setup
+        return self._restore_after_setup()  # into the materialized stage, after weights=
 
     # -- steps --------------------------------------------------------------------------------------
     def on_train_start(self) -> None:

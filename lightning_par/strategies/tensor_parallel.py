@@ -38,6 +38,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
             vocabulary-parallel) and the user's ``F.cross_entropy`` runs on the shards inside
             ``torch.distributed.tensor.parallel.loss_parallel()``; see [Note: loss parallel].
         zero_stage: 0 (replicas; stages 1-3 are built on DataParallelStrategy only, for now).
+        weights: a weights file or directory read into each rank's shards at setup (see the README);
+            ``weights_prefix``: what the module's names have before the file's (``"net."``).
         nonfinite: ``"error"`` (stop at a NaN / inf loss or gradient, naming it) or ``"skip"`` (skip that step
             on every rank); see [Note: non-finite values] in :mod:`lightning_par.nonfinite`.
         save_distributed_checkpoint: write ``torch.distributed.checkpoint`` directories instead of one file.
@@ -58,6 +60,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         zero_stage: int = 0,
+        weights: Optional[str] = None,
+        weights_prefix: str = "",
         nonfinite: str = "error",
         save_distributed_checkpoint: bool = False,
         start_method: str = "popen",
@@ -72,7 +76,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
         super().__init__(
             data_parallel_size=data_parallel_size, pipeline_parallel_size=1, tensor_parallel_size=tensor_parallel_size,
             zero_stage=zero_stage, plan=plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-            nonfinite=nonfinite, save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
+            nonfinite=nonfinite, weights=weights, weights_prefix=weights_prefix,
+            save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
             timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,

@@ -242,7 +242,8 @@ def broadcast_state(module: nn.Module, src: int = 0) -> None:
 
     from lightning_par._compat import broadcast_coalesced
 
-    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if not isinstance(t, DTensor)]
+    tensors = [t for t in list(module.parameters()) + list(module.buffers())
+               if not isinstance(t, DTensor) and not t.is_meta]  # meta: another rank's share, or not yet made
     if tensors:
         with torch.no_grad():
             broadcast_coalesced(dist.group.WORLD, tensors, src)

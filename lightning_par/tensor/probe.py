@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_par.materialize import has_meta, initialize, materialize
 from lightning_par.tensor.mixed import reduce_partial_grads
 from lightning_par.tensor.plan import FUSED, PREPARE, TensorPlan, add_islands
 from lightning_par.tensor.trace import required_positional
@@ -44,7 +45,7 @@ def check_regions(module: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *, sequ
     if not kinds:
         return plan
     verdicts = [_probe(module, plan, regions[0], mesh) for regions in kinds.values()]
-    codes = torch.tensor([code for code, _ in verdicts], dtype=torch.int64, device=_device(module))
+    codes = torch.tensor([code for code, _ in verdicts], dtype=torch.int64, device=_device(module, mesh))
     if mesh.size() > 1:
         dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=mesh.get_group())
     for (code, what), agreed, regions in zip(verdicts, codes.tolist(), kinds.values()):
@@ -80,6 +81,11 @@ def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -
     from lightning_par.tensor.parallelize import parallelize
 
     m = module.get_submodule(region)
+    private = has_meta(m)  # a meta-built module: the probe runs on a copy of the region given storage and init,
+    if private:  # which is its own to shard in place (one whole copy fewer: a meta-built model may barely fit)
+        m = copy.deepcopy(m)
+        if initialize(m, materialize(m, torch.device(mesh.device_type)), seed=0):
+            return _TRUSTED, "not checked (built on the meta device, and no init gives all of its weights)"
     sub = _sub_plan(plan, region)
     first = next((n for n, s in sub.styles.items() if s in ("colwise", FUSED)), None)  # reads the region's input
     weight = getattr(m.get_submodule(first), "weight", None) if first else None
@@ -91,11 +97,13 @@ def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -
     # further required positional inputs (a decoder layer's ``memory``) get other random hidden states
     extra = [torch.randn(*PROBE_SHAPE, width, generator=g).to(x) for _ in range(required_positional(m) - 1)]
     try:
-        whole = _run(copy.deepcopy(m), x, extra)
+        whole = _run(m if private else copy.deepcopy(m), x, extra)
     except Exception as e:  # noqa: BLE001 -- any failure means "cannot be called with a hidden state alone"
         return _TRUSTED, f"not checked (its forward needs more than a hidden state: {_first_line(e)})"
+    if private:
+        m.zero_grad(set_to_none=True)
     try:
-        sharded = parallelize(copy.deepcopy(m), sub, mesh, check=False)
+        sharded = parallelize(m if private else copy.deepcopy(m), sub, mesh, check=False)
         got = _run(sharded, x, extra)
     except Exception as e:  # noqa: BLE001 -- reported as the reason the region stays replicated
         return _FAILED, f"the sharded module raised {_first_line(e)}"
@@ -180,6 +188,6 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
-def _device(module: nn.Module) -> torch.device:
+def _device(module: nn.Module, mesh: DeviceMesh) -> torch.device:
     p = next(module.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
+    return p.device if p is not None and not has_meta(module) else torch.device(mesh.device_type)

@@ -1,0 +1,128 @@
+"""The meta build, the materialization of a share, its init and the weights check (no processes)."""
+import doctest
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_par.materialize.meta as meta_module
+import lightning_par.pipeline.ends as ends_module
+from lightning_par.materialize import (free_parameters, initialize, materialize, meta_parameters, open_module_weights,
+                                       read_weights)
+from lightning_par.models import GPT
+from lightning_par.pipeline.ends import first_owner, record_uses, stage_needs
+
+
+def tiny_gpt():
+    return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16)
+
+
+@pytest.mark.parametrize("module", [meta_module, ends_module])
+def test_docstring_examples(module):
+    assert doctest.testmod(module, raise_on_error=True).attempted > 0
+
+
+def test_meta_parameters_real_buffers_ties_kept_and_the_hook_removed():
+    with meta_parameters():
+        gpt = tiny_gpt()
+        bn = nn.BatchNorm1d(4)
+    assert all(p.is_meta for p in gpt.parameters())
+    assert gpt.lm_head.weight is gpt.tok_emb.weight
+    assert not bn.running_mean.is_meta and bn.running_var.tolist() == [1.0] * 4
+    assert not nn.Linear(2, 2).weight.is_meta  # outside the context: built as usual
+
+
+def test_init_is_the_modules_own_and_depends_on_the_seed_and_name_only():
+    def build(seed):
+        with meta_parameters():
+            m = tiny_gpt()
+        assert initialize(m, materialize(m, torch.device("cpu")), seed=seed) == []
+        return m
+
+    a, b, c = build(7), build(7), build(8)
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q), name
+        if p.dim() == 2:
+            assert not torch.equal(p, r), name
+            assert 0.015 < p.std().item() < 0.025, (name, p.std().item())  # GPT._init_weights: normal(0, 0.02)
+    assert not torch.equal(a.blocks[0].attn.q_proj.weight, a.blocks[1].attn.q_proj.weight)
+    assert torch.equal(a.blocks[0].ln_1.weight, torch.ones(16))
+
+
+def test_what_no_init_writes_is_reported_by_name():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(3, 3)
+            self.scale = nn.Parameter(torch.ones(3))  # set in the constructor only: lost on the meta device
+
+    with meta_parameters():
+        m = Scaled()
+    made = materialize(m, torch.device("cpu"))
+    assert initialize(m, made, seed=0) == ["scale"]
+    assert initialize(m, made, seed=0, skip=["scale"]) == []  # a weights file supplies it
+
+
+def test_owned_names_only_are_materialized_and_free_parameters_keeps_ties():
+    with meta_parameters():
+        m = tiny_gpt()
+    made = materialize(m, torch.device("cpu"), owned=lambda n: n.startswith(("blocks.0.", "tok_emb")))
+    assert set(made) == {n for n, _ in m.named_parameters() if n.startswith(("blocks.0.", "tok_emb"))}
+    assert not m.lm_head.weight.is_meta and m.lm_head.weight is m.tok_emb.weight  # tied: one tensor
+    assert m.blocks[1].attn.q_proj.weight.is_meta and m.ln_f.weight.is_meta
+    plain = tiny_gpt()
+    assert free_parameters(plain, ["lm_head.weight", "ln_f.bias"]) == (32 * 16 + 16) * 4
+    assert plain.tok_emb.weight.is_meta and plain.lm_head.weight is plain.tok_emb.weight
+    assert plain.ln_f.bias.is_meta and not plain.ln_f.weight.is_meta
+
+
+def test_weights_checked_against_the_whole_meta_module_then_read(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    source = tiny_gpt()
+    state = {k: v.clone() for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    good = str(tmp_path / "good.safetensors")
+    save_file(state, good)
+    with meta_parameters():
+        m = tiny_gpt()
+    materialize(m, torch.device("cpu"))
+    reader = open_module_weights(good, m)  # the tied head is served by the embedding's entry
+    read_weights(m, reader)
+    assert reader.bytes_read == sum(v.numel() * 4 for v in state.values())
+    for k, v in source.state_dict().items():
+        assert torch.equal(m.state_dict()[k], v), k
+    state["ln_f.weight"] = torch.ones(5)
+    state["extra.weight"] = torch.ones(2)
+    del state["blocks.1.mlp.fc.bias"]
+    bad = str(tmp_path / "bad.safetensors")
+    save_file(state, bad)
+    with pytest.raises(ValueError, match=r"(?s)1 missing.*blocks\.1\.mlp\.fc\.bias.*1 unexpected.*extra\.weight.*"
+                                         r"1 mis-shaped.*ln_f\.weight: file \(5,\)"):
+        open_module_weights(bad, m)
+
+
+def test_where_the_step_uses_the_ends_and_which_stage_needs_them():
+    with meta_parameters():
+        m = tiny_gpt()
+    idx = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    step = record_uses(m, m.blocks, {id(p) for p in m.blocks.parameters()}, lambda: m._loss((idx, idx)))
+    with torch.no_grad():
+        step()
+    assert step.uses == {"tok_emb.weight": {("before", -1), ("after", 3)}, "pos_emb.weight": {("before", -1)},
+                         "ln_f.weight": {("after", 3)}, "ln_f.bias": {("after", 3)}}
+    first, last = stage_needs(step.uses, [(0, 0, 2)], 2), stage_needs(step.uses, [(1, 2, 4)], 2)
+    assert [first(n) for n in ("tok_emb.weight", "pos_emb.weight", "ln_f.weight")] == [True, True, False]
+    assert [last(n) for n in ("tok_emb.weight", "pos_emb.weight", "ln_f.weight")] == [True, True, True]
+    assert first_owner(step.uses, [(0, 2), (2, 4)], 1) == {"tok_emb.weight": 0, "pos_emb.weight": 0,
+                                                          "ln_f.weight": 1, "ln_f.bias": 1}
+
+
+@pytest.mark.parametrize("kwargs,match", [({"weights": 3}, r"`weights=3` must be a path"),
+                                          ({"weights_prefix": None}, r"`weights_prefix=None` must be a string")])
+def test_weights_arguments_are_checked_by_every_strategy(kwargs, match):
+    from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
+
+    for cls in (DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy):
+        with pytest.raises(ValueError, match=match):
+            cls(**kwargs)
