@@ -41,3 +41,15 @@ def checkpoint_offset(storage: torch.UntypedStorage) -> Optional[int]:
     """
     offset = getattr(storage, "_checkpoint_offset", None)
     return offset if isinstance(offset, int) else None
+
+
+def lightning_optimizers(module) -> list:
+    """The optimizers the module's ``configure_optimizers`` returns, parsed as Lightning parses them (any of
+    its return forms), without installing them anywhere.
+
+    Wraps ``lightning.pytorch.core.optimizer._init_optimizers_and_lr_schedulers`` (private: the parser that
+    ``Strategy.setup_optimizers`` calls); callers record from them which parameters each group holds.
+    """
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    return _init_optimizers_and_lr_schedulers(module)[0]

@@ -1,7 +1,6 @@
 """What the strategies share: the checks of the arguments every strategy takes, and for the strategies that
 lay ranks out on a :class:`~lightning_par.topology.Topology` (pipeline, tensor) the layout, one process
-group per mesh axis and the choice between one consolidated checkpoint file and a sharded
-``torch.distributed.checkpoint`` directory.
+group per mesh axis and the checkpoint hooks (:mod:`lightning_par.strategies._checkpoint`).
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import Any, Optional, Union
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_par.checkpoint import is_distributed_checkpoint, save_distributed
+from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology
 
@@ -42,24 +41,21 @@ def check_flags(**flags: Any) -> None:
             raise ValueError(f"`{name}={value!r}` must be True or False.")
 
 
-class LayoutStrategy(RegisteredByName, DDPStrategy):
+class LayoutStrategy(CheckpointMixin, RegisteredByName, DDPStrategy):
     """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
-    subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, and
-    checkpoints as one file or, with ``save_distributed_checkpoint=True``, as a DCP directory (see
-    :func:`lightning_par.checkpoint.save_distributed`); a subclass writes what goes in either and reads a
-    directory back in :meth:`_load_distributed`."""
+    subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, and the
+    checkpoint hooks of :class:`~lightning_par.strategies._checkpoint.CheckpointMixin` (one file, or with
+    ``save_distributed_checkpoint=True`` a DCP directory; ``async_save=True`` writes in the background)."""
 
     def __init__(self, *, save_distributed_checkpoint: bool, start_method: str, timeout: Union[float, timedelta],
-                 accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
-                 precision_plugin=None, process_group_backend: Optional[str] = None) -> None:
-        check_flags(save_distributed_checkpoint=save_distributed_checkpoint)
+                 async_save: bool = False, accelerator=None, parallel_devices=None, cluster_environment=None,
+                 checkpoint_io=None, precision_plugin=None, process_group_backend: Optional[str] = None) -> None:
+        self._init_checkpointing(save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          start_method=check_start_method(start_method), timeout=as_timeout(timeout))
-        self._save_distributed_checkpoint = save_distributed_checkpoint
         self._topology: Optional[Topology] = None
-        self._dcp_path: Optional[str] = None  # a sharded checkpoint being resumed
 
     @property
     def topology(self) -> Topology:
@@ -83,22 +79,8 @@ class LayoutStrategy(RegisteredByName, DDPStrategy):
                 mine = group
         return mine
 
-    # -- checkpoints --------------------------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if not self._save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = self.broadcast(str(filepath))
-        save_distributed(path, checkpoint, is_rank_zero=self.is_global_zero)
-        self.barrier("save_distributed_checkpoint")
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = self.broadcast(str(checkpoint_path))
-        if not is_distributed_checkpoint(path):
-            self._dcp_path = None
-            return super().load_checkpoint(path, weights_only=weights_only)
-        self._dcp_path = path
-        return self._load_distributed(path)
-
-    def _load_distributed(self, path: str) -> dict[str, Any]:
-        """The checkpoint dict of a DCP directory (every rank calls it)."""
-        raise NotImplementedError
+    def _checkpoint_layout(self) -> dict[str, Any]:
+        topo = self.topology
+        return {**super()._checkpoint_layout(), "data_parallel_size": topo.data_parallel_size,
+                "pipeline_parallel_size": topo.pipeline_parallel_size,
+                "tensor_parallel_size": topo.tensor_parallel_size}

@@ -29,7 +29,6 @@ from typing import Any, Literal
 
 import torch.distributed
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -39,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_par.dp import comm_hooks, fsdp, zero
 from lightning_par.strategies._base import as_timeout, check_start_method
 from lightning_par.dp import lr_scaling as scaling
+from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.strategies.tensor_parallel import _ConsolidatingLauncher
 from lightning_par.topology import Topology, keep_loader_on_one_process
@@ -56,7 +56,7 @@ def _step_through_root(name: str, context: str):
     return step
 
 
-class DataParallelStrategy(RegisteredByName, DDPStrategy):
+class DataParallelStrategy(CheckpointMixin, RegisteredByName, DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -68,8 +68,10 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
       ``2`` (FSDP2: gradients reduce-scattered, each rank keeps 1/N of them and of the optimizer state;
       parameters gathered once per step) or ``3`` (FSDP2: parameters sharded as well, gathered per block in
       forward and again in backward); see [Note: what stages 2 and 3 keep and shard] in
-      :mod:`lightning_par.dp.fsdp`. Checkpoints hold the consolidated state under the module's own names,
-      loadable by a plain single-device run. Stages 2 and 3 take no DDP option (comm hook, buckets...).
+      :mod:`lightning_par.dp.fsdp`. Stages 2 and 3 take no DDP option (comm hook, buckets...).
+    - ``save_distributed_checkpoint``: ``False`` (one file in one device's format) or ``True`` (a DCP
+      directory, each rank writing its shards); ``async_save``: write in the background. Either loads under
+      any layout (:mod:`lightning_par.strategies._checkpoint`).
     - ``lr_scaling``: ``"none"``, ``"linear"`` or ``"sqrt"``: every configured learning rate (including
       the ``base_lrs`` of LR schedulers) is multiplied by ``global batch / reference_batch_size``
       (or its square root), where global batch = per-device batch × world size ×
@@ -108,6 +110,8 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         process_group_backend: str | None = None,
+        save_distributed_checkpoint: bool = False,
+        async_save: bool = False,
     ) -> None:
         # 1. validate everything before any process or collective exists
         comm_hooks.validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
@@ -118,6 +122,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
                                 static_graph=static_graph)
         scaling.validate_lr_scaling(lr_scaling, reference_batch_size)
         check_start_method(start_method)
+        self._init_checkpointing(save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save)
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or not bucket_cap_mb > 0):
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB or None (DDP's "
@@ -240,6 +245,7 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         if self._fsdp_units is None:
             return super().teardown()
         # As Lightning's ModelParallelStrategy: the sharded module stays where it is (see TensorParallelStrategy).
+        self._close_checkpointing()
         self._steps.close()
         self._fsdp_units = self._steps = None
         self.cluster_environment.teardown()
@@ -247,30 +253,13 @@ class DataParallelStrategy(RegisteredByName, DDPStrategy):
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-    # -- checkpoints (zero_stage 2 / 3: consolidated, under the module's own names) -----------------
+    # -- checkpoints: the hooks of lightning_par.strategies._checkpoint, every parameter under its own name --
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._fsdp_units is None:
-            return super().lightning_module_state_dict()
-        return fsdp.full_model_state(self.lightning_module)
+    def _checkpoint_prepare(self) -> None:
+        self._reshard()  # the state at rest: shards
 
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        if self._fsdp_units is None:
-            return super().optimizer_state(optimizer)
-        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return fsdp.full_optimizer_state(self.lightning_module, optimizer)
-
-    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        if self._fsdp_units is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        fsdp.load_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        if self._fsdp_units is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            fsdp.load_optimizer_state(self.lightning_module, opt._optimizer if isinstance(opt, LightningOptimizer)
-                                      else opt, state)
+    def _checkpoint_layout(self) -> dict[str, Any]:
+        return {**super()._checkpoint_layout(), "data_parallel_size": self.world_size, "zero_stage": self._zero_stage}
 
     def _register_ddp_hooks(self) -> None:
         """Register the chosen communication hook on every device type (Lightning: CUDA only; for bf16 on

@@ -10,9 +10,9 @@ The work lives in :mod:`lightning_par.pipeline`; this class wires it into Lightn
    reduce and hand over the gradients (:mod:`~lightning_par.pipeline.shared`).
 4. ``validation_step`` / ``test_step`` / ``predict_step``: forward-only pipeline; every rank returns and
    logs the last stage's results (:mod:`~lightning_par.pipeline.routing`).
-5. Checkpoints: one consolidated state dict under the module's own names; optimizer states of all
-   ranks in the same file, reloaded under the same layout (:mod:`~lightning_par.pipeline.consolidate`),
-   or sharded directories (:mod:`~lightning_par.pipeline.sharded_checkpoint`).
+5. Checkpoints: the hooks of :mod:`~lightning_par.strategies._checkpoint`; a stage writes the blocks and
+   parameters it owns (:func:`~lightning_par.pipeline.consolidate.owned_state`), and one device's optimizer
+   order is recorded before the module is split.
 """
 from __future__ import annotations
 
@@ -20,13 +20,11 @@ from datetime import timedelta
 from typing import Any, Optional, Sequence, Union
 
 import torch
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_par.checkpoint import read_meta
-from lightning_par.pipeline import sharded_checkpoint as sharded
-from lightning_par.pipeline.consolidate import consolidate, gather_optimizer_state, optimizer_state_of, owned_state
+from lightning_par.pipeline.consolidate import owned_state
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.flow import trace_flow
 from lightning_par.pipeline.mailbox import ResultMailbox
@@ -61,6 +59,7 @@ class PipelineParallelStrategy(LayoutStrategy):
         blocks: Optional[str] = None,
         balance: Union[str, Sequence[int]] = "params",
         save_distributed_checkpoint: bool = False,
+        async_save: bool = False,
         start_method: str = "popen",
         timeout: Union[float, timedelta] = 1800.0,
         accelerator=None,
@@ -75,7 +74,7 @@ class PipelineParallelStrategy(LayoutStrategy):
                       balance=balance)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method, timeout=timeout,
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            async_save=async_save, accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
         )
         self._pp_size, self._dp_size = pipeline_parallel_size, data_parallel_size
@@ -180,6 +179,8 @@ class PipelineParallelStrategy(LayoutStrategy):
             flow.check_stages(path, bounds)
         self._full_keys = list(lm.state_dict().keys())
         self._block_prefix = f"{path}."
+        if lm.trainer.state.fn == TrainerFn.FITTING:
+            self._record_one_device_order()  # before the split: [Note: recording one device's order]
         total = sum(p.numel() for p in lm.parameters())
         rank_zero_info(stage_table(counts, params, times, path=path, total_params=total,
                                    replicas=topo.data_parallel_size, schedule=self._schedule, balance=self._balance))
@@ -302,47 +303,26 @@ class PipelineParallelStrategy(LayoutStrategy):
         return self._runner.evaluate(lm, batch, lambda mb: getattr(lm, hook)(mb, *rest, **kwargs), context=context,
                                      predict=hook == "predict_step")
 
-    # -- checkpoints ([Note: consolidated checkpoint] in pipeline/consolidate.py) -----------------------
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    # -- checkpoints: the interface of lightning_par.strategies._checkpoint ------------------------------
+    def _first_replica(self) -> bool:
+        return self.topology.coordinates(self.global_rank)["dp"] == 0
+
+    def _checkpoint_model_share(self) -> dict[str, Any]:
         lm = self.lightning_module
         if self._runtime is None:
             return lm.state_dict()
-        mine = owned_state(lm, block_prefix=self._block_prefix, owns=self._owns, first_stage=self.stage == 0,
-                           first_replica=self.topology.coordinates(self.global_rank)["dp"] == 0)
-        if self._save_distributed_checkpoint:
-            return mine  # each rank writes its part: [Note: sharded pipeline checkpoint]
-        return consolidate(mine, self._full_keys, is_rank_zero=self.is_global_zero)
+        return owned_state(lm, block_prefix=self._block_prefix, owns=self._owns, first_stage=self.stage == 0,
+                           first_replica=self._first_replica())
 
-    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        lm = self.lightning_module
-        if self._runtime is None:  # before setup: the whole unchanged module
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        local = set(lm.state_dict())
-        lm.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k in local}, strict=strict)
+    def _checkpoint_writes_param(self, param, name: str) -> bool:
+        return self._runtime is None or (self._first_replica() and self._owns(param, name))
 
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        if self._save_distributed_checkpoint:
-            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-            first = self.topology.coordinates(self.global_rank)["dp"] == 0
-            return sharded.optimizer_items(getattr(optimizer, "_optimizer", optimizer), names,
-                                           lambda p: first and self._owns(p, names[id(p)]))
-        return gather_optimizer_state(super().optimizer_state(optimizer), self.topology.shape)
+    def _checkpoint_expected_keys(self) -> list[str]:
+        return self._full_keys if self._runtime is not None else list(self.lightning_module.state_dict())
 
-    def _load_distributed(self, path: str) -> dict[str, Any]:  # the optimizer states load after setup
-        meta = read_meta(path)
-        state = sharded.load_model(path, self.lightning_module.state_dict())
-        return {**meta, "state_dict": state, "optimizer_states": [None] * sharded.optimizer_count(path)}
-
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        if self._dcp_path is not None:
-            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-            for i, optimizer in enumerate(self.optimizers):
-                sharded.load_optimizer(self._dcp_path, getattr(optimizer, "_optimizer", optimizer), i, names)
-                _optimizer_to_device(optimizer, self.root_device)
-            return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(optimizer_state_of(state, self.topology.shape, self.global_rank))
-            _optimizer_to_device(optimizer, self.root_device)
+    def _checkpoint_layout(self) -> dict[str, Any]:
+        return {**super()._checkpoint_layout(), "schedule": self._schedule, "stages_per_rank": self._stages_per_rank,
+                "balance": self._balance}
 
 
 __all__ = ["PipelineParallelStrategy"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 from datetime import timedelta
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -53,6 +53,7 @@ class TensorParallelStrategy(LayoutStrategy):
             vocabulary-parallel) and the user's ``F.cross_entropy`` runs on the shards inside
             ``torch.distributed.tensor.parallel.loss_parallel()``; see [Note: loss parallel].
         save_distributed_checkpoint: write ``torch.distributed.checkpoint`` directories instead of one file.
+        async_save: write checkpoints in the background (see :mod:`lightning_par.strategies._checkpoint`).
         start_method: ``"popen"`` (as DDPStrategy), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         timeout: collective timeout in seconds (or a ``timedelta``).
     """
@@ -69,6 +70,7 @@ class TensorParallelStrategy(LayoutStrategy):
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         save_distributed_checkpoint: bool = False,
+        async_save: bool = False,
         start_method: str = "popen",
         timeout: Union[float, int, timedelta] = DEFAULT_TIMEOUT_S,
         process_group_backend: Optional[str] = None,
@@ -83,7 +85,7 @@ class TensorParallelStrategy(LayoutStrategy):
             plan = check_user_plan(plan)
         check_flags(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
-                         timeout=timeout, accelerator=accelerator, parallel_devices=parallel_devices,
+                         timeout=timeout, async_save=async_save, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend)
         self._tp_size, self._dp_size = tensor_parallel_size, data_parallel_size
@@ -149,6 +151,7 @@ class TensorParallelStrategy(LayoutStrategy):
         # As Lightning's ModelParallelStrategy: the sharded module stays where it is (DDPStrategy would move it
         # to the CPU, which swaps every DTensor parameter and fails when anything holds a weak reference to one).
         assert self.cluster_environment is not None and self.accelerator is not None
+        self._close_checkpointing()
         self._restore_loader()
         restore_rules()  # DTensor's propagator is process-global: no rule of ours outlives the run
         self.cluster_environment.teardown()
@@ -241,33 +244,6 @@ class TensorParallelStrategy(LayoutStrategy):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # load full tensors into the shards, after parallelize
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._save_distributed_checkpoint:
-            return ckpt.sharded_model_state(self.lightning_module)
-        return ckpt.full_state(self.lightning_module.state_dict())
-
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        if self._save_distributed_checkpoint:
-            return ckpt.sharded_optimizer_state(self.lightning_module, optimizer)
-        return ckpt.full_state(optimizer.state_dict())
-
-    def _load_distributed(self, path: str) -> dict[str, Any]:
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        checkpoint = ckpt.load_distributed(path, self.lightning_module, optimizers)
-        return {**checkpoint, "state_dict": {}, "optimizer_states": [None] * len(optimizers)}
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._dcp_path is None:
-            ckpt.load_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._dcp_path is not None:
-            return
-        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            ckpt.load_optimizer_state(opt._optimizer if isinstance(opt, LightningOptimizer) else opt, state)
 
 
 def _log_plain_values(module) -> None:
