@@ -329,7 +329,7 @@ def convert(src, dst, *, strip_prefix: str = "", weights_only: bool = False) -> 
         write_torch(tmp, out)
         os.replace(tmp, dst)
         return "ckpt"
-    write_dcp(dst, sharded.flatten(model, optimizers, meta))
+    write_dcp(dst, sharded.flatten(model, optimizers, meta, tensor_type=(torch.Tensor, Lazy)))
     return "dcp"
 
 

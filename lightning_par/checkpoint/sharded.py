@@ -59,15 +59,16 @@ def _unleaf(value: Any) -> Any:
 
 
 def flatten(model: Mapping[str, Any], optimizers: Sequence[Mapping[str, Any]],
-            meta: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+            meta: Optional[Mapping[str, Any]], tensor_type: type = torch.Tensor) -> dict[str, Any]:
     """The flat DCP state of one rank: its ``model`` entries, its named optimizer shares
-    (``{"state": {name: {key: value}}, "param_groups": [...]}``) and, on rank 0, ``meta``."""
+    (``{"state": {name: {key: value}}, "param_groups": [...]}``) and, on rank 0, ``meta``. Values of
+    ``tensor_type`` (tensors; the converter's lazy tensors) are kept, others pickled."""
     flat: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in model.items()}
     for i, opt in enumerate(optimizers):
         prefix = optimizer_prefix(i)
         for name, entry in opt["state"].items():
             for key, value in entry.items():
-                flat[f"{prefix}.state.{name}.{key}"] = _leaf(value)
+                flat[f"{prefix}.state.{name}.{key}"] = value if isinstance(value, tensor_type) else _leaf(value)
         flat[f"{prefix}.param_groups"] = _leaf(opt["param_groups"])
     if meta is not None:
         flat[META] = _leaf(dict(meta))
@@ -87,6 +88,15 @@ def start_save(path: str, flat: Mapping[str, Any], *, async_save: bool = False, 
         return getattr(response, "upload_completion", response)
     dcp.save(flat, checkpoint_id=tmp)
     return None
+
+
+def save(path: str, model: Mapping[str, Any], optimizers: Sequence[Mapping[str, Any]] = (),
+         meta: Optional[Mapping[str, Any]] = None, *, is_rank_zero: bool = True) -> None:
+    """Write one rank's share (see :func:`flatten`; ``meta`` from rank 0) and give the directory its final name
+    once every rank has written. Every rank calls it; the caller synchronises the ranks before reading."""
+    start_save(path, flatten(model, optimizers, meta if is_rank_zero else None))
+    if is_rank_zero:
+        publish(path + INCOMPLETE, path)
 
 
 def _metadata(path: str):
@@ -188,4 +198,4 @@ def load_optimizer(path: str, index: int, params: Mapping[str, torch.Tensor]) ->
 
 
 __all__ = ["INCOMPLETE", "INFO_KEY", "META", "MODEL", "flatten", "is_sharded", "load_model", "load_optimizer", "model_names",
-           "optimizer_count", "optimizer_prefix", "publish", "read_meta", "saved_entries", "start_save"]
+           "optimizer_count", "optimizer_prefix", "publish", "read_meta", "save", "saved_entries", "start_save"]

@@ -233,7 +233,7 @@ class CheckpointMixin:
             return
         sharded.start_save(path, flat)
         if self.is_global_zero:
-            sharded.publish(path + sharded.INCOMPLETE, path)
+            sharded.publish(path + sharded.INCOMPLETE, path)  # dcp.save returned on every rank: all is written
         self.barrier("save_distributed_checkpoint")
 
     def _save_in_background(self, checkpoint: dict, path: str, storage_options) -> None:
