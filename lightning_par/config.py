@@ -58,6 +58,8 @@ class DataParallelStrategyConfig:
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
+    save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
+    async_save: bool = False  # true: checkpoints written in the background
 
 
 @dataclass
@@ -73,6 +75,7 @@ class PipelineStrategyConfig:
     blocks: Optional[str] = None  # null: the longest ModuleList/Sequential of same-class blocks
     balance: Any = "params"  # uniform | params | time | [blocks per stage]
     save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
+    async_save: bool = False  # true: checkpoints written in the background
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
@@ -88,7 +91,8 @@ class TensorStrategyConfig:
     plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    save_distributed_checkpoint: bool = False
+    save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
+    async_save: bool = False  # true: checkpoints written in the background
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA

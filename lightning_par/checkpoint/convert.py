@@ -266,7 +266,8 @@ def write_safetensors(path: str, tensors: dict[str, Lazy], metadata: Optional[di
         if lazy.dtype not in _ST_DTYPES:
             raise ValueError(f"safetensors has no dtype for {name!r} ({lazy.dtype})")
         size = int(torch.Size(lazy.shape).numel()) * lazy.dtype.itemsize
-        header[name] = {"dtype": _ST_DTYPES[lazy.dtype], "shape": list(lazy.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _ST_DTYPES[lazy.dtype], "shape": list(lazy.shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -338,7 +339,9 @@ def describe(path) -> str:
     ckpt = open_checkpoint(path)
     info = ckpt.meta.get(sharded.INFO_KEY) or {}
     layout = info.get("layout")
-    lines = [f"{ckpt.path}: {dict(dcp='torch.distributed.checkpoint directory', ckpt='Lightning checkpoint file', safetensors='safetensors file')[ckpt.kind]}",
+    kinds = {"dcp": "torch.distributed.checkpoint directory", "ckpt": "Lightning checkpoint file",
+             "safetensors": "safetensors file"}
+    lines = [f"{ckpt.path}: {kinds[ckpt.kind]}",
              "layout: " + (", ".join(f"{k}={v}" for k, v in layout.items()) if layout else
                            ("weights only" if ckpt.kind == "safetensors" else "plain Lightning (one device)"))]
     if "global_step" in ckpt.meta:
@@ -351,8 +354,9 @@ def describe(path) -> str:
         source = named or positional
         tensors = _lazies_in(source["state"])
         sizes = [len(g["params"]) for g in source["param_groups"]]
+        nbytes = sum(int(torch.Size(t.shape).numel()) * t.dtype.itemsize for t in tensors)
         lines.append(f"optimizer {i}: groups of {sizes} parameters, state of {len(source['state'])} "
-                     f"({len(tensors)} tensors, {sum(int(torch.Size(t.shape).numel()) * t.dtype.itemsize for t in tensors) / 2**20:.2f} MiB)"
+                     f"({len(tensors)} tensors, {nbytes / 2**20:.2f} MiB)"
                      + ("" if named else "; numbered by position"))
     return "\n".join(lines)
 

@@ -197,5 +197,6 @@ def load_optimizer(path: str, index: int, params: Mapping[str, torch.Tensor]) ->
     return state, _unleaf(flat[groups_key])
 
 
-__all__ = ["INCOMPLETE", "INFO_KEY", "META", "MODEL", "flatten", "is_sharded", "load_model", "load_optimizer", "model_names",
-           "optimizer_count", "optimizer_prefix", "publish", "read_meta", "save", "saved_entries", "start_save"]
+__all__ = ["INCOMPLETE", "INFO_KEY", "META", "MODEL", "flatten", "is_sharded", "load_model", "load_optimizer",
+           "model_names", "optimizer_count", "optimizer_prefix", "publish", "read_meta", "save", "saved_entries",
+           "start_save"]

@@ -71,22 +71,22 @@ class LlamaLM(pl.LightningModule):
 
 MODELS = {"gpt": (tiny_gpt, GPT), "llama": (LlamaLM, LlamaLM)}
 
-# name: (strategy factory taking save_distributed_checkpoint, devices, per-rank batch)
+# name: (strategy factory taking save_distributed_checkpoint and keywords, devices, per-rank batch)
 LAYOUTS = {
     "single": (None, 1, BATCH),
-    "dp2_zero1": (lambda d: DataParallelStrategy(zero_stage=1, start_method="fork", timeout=120,
-                                                 save_distributed_checkpoint=d), 2, BATCH // 2),
-    "dp2_zero3": (lambda d: DataParallelStrategy(zero_stage=3, start_method="fork", timeout=120,
-                                                 save_distributed_checkpoint=d), 2, BATCH // 2),
-    "pp2_1f1b": (lambda d: PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, schedule="1f1b",
-                                                    start_method="fork", timeout=120,
-                                                    save_distributed_checkpoint=d), 2, BATCH),
-    "pp2_interleaved": (lambda d: PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2,
-                                                           schedule="interleaved_1f1b", stages_per_rank=2,
-                                                           start_method="fork", timeout=120,
-                                                           save_distributed_checkpoint=d), 2, BATCH),
-    "tp2": (lambda d: TensorParallelStrategy(tensor_parallel_size=2, start_method="fork", timeout=120,
-                                             save_distributed_checkpoint=d), 2, BATCH),
+    "dp2_zero1": (lambda d, **kw: DataParallelStrategy(zero_stage=1, start_method="fork", timeout=120,
+                                                       save_distributed_checkpoint=d, **kw), 2, BATCH // 2),
+    "dp2_zero3": (lambda d, **kw: DataParallelStrategy(zero_stage=3, start_method="fork", timeout=120,
+                                                       save_distributed_checkpoint=d, **kw), 2, BATCH // 2),
+    "pp2_1f1b": (lambda d, **kw: PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, schedule="1f1b",
+                                                          start_method="fork", timeout=120,
+                                                          save_distributed_checkpoint=d, **kw), 2, BATCH),
+    "pp2_interleaved": (lambda d, **kw: PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2,
+                                                                 schedule="interleaved_1f1b", stages_per_rank=2,
+                                                                 start_method="fork", timeout=120,
+                                                                 save_distributed_checkpoint=d, **kw), 2, BATCH),
+    "tp2": (lambda d, **kw: TensorParallelStrategy(tensor_parallel_size=2, start_method="fork", timeout=120,
+                                                   save_distributed_checkpoint=d, **kw), 2, BATCH),
 }
 NAMES = list(LAYOUTS)
 SAVES_DCP = {"dp2_zero1", "pp2_1f1b", "tp2"}  # the others save one file (one device: plain Lightning's)
@@ -102,12 +102,13 @@ def test_every_layout_is_saved_and_reached_three_times():
     assert all(reached.count(name) == 3 for name in NAMES) and all(name not in resumers(name) for name in NAMES)
 
 
-def run(layout, model, out, *, epochs, ckpt_path=None, save_dir=None, validate=False):
+def run(layout, model, out, *, epochs, ckpt_path=None, save_dir=None, validate=False, dcp=None, **strategy_kw):
     factory, devices, batch = LAYOUTS[layout]
+    dcp = layout in SAVES_DCP if dcp is None else dcp
     loader = reference_loader(DATA.train_set, batch) if layout == "single" else DataLoader(DATA.train_set, batch)
     callbacks = [ModelCheckpoint(dirpath=save_dir, save_top_k=-1, every_n_epochs=1)] if save_dir else []
     extra = dict(limit_val_batches=None, val_loader=DataLoader(DATA.val_set, batch_size=4)) if validate else {}
-    return fit_and_record(seeded(MODELS[model][0]), loader, str(out), strategy=factory(layout in SAVES_DCP)
+    return fit_and_record(seeded(MODELS[model][0]), loader, str(out), strategy=factory(dcp, **strategy_kw)
                           if factory else "auto", devices=devices, max_steps=-1, max_epochs=epochs,
                           callbacks=callbacks, enable_checkpointing=bool(save_dir), ckpt_path=ckpt_path, **extra)
 
@@ -189,3 +190,18 @@ def test_save_under_one_layout_resume_under_three_others(tmp_path, tmp_path_fact
             source = as_file  # plain Lightning reads files only
         resumed = run(layout, model, tmp_path / f"resume_{layout}", epochs=2, ckpt_path=str(source))
         assert_continues(ref, layout, resumed)
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+@pytest.mark.parametrize("saved,dcp,resumed", [("pp2_1f1b", True, "tp2"), ("dp2_zero3", False, "pp2_interleaved")])
+def test_async_save_completes_under_its_final_name_and_resumes(tmp_path, tmp_path_factory, saved, dcp, resumed):
+    """`async_save=True`: the state is staged (one copy) and written in the background while training goes on;
+    the checkpoint appears under its name only once complete, and resumes like a synchronous one."""
+    ref, _ = reference("gpt", tmp_path_factory)
+    run(saved, "gpt", tmp_path / "save", epochs=2, save_dir=str(tmp_path / "ckpt"), dcp=dcp, async_save=True)
+    saves = sorted(os.listdir(tmp_path / "ckpt"))
+    assert saves == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]  # both complete, no `.incomplete` left
+    path = tmp_path / "ckpt" / saves[0]
+    assert path.is_dir() == dcp
+    assert_continues(ref, resumed, run(resumed, "gpt", tmp_path / "resumed", epochs=2, ckpt_path=str(path),
+                                       async_save=True))

@@ -64,7 +64,8 @@ def test_safetensors_with_a_stripped_prefix_and_inspect(tmp_path, capsys):
     from safetensors.torch import load_file
 
     src = one_device_checkpoint(tmp_path / "one.ckpt")
-    assert cli(["convert", str(tmp_path / "one.ckpt"), str(tmp_path / "w.safetensors"), "--strip-prefix", "blocks."]) == 0
+    args = ["convert", str(tmp_path / "one.ckpt"), str(tmp_path / "w.safetensors"), "--strip-prefix", "blocks."]
+    assert cli(args) == 0
     weights = load_file(tmp_path / "w.safetensors")
     assert "0.attn.q_proj.weight" in weights and "tok_emb.weight" in weights
     torch.testing.assert_close(weights["0.attn.q_proj.weight"], src["state_dict"]["blocks.0.attn.q_proj.weight"])
