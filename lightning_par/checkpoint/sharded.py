@@ -116,10 +116,11 @@ def saved_entries(path: str) -> dict[str, Any]:
 
 def _load(path: str, flat: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
         dcp.load(flat, checkpoint_id=path, no_dist=True)  # every rank reads its own entries, no collective
-    except Exception as err:
+    except (Exception, CheckpointException) as err:
         shown = sorted(flat)[:8]
         raise ValueError(f"Reading {len(flat)} entries ({', '.join(shown)}{', ...' if len(flat) > 8 else ''}) "
                          f"from the checkpoint {path} failed: {type(err).__name__}: {err}") from err

@@ -170,6 +170,14 @@ def test_save_under_one_layout_resume_under_three_others(tmp_path, tmp_path_fact
         val = pl.Trainer(**trainer_kwargs(limit_val_batches=None)).validate(
             module, DataLoader(DATA.val_set, batch_size=4), verbose=False)[0]["val_loss"]
         assert val == pytest.approx(recs[0]["metrics"]["val_loss"], abs=1e-5)
+        if model == "llama":  # the directory's weights under Hugging Face's names: from_pretrained takes them
+            hf_dir = tmp_path / "hf"
+            hf_dir.mkdir()
+            convert(path, hf_dir / "model.safetensors", "--strip-prefix", "net.")
+            module.net.config.save_pretrained(hf_dir)
+            hf = type(module.net).from_pretrained(str(hf_dir))
+            for name, tensor in module.net.state_dict().items():
+                torch.testing.assert_close(hf.state_dict()[name], tensor, atol=0, rtol=0, msg=name)
         sources = [as_file, path, path]
     else:
         assert path.is_file()
@@ -207,3 +215,17 @@ def test_async_save_completes_under_its_final_name_and_resumes(tmp_path, tmp_pat
     assert path.is_dir() == dcp
     assert_continues(ref, resumed, run(resumed, "gpt", tmp_path / "resumed", epochs=2, ckpt_path=str(path),
                                        async_save=True))
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_another_models_checkpoint_is_refused_with_the_path_and_the_keys(tmp_path):
+    """Another model's file resumed under a pipeline stops before training with an error naming the checkpoint
+    and the keys (truncated files and directories: tests/unit/test_checkpoint_format.py)."""
+    run("single", "gpt", tmp_path / "one", epochs=1, save_dir=str(tmp_path / "ckpt"))
+    path = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    loader = DataLoader(DATA.train_set, BATCH)
+    wider = GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=24)
+    trainer = pl.Trainer(**trainer_kwargs(strategy=LAYOUTS["pp2_1f1b"][0](False), devices=2, max_epochs=2))
+    with pytest.raises(Exception, match=r"(?s)The checkpoint .*epoch=0-step=2\.ckpt does not fit GPT: .*mis-shaped: "
+                                        r"tok_emb\.weight: checkpoint \(32, 16\), module \(32, 24\)"):
+        trainer.fit(wider, loader, ckpt_path=str(path))
