@@ -283,8 +283,10 @@ class CheckpointMixin:
         self._ckpt_where = path
         if sharded.is_sharded(path):
             self._ckpt_source = path
-            checkpoint = {**sharded.read_meta(path), "state_dict": {},
-                          "optimizer_states": [None] * sharded.optimizer_count(path)}
+            checkpoint = {**sharded.read_meta(path), "state_dict": {}}
+            count = sharded.optimizer_count(path)
+            if count:  # none (save_weights_only): Lightning's own message if a fit needs them
+                checkpoint["optimizer_states"] = [None] * count
         else:
             self._ckpt_source = None
             try:
@@ -325,8 +327,8 @@ class CheckpointMixin:
         names = self._param_names()
         for i, wrapped in enumerate(self.optimizers):
             optimizer = _unwrap(wrapped)
-            if self._ckpt_source is not None:
-                params = {names[id(p)]: p for p in flat_params(optimizer)}
+            if self._ckpt_source is not None:  # only the state this rank keeps (ZeRO-1: its partition)
+                params = {names[id(p)]: p for p in flat_params(_holder(optimizer))}
                 state, groups = sharded.load_optimizer(self._ckpt_source, i, params)
             else:
                 state, groups = from_positional(saved[i], self._one_device_order(i, optimizer), where=self._ckpt_where)

@@ -304,6 +304,10 @@ class PipelineParallelStrategy(LayoutStrategy):
                                      predict=hook == "predict_step")
 
     # -- checkpoints: the interface of lightning_par.strategies._checkpoint ------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # into the installed stage: a directory's blocks are read by their stage only
+
     def _first_replica(self) -> bool:
         return self.topology.coordinates(self.global_rank)["dp"] == 0
 
