@@ -1,7 +1,7 @@
 """One checkpoint format for every layout: a checkpoint saved under any of {one device (plain Lightning),
 dp2 zero 1, dp2 zero 3, pp2 1F1B, pp2 interleaved, tp2} resumes under three others and the run continues as
 the uninterrupted one-device run does (fp32, 1e-5: losses and parameters after two more AdamW steps with a
-scheduled learning rate). Each layout saves once (at the end of epoch 0; the runs stop with max_epochs, see
+scheduled learning rate). The 1F1B pipeline splits the four blocks 3 + 1, the interleaved one 1 + 1 + 1 + 1. Each layout saves once (at the end of epoch 0; the runs stop with max_epochs, see
 DESIGN.md "Learned in round 2"), in one of the two forms (one file / a DCP directory), and the three layouts
 after it in LAYOUTS resume it, so every layout is reached three times; a DCP directory is converted to a file
 with the command line tool for one of its resumes (and for one device, which only reads files).
@@ -81,7 +81,7 @@ LAYOUTS = {
     "dp2_zero3": (lambda d, **kw: DataParallelStrategy(zero_stage=3, start_method="fork", timeout=120,
                                                        save_distributed_checkpoint=d, **kw), 2, BATCH // 2),
     "pp2_1f1b": (lambda d, **kw: PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, schedule="1f1b",
-                                                          start_method="fork", timeout=120,
+                                                          balance=[3, 1], start_method="fork", timeout=120,
                                                           save_distributed_checkpoint=d, **kw), 2, BATCH),
     "pp2_interleaved": (lambda d, **kw: PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2,
                                                                  schedule="interleaved_1f1b", stages_per_rank=2,
