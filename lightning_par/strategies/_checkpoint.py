@@ -74,8 +74,9 @@ def _cloned(obj: Any) -> Any:
 def check_fit(where: str, module_name: str, expected, targets: Mapping[str, torch.Tensor],
               saved: Mapping[str, tuple], strict: bool) -> None:
     """Refuse a checkpoint whose model entries do not fit the module, naming the path and the keys."""
+    known = set(expected)
     missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in set(expected)]
+    unexpected = [k for k in saved if k not in known]
     misshaped = [f"{k}: checkpoint {tuple(saved[k])}, module {tuple(targets[k].shape)}" for k in targets
                  if k in saved and isinstance(targets[k], torch.Tensor) and tuple(saved[k]) != tuple(targets[k].shape)]
     problems = []
@@ -150,7 +151,9 @@ class CheckpointMixin:
 
     def _optimizer_index(self, optimizer) -> int:
         ids = [id(_unwrap(o)) for o in self.optimizers]
-        return ids.index(id(optimizer)) if id(optimizer) in ids else 0
+        if id(optimizer) not in ids:
+            raise RuntimeError(f"{type(optimizer).__name__} is not one of the strategy's optimizers.")
+        return ids.index(id(optimizer))
 
     def _checkpoint_info(self) -> dict[str, Any]:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -183,7 +186,8 @@ class CheckpointMixin:
         if lost:
             raise RuntimeError(f"Consolidating the state dict of {type(self._checkpoint_module).__name__} lost "
                                f"{lost[:5]}: no rank wrote them.")
-        return {**{k: merged[k] for k in keys}, **{k: v for k, v in merged.items() if k not in set(keys)}}
+        known = set(keys)
+        return {**{k: merged[k] for k in keys}, **{k: v for k, v in merged.items() if k not in known}}
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
