@@ -10,7 +10,8 @@ storage on the meta device; a safetensors header) and reads one whole tensor at 
 reader (:mod:`lightning_par.weights`), chunk by chunk. A writer takes the list first and then the tensors in
 order: safetensors and the ``.ckpt`` zip archive (the layout ``torch.save`` writes: ``data.pkl`` naming one
 storage record per tensor, then the records) have their headers written from the list, and a DCP directory
-is written by DCP's ``FileSystemWriter`` with a planner that reads each tensor when DCP asks for its bytes.
+is written by DCP's ``FileSystemWriter`` with a planner that reads each tensor when DCP asks for its bytes,
+one data file per entry (the writer holds a file's tensors until the file is complete).
 So a conversion holds at most one tensor (plus the reader's bounded buffer) besides the small metadata.
 """
 from __future__ import annotations
@@ -299,7 +300,8 @@ def write_dcp(path: str, flat: dict[str, Any]) -> None:
             return super().resolve_data(write_item)
 
     tmp = path + sharded.INCOMPLETE
-    dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=1, single_file_per_rank=True),
+    # one data file per entry: torch's FileSystemWriter keeps every tensor of a file until the file is done
+    dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=1, single_file_per_rank=False),
              planner=ReadingPlanner(), no_dist=True)
     sharded.publish(tmp, path)
 
