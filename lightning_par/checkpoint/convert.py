@@ -55,9 +55,11 @@ class Checkpoint:
     (name -> :class:`Lazy`), ``optimizers`` (named: ``{"state": {name: {key: Lazy | value}}, "param_groups":
     [... "params": names]}``, or None where only positions are known) and ``kind``."""
 
-    def __init__(self, path: str, kind: str, meta: dict, model: dict, optimizers: list, positional: list):
+    def __init__(self, path: str, kind: str, meta: dict, model: dict, optimizers: list, positional: list,
+                 close: Callable[[], None] = lambda: None):
         self.path, self.kind, self.meta, self.model = path, kind, meta, model
         self.optimizers, self.positional = optimizers, positional
+        self.close = close  # the source's open files
 
     def named_optimizers(self) -> list[dict]:
         if any(o is None for o in self.optimizers):
@@ -111,7 +113,7 @@ def _open_dcp(path: str) -> Checkpoint:
                 state.setdefault(name, {})[key] = lazy(k) if k in source.tensors else sharded._unleaf(values[k])
         groups = sharded._unleaf(values[sharded.optimizer_prefix(i) + ".param_groups"])
         optimizers.append({"state": state, "param_groups": groups})
-    return Checkpoint(path, "dcp", meta, model, optimizers, [None] * len(optimizers))
+    return Checkpoint(path, "dcp", meta, model, optimizers, [None] * len(optimizers), source.close)
 
 
 def _open_safetensors(path: str) -> Checkpoint:
@@ -125,19 +127,24 @@ def _open_safetensors(path: str) -> Checkpoint:
             source.read(name, full_region(info.shape), out)
             return out
         return Lazy(info, read)
-    return Checkpoint(path, "safetensors", {}, {n: lazy(n) for n in source.tensors}, [], [])
+    return Checkpoint(path, "safetensors", {}, {n: lazy(n) for n in source.tensors}, [], [], source.close)
 
 
 def _open_torch(path: str) -> Checkpoint:
     fd = os.open(path, os.O_RDONLY)
     counter = torchzip.ByteCounter()
-    with torchzip.FileView(fd, 0, os.fstat(fd).st_size, counter) as view:
-        obj = torchzip.load_meta(view, path)
+    try:
+        with torchzip.FileView(fd, 0, os.fstat(fd).st_size, counter) as view:
+            obj = torchzip.load_meta(view, path)
+    except BaseException:
+        os.close(fd)
+        raise
     if not isinstance(obj, dict) or not isinstance(obj.get("state_dict"), dict):
         keys = sorted(map(str, obj))[:10] if isinstance(obj, dict) else type(obj).__name__
         obj = {"state_dict": obj} if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()) \
             else None
         if obj is None:
+            os.close(fd)
             raise ValueError(f"{path} is neither a Lightning checkpoint nor a state dict (found: {keys}).")
 
     def lazy(meta_tensor):
@@ -171,7 +178,7 @@ def _open_torch(path: str) -> Checkpoint:
         optimizers.append({"state": {name_of[int(p)]: dict(s) for p, s in opt["state"].items()},
                            "param_groups": [{**g, "params": list(names)} for g, names in
                                             zip(opt["param_groups"], orders[i])]})
-    return Checkpoint(path, "ckpt", meta, model, optimizers, positional)
+    return Checkpoint(path, "ckpt", meta, model, optimizers, positional, lambda: os.close(fd))
 
 
 # -- writers -------------------------------------------------------------------------------------------------
@@ -311,7 +318,13 @@ def convert(src, dst, *, strip_prefix: str = "", weights_only: bool = False) -> 
     ``.safetensors`` (weights only, names without ``strip_prefix``), ``.ckpt`` / ``.pt`` / ``.pth`` (plain
     Lightning's one-device file), anything else a DCP directory. Returns the form written."""
     ckpt = open_checkpoint(src)
-    dst = os.fspath(dst)
+    try:
+        return _convert(ckpt, src, os.fspath(dst), strip_prefix=strip_prefix, weights_only=weights_only)
+    finally:
+        ckpt.close()
+
+
+def _convert(ckpt: Checkpoint, src, dst: str, *, strip_prefix: str, weights_only: bool) -> str:
     model = {(k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k): v
              for k, v in ckpt.model.items()}
     if dst.endswith(".safetensors"):
@@ -339,6 +352,7 @@ def convert(src, dst, *, strip_prefix: str = "", weights_only: bool = False) -> 
 def describe(path) -> str:
     """What ``path`` holds: its form, the layout that wrote it, the step, and every tensor."""
     ckpt = open_checkpoint(path)
+    ckpt.close()  # the listing reads no tensor
     info = ckpt.meta.get(sharded.INFO_KEY) or {}
     layout = info.get("layout")
     kinds = {"dcp": "torch.distributed.checkpoint directory", "ckpt": "Lightning checkpoint file",

@@ -147,9 +147,9 @@ def test_a_directory_with_a_data_file_cut_short_is_refused_with_its_path_and_ent
     strategy = DataParallelStrategy()
     strategy.connect(GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
     checkpoint = strategy.load_checkpoint(tmp_path / "dcp")
-    (data,) = [f for f in os.listdir(tmp_path / "dcp") if f.endswith(".distcp")]
-    with open(tmp_path / "dcp" / data, "r+b") as f:
-        f.truncate(os.path.getsize(tmp_path / "dcp" / data) // 10)
+    for data in [f for f in os.listdir(tmp_path / "dcp") if f.endswith(".distcp")]:  # one file per entry
+        with open(tmp_path / "dcp" / data, "r+b") as f:
+            f.truncate(os.path.getsize(tmp_path / "dcp" / data) // 2)
     with pytest.raises(ValueError, match=r"Reading \d+ entries \(state_dict\.blocks\.0\..*\) from the checkpoint "
                                          r".*dcp failed"):
         strategy.load_model_state_dict(checkpoint)
