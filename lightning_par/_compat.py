@@ -179,3 +179,13 @@ def restore_module_and_callbacks(trainer, checkpoint: dict) -> None:
     connector.restore_model()
     connector.restore_datamodule()
     connector.restore_callbacks()
+def lightning_optimizers(module) -> list:
+    """The optimizers the module's ``configure_optimizers`` returns, parsed as Lightning parses them (any of
+    its return forms), without installing them anywhere.
+
+    Wraps ``lightning.pytorch.core.optimizer._init_optimizers_and_lr_schedulers`` (private: the parser that
+    ``Strategy.setup_optimizers`` calls); callers record from them which parameters each group holds.
+    """
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    return _init_optimizers_and_lr_schedulers(module)[0]

@@ -77,6 +77,37 @@ def write_file(path: str, write: Callable[[str], None]) -> None:
     fsync_path(folder)
 
 
+def clear_temporary(path: str) -> str:
+    """The hidden temporary directory of ``path`` (``.<name>.partial``), with what a killed save left there and
+    under ``.<name>.old`` removed; the caller (one process) then writes into it."""
+    path = os.path.normpath(os.fspath(path))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp, old = hidden_name(path, "partial"), hidden_name(path, "old")
+    for stale in (tmp, old):  # left by a save that was killed
+        if os.path.isdir(stale):
+            shutil.rmtree(stale)
+        elif os.path.exists(stale):
+            os.remove(stale)
+    return tmp
+
+
+def publish_directory(tmp: str, path: str) -> None:
+    """Give the complete directory ``tmp`` its final name ``path`` ([Note: atomic checkpoints]): flushed, an
+    existing ``path`` moved aside to ``.<name>.old`` first (a rename onto a non-empty directory fails), then
+    renamed, the old one removed."""
+    path = os.path.normpath(os.fspath(path))
+    folder, old = os.path.dirname(os.path.abspath(path)), hidden_name(path, "old")
+    _fsync_tree(tmp)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    fsync_path(folder)
+    if os.path.isdir(old):
+        shutil.rmtree(old)
+    elif os.path.exists(old):  # a file of that name before
+        os.remove(old)
+
+
 def write_directory(path: str, write: Callable[[str], None], *, publisher: bool = True,
                     barrier: Optional[Callable[[], None]] = None) -> None:
     """Write a directory atomically ([Note: atomic checkpoints]): ``write(tmp)`` fills the hidden temporary
@@ -88,29 +119,13 @@ def write_directory(path: str, write: Callable[[str], None], *, publisher: bool 
     before the temporary exists and from going on before it is renamed. The publisher's ``write`` must return
     only once every process's part is written (``dcp.save`` writes its ``.metadata`` last, after all).
     """
-    path = os.path.normpath(os.fspath(path))
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp, old = hidden_name(path, "partial"), hidden_name(path, "old")
+    tmp = hidden_name(os.path.normpath(os.fspath(path)), "partial")
     if publisher:
-        os.makedirs(folder, exist_ok=True)
-        for stale in (tmp, old):  # left by a save that was killed
-            if os.path.isdir(stale):
-                shutil.rmtree(stale)
-            elif os.path.exists(stale):
-                os.remove(stale)
-        os.makedirs(tmp)
+        os.makedirs(clear_temporary(path))
     if barrier is not None:
         barrier()
     write(tmp)
     if publisher:
-        _fsync_tree(tmp)
-        if os.path.exists(path):
-            os.rename(path, old)  # a rename onto a non-empty directory fails: the old one goes aside first
-        os.rename(tmp, path)
-        fsync_path(folder)
-        if os.path.isdir(old):
-            shutil.rmtree(old)
-        elif os.path.exists(old):  # a file of that name before
-            os.remove(old)
+        publish_directory(tmp, path)
     if barrier is not None:
         barrier()

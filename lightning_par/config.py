@@ -64,6 +64,8 @@ class DataParallelStrategyConfig:
     fault_tolerance: Optional[str] = None  # null | torchft (one torchrun per replica group, see README)
     min_replicas: int = 1  # torchft: the fewest live replica groups a step commits with
     ft_timeout: float = 60.0  # torchft: seconds to wait for a quorum, a peer's all-reduce or its state
+    save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
+    async_save: bool = False  # true: checkpoints written in the background
 
 
 @dataclass
@@ -82,6 +84,7 @@ class PipelineStrategyConfig:
     weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
     weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
+    async_save: bool = False  # true: checkpoints written in the background
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
     nonfinite: str = "error"  # error | skip: a NaN / inf loss or gradient stops training or skips the step
@@ -101,7 +104,8 @@ class TensorStrategyConfig:
     zero_stage: int = 0  # 0 replicas (stages 1-3: DataParallelStrategy only, for now)
     weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
     weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
-    save_distributed_checkpoint: bool = False
+    save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
+    async_save: bool = False  # true: checkpoints written in the background
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
     nonfinite: str = "error"  # error | skip: a NaN / inf loss or gradient stops training or skips the step
@@ -129,7 +133,8 @@ class HybridStrategyConfig:
     weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
     weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     nonfinite: str = "error"  # error | skip
-    save_distributed_checkpoint: bool = False
+    save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
+    async_save: bool = False  # true: checkpoints written in the background
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA

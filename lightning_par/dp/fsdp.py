@@ -1,9 +1,7 @@
 """ZeRO stages 2 and 3 on the data axis: torch FSDP2 (``fully_shard``) over a 1-D mesh of data-parallel ranks.
 
     units = shard_module(module, mesh, zero_stage=3, precision="bf16-mixed")   # every rank of the mesh
-    ...train...
-    model_state = full_model_state(module)              # rank 0: full CPU tensors under the original names
-    optim_state = full_optimizer_state(module, opt)     # rank 0: torch's positional layout
+    ...train...                                         # checkpoints: lightning_par.checkpoint (DTensor shards)
 
 It knows no Lightning: the strategy passes the precision as a string and calls these from its hooks.
 
@@ -64,14 +62,11 @@ would look for infs in this rank's gradient shard only, and ranks could disagree
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_par.comm import local_nbytes
@@ -207,60 +202,6 @@ def reshard(module: nn.Module) -> None:
             m.reshard()
 
 
-# -- checkpoints: consolidated, under the module's own names -----------------------------------------
-
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole state dict as CPU tensors on the mesh's rank 0, ``{}`` elsewhere (collective: every rank)."""
-    return get_model_state_dict(module, options=_FULL)
-
-
-def load_model_state(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """Load a whole state dict (present on every rank) into the shards; each rank keeps its slice."""
-    reshard(module)
-    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
-
-
-def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The whole optimizer state on rank 0 (``{}`` elsewhere) in torch's positional layout, the one
-    ``optimizer.state_dict()`` has on one device (collective: every rank).
-
-    torch's ``get_optimizer_state_dict`` keys the state by parameter name: it renames ``optimizer.state_dict()``'s
-    positions group by group, in order, so numbering the names in that order inverts it.
-    """
-    named = get_optimizer_state_dict(module, optimizer, options=_FULL)
-    if not named:
-        return named
-    index: dict[str, int] = {}
-    groups = []
-    for group in named["param_groups"]:
-        ids = []
-        for name in group["params"]:
-            index[name] = len(index)
-            ids.append(index[name])
-        groups.append({**group, "params": ids})
-    return {"state": {index[name]: value for name, value in named["state"].items()}, "param_groups": groups}
-
-
-def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Load a whole positional optimizer state (present on every rank, e.g. written by one device) into the
-    optimizer over ``module``'s shards."""
-    reshard(module)  # the optimizer holds the sharded parameters: name those
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    names = {p: n for n, p in module.named_parameters()}
-    saved_groups = state["param_groups"]
-    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        raise ValueError(f"The checkpoint's optimizer has groups of {[len(g['params']) for g in saved_groups]} "
-                         f"parameters, this one {[len(g['params']) for g in optimizer.param_groups]}: was it saved "
-                         f"from a different model or `configure_optimizers`?")
-    name_of = {i: names[params[pos]] for pos, i in enumerate(i for g in saved_groups for i in g["params"])}
-    named = {"state": {name_of[int(i)]: v for i, v in state["state"].items()},
-             "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in saved_groups]}
-    set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
-
-
 # -- memory --------------------------------------------------------------------------------------------
 
 def local_training_bytes(module: nn.Module, optimizers=()) -> dict[str, int]:
@@ -272,5 +213,4 @@ def local_training_bytes(module: nn.Module, optimizers=()) -> dict[str, int]:
 
 
 __all__ = ["PRECISIONS", "check_precision", "check_ddp_options", "mixed_precision_policy", "is_sharded",
-           "shard_module", "StepRunner", "reshard", "full_model_state", "load_model_state", "full_optimizer_state",
-           "load_optimizer_state", "local_training_bytes"]
+           "shard_module", "StepRunner", "reshard", "local_training_bytes"]

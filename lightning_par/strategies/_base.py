@@ -1,7 +1,6 @@
 """What the strategies share: the checks of the arguments every strategy takes, and for the strategies that
 lay ranks out on a :class:`~lightning_par.topology.Topology` (pipeline, tensor) the layout, one process
-group per mesh axis and the choice between one consolidated checkpoint file and a sharded
-``torch.distributed.checkpoint`` directory.
+group per mesh axis and the checkpoint hooks (:mod:`lightning_par.strategies._checkpoint`).
 """
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par._compat import multiprocessing_launcher
-from lightning_par.atomic import write_directory
-from lightning_par.checkpoint import full_state, is_distributed_checkpoint, save_distributed
 from lightning_par.dp.zero import validate_zero_stage
+from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._materialize import HeldTensorsLauncher, MaterializingStrategy, check_weights
 from lightning_par.strategies._nonfinite import NonFiniteChecks
@@ -62,28 +60,27 @@ def check_flags(**flags: Any) -> None:
             raise ValueError(f"`{name}={value!r}` must be True or False.")
 
 
-class LayoutStrategy(AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName, MaterializingStrategy, DDPStrategy):
+class LayoutStrategy(CheckpointMixin, AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName, MaterializingStrategy,
+                     DDPStrategy):
     """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
-    subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, and
-    checkpoints as one file or, with ``save_distributed_checkpoint=True``, as a DCP directory (see
-    :func:`lightning_par.checkpoint.save_distributed`); a subclass writes what goes in either and reads a
-    directory back in :meth:`_load_distributed`. Meta builds and ``weights=``: :class:`MaterializingStrategy`."""
+    subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, the
+    checkpoint hooks of :class:`~lightning_par.strategies._checkpoint.CheckpointMixin` (one file, or with
+    ``save_distributed_checkpoint=True`` a DCP directory; ``async_save=True`` writes in the background; both
+    atomic), meta builds and ``weights=`` (:class:`MaterializingStrategy`), ``nonfinite`` and named waits."""
 
     def __init__(self, *, save_distributed_checkpoint: bool, start_method: str, timeout: Union[float, timedelta],
-                 weights=None, weights_prefix: str = "", accelerator=None, parallel_devices=None,
-                 cluster_environment=None, checkpoint_io=None, precision_plugin=None,
+                 async_save: bool = False, weights=None, weights_prefix: str = "", accelerator=None,
+                 parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None,
                  process_group_backend: Optional[str] = None, nonfinite: str = "error") -> None:
-        check_flags(save_distributed_checkpoint=save_distributed_checkpoint)
+        self._init_checkpointing(save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save)
         check_weights(weights, weights_prefix)
         self._set_nonfinite(nonfinite)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          start_method=check_start_method(start_method), timeout=as_timeout(timeout))
-        self._save_distributed_checkpoint = save_distributed_checkpoint
         self._set_weights(weights, weights_prefix)
         self._topology: Optional[Topology] = None
-        self._dcp_path: Optional[str] = None  # a sharded checkpoint being resumed
 
     @property
     def topology(self) -> Topology:
@@ -101,11 +98,6 @@ class LayoutStrategy(AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName,
         if isinstance(self._launcher, _Launcher):
             self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
 
-    def caller_state(self) -> dict[str, Any]:
-        """The whole module's state dict as one device holds it, on global rank 0 (every rank calls it): what
-        a fork / spawn launch hands back to the calling process."""
-        return full_state(self.lightning_module.state_dict())
-
     def _new_groups(self, axis: str):
         """A process group for every group of ranks along ``axis`` (none of one rank); this rank's, or None."""
         mine = None
@@ -117,25 +109,11 @@ class LayoutStrategy(AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName,
                 mine = group
         return mine
 
-    # -- checkpoints --------------------------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if not self._save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = self.broadcast(str(filepath))
-        write_directory(path, lambda tmp: save_distributed(tmp, checkpoint, is_rank_zero=self.is_global_zero),
-                        publisher=self.is_global_zero, barrier=lambda: self.barrier("save_distributed_checkpoint"))
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = self.broadcast(str(checkpoint_path))
-        if not is_distributed_checkpoint(path):
-            self._dcp_path = None
-            return super().load_checkpoint(path, weights_only=weights_only)
-        self._dcp_path = path
-        return self._load_distributed(path)
-
-    def _load_distributed(self, path: str) -> dict[str, Any]:
-        """The checkpoint dict of a DCP directory (every rank calls it)."""
-        raise NotImplementedError
+    def _checkpoint_layout(self) -> dict[str, Any]:
+        topo = self.topology
+        return {**super()._checkpoint_layout(), "data_parallel_size": topo.data_parallel_size,
+                "pipeline_parallel_size": topo.pipeline_parallel_size,
+                "tensor_parallel_size": topo.tensor_parallel_size}
 
 
 _Launcher, _WorkerOutput = multiprocessing_launcher()
@@ -143,7 +121,7 @@ _Launcher, _WorkerOutput = multiprocessing_launcher()
 
 class ConsolidatingLauncher(HeldTensorsLauncher):
     """Lightning's spawn/fork launcher, but the weights handed back to the calling process are the whole
-    module's (``strategy.caller_state()``, every rank takes part): Lightning's own hands back rank 0's state
+    module's (``strategy.consolidated_state()``, every rank takes part): Lightning's own hands back rank 0's state
     dict and loads it with ``strict=False``, which would leave the caller's module with the shards and
     stages rank 0 did not hold at their initial values, silently. A caller's meta-built module takes them as its
     tensors (:class:`HeldTensorsLauncher`)."""
@@ -151,8 +129,7 @@ class ConsolidatingLauncher(HeldTensorsLauncher):
     def _collect_rank_zero_results(self, trainer, results):
         callback = trainer.checkpoint_callback
         best = getattr(callback, "best_model_path", None) if callback else None
-        caller_state = getattr(self._strategy, "caller_state", None)  # DataParallelStrategy: the gathered shards
-        state_dict = caller_state() if caller_state else full_state(trainer.lightning_module.state_dict())  # collective
+        state_dict = self._strategy.consolidated_state()  # collective: the stages assembled, the shards gathered
         if self._strategy.local_rank != 0:
             return None
         weights_path = None

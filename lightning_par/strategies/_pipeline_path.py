@@ -17,10 +17,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_par._compat import optimizer_to_device, optimizers_to_device
-from lightning_par import checkpoint as ckpt
-from lightning_par.pipeline import sharded_checkpoint as sharded
-from lightning_par.pipeline.consolidate import consolidate, gather_optimizer_state, optimizer_state_of, owned_state
+from lightning_par._compat import optimizers_to_device
+from lightning_par.pipeline.consolidate import owned_state
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.ends import first_owner, stage_needs
@@ -133,6 +131,8 @@ class PipelinePath:
         plan = build_plan(lm, tp, s._plan_arg) if tp > 1 else None
         self.full_keys = list(lm.state_dict().keys())
         self.block_prefix = f"{path}."
+        if lm.trainer.state.fn == TrainerFn.FITTING:
+            s._record_one_device_order()  # before the split: [Note: recording one device's order]
         total = sum(p.numel() for p in lm.parameters())
         rank_zero_info(stage_table(counts, params, times, path=path, total_params=total,
                                    replicas=topo.data_parallel_size, schedule=s._schedule, balance=s._balance))
@@ -224,54 +224,13 @@ class PipelinePath:
         return self.runner.evaluate(lm, batch, lambda mb: getattr(lm, hook)(mb, *rest, **kwargs), context=context,
                                     predict=hook == "predict_step")
 
-    # -- checkpoints ([Note: consolidated checkpoint] in pipeline/consolidate.py) -----------------------
-    def _mine(self) -> dict[str, torch.Tensor]:
+    # -- checkpoints (the core implements lightning_par.strategies._checkpoint's interface with these) --------
+    def owned_state(self) -> dict[str, torch.Tensor]:
+        """The entries of the module's state dict this stage writes ([Note: consolidated checkpoint])."""
         s = self.s
         return owned_state(s.lightning_module, block_prefix=self.block_prefix, owns=self.owns,
                            first_stage=self.stage == 0,
                            first_replica=s.topology.coordinates(s.global_rank)["dp"] == 0)
-
-    def caller_state(self) -> dict[str, Any]:
-        """The stages' owned state (tensor-parallel shards gathered within their group, whose ranks hold the
-        same keys in the same order), assembled on rank 0 in the module's key order."""
-        return consolidate(ckpt.full_state(self._mine()), self.full_keys, is_rank_zero=self.s.is_global_zero)
-
-    def state_dict(self) -> dict[str, Any]:
-        if not self.s._save_distributed_checkpoint:
-            return self.caller_state()
-        return self._mine()  # each rank writes its part: [Note: sharded pipeline checkpoint]
-
-    def load_model_state_dict(self, checkpoint, strict: bool) -> None:
-        lm = self.s.lightning_module
-        local = set(lm.state_dict())
-        ckpt.load_model_state(lm, {k: v for k, v in checkpoint["state_dict"].items() if k in local}, strict=strict)
-
-    def optimizer_state(self, optimizer, plain_state) -> dict[str, Any]:
-        s = self.s
-        if s._save_distributed_checkpoint:
-            names = {id(p): n for n, p in s.lightning_module.named_parameters()}
-            first = s.topology.coordinates(s.global_rank)["dp"] == 0
-            return sharded.optimizer_items(getattr(optimizer, "_optimizer", optimizer), names,
-                                           lambda p: first and self.owns(p, names[id(p)]))
-        return gather_optimizer_state(ckpt.local_state(plain_state()), s.topology.sizes)
-
-    def load_distributed(self, path: str) -> dict[str, Any]:  # the optimizer states load after setup
-        meta = ckpt.read_meta(path)
-        state = sharded.load_model(path, self.s.lightning_module.state_dict())
-        return {**meta, "state_dict": state, "optimizer_states": [None] * sharded.optimizer_count(path)}
-
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        s = self.s
-        if s._dcp_path is not None:
-            names = {id(p): n for n, p in s.lightning_module.named_parameters()}
-            for i, optimizer in enumerate(s.optimizers):
-                sharded.load_optimizer(s._dcp_path, getattr(optimizer, "_optimizer", optimizer), i, names)
-                optimizer_to_device(optimizer, s.root_device)
-            return
-        for optimizer, state in zip(s.optimizers, checkpoint["optimizer_states"]):
-            ckpt.load_optimizer_state(getattr(optimizer, "_optimizer", optimizer),
-                                      optimizer_state_of(state, s.topology.sizes, s.global_rank), local=True)
-            optimizer_to_device(optimizer, s.root_device)
 
 
 def _params(optimizer) -> list:

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Mapping
+from typing import Any
 
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par._compat import optimizers_to_device
-from lightning_par import checkpoint as ckpt
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._precision import PrecisionHooks
@@ -147,34 +145,6 @@ class TensorPath:
             return result
 
         return closure_then_average
-
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        if self.s._save_distributed_checkpoint:
-            return ckpt.sharded_model_state(self.s.lightning_module)
-        return ckpt.full_state(self.s.lightning_module.state_dict())
-
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        if self.s._save_distributed_checkpoint:
-            return ckpt.sharded_optimizer_state(self.s.lightning_module, optimizer)
-        return ckpt.full_state(optimizer.state_dict())
-
-    def load_distributed(self, path: str) -> dict[str, Any]:
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.s.optimizers]
-        checkpoint = ckpt.load_distributed(path, self.s.lightning_module, optimizers)
-        return {**checkpoint, "state_dict": {}, "optimizer_states": [None] * len(optimizers)}
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
-        if self.s._dcp_path is None:
-            ckpt.load_model_state(self.s.lightning_module, checkpoint["state_dict"], strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.s._dcp_path is not None:
-            return
-        for opt, state in zip(self.s.optimizers, checkpoint["optimizer_states"]):
-            ckpt.load_optimizer_state(opt._optimizer if isinstance(opt, LightningOptimizer) else opt, state)
 
 
 def _params(optimizer) -> list:

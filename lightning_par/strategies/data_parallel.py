@@ -28,7 +28,6 @@ import datetime
 from typing import Any, Literal
 
 import torch.distributed
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -43,6 +42,7 @@ from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
 from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.strategies._waits import NamedWaits
 from lightning_par.dp import lr_scaling as scaling
+from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._materialize import MaterializingStrategy
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology, keep_loader_on_one_process
@@ -60,8 +60,8 @@ def _step_through_root(name: str, context: str):
     return step
 
 
-class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName,
-                           MaterializingStrategy, DDPStrategy):
+class DataParallelStrategy(FaultTolerantReplicas, CheckpointMixin, AtomicSaves, NonFiniteChecks, NamedWaits,
+                           RegisteredByName, MaterializingStrategy, DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -73,8 +73,10 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
       ``2`` (FSDP2: gradients reduce-scattered, each rank keeps 1/N of them and of the optimizer state;
       parameters gathered once per step) or ``3`` (FSDP2: parameters sharded as well, gathered per block in
       forward and again in backward); see [Note: what stages 2 and 3 keep and shard] in
-      :mod:`lightning_par.dp.fsdp`. Checkpoints hold the consolidated state under the module's own names,
-      loadable by a plain single-device run. Stages 2 and 3 take no DDP option (comm hook, buckets...).
+      :mod:`lightning_par.dp.fsdp`. Stages 2 and 3 take no DDP option (comm hook, buckets...).
+    - ``save_distributed_checkpoint``: ``False`` (one file in one device's format) or ``True`` (a DCP
+      directory, each rank writing its shards); ``async_save``: write in the background. Either loads under
+      any layout (:mod:`lightning_par.strategies._checkpoint`).
     - ``lr_scaling``: ``"none"``, ``"linear"`` or ``"sqrt"``: every configured learning rate (including
       the ``base_lrs`` of LR schedulers) is multiplied by ``global batch / reference_batch_size``
       (or its square root), where global batch = per-device batch × world size ×
@@ -127,6 +129,8 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
         fault_tolerance: Literal["torchft"] | None = None,
         min_replicas: int = 1,
         ft_timeout: float = 60.0,
+        save_distributed_checkpoint: bool = False,
+        async_save: bool = False,
     ) -> None:
         # 1. validate everything before any process or collective exists
         comm_hooks.validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
@@ -140,6 +144,7 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
                                     comm_hook=comm_hook, static_graph=static_graph, lr_scaling=lr_scaling)
         check_start_method(start_method)
         self._set_nonfinite(nonfinite)
+        self._init_checkpointing(save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save)
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or not bucket_cap_mb > 0):
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB or None (DDP's "
@@ -278,6 +283,7 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
         if self._fsdp_units is None:
             return super().teardown()
         # As Lightning's ModelParallelStrategy: the sharded module stays where it is (see TensorParallelStrategy).
+        self._close_checkpointing()
         self._steps.close()
         self._fsdp_units = self._steps = None
         self.cluster_environment.teardown()
@@ -285,30 +291,13 @@ class DataParallelStrategy(FaultTolerantReplicas, AtomicSaves, NonFiniteChecks, 
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-    # -- checkpoints (zero_stage 2 / 3: consolidated, under the module's own names) -----------------
+    # -- checkpoints: the hooks of lightning_par.strategies._checkpoint, every parameter under its own name --
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._fsdp_units is None:
-            return super().lightning_module_state_dict()
-        return fsdp.full_model_state(self.lightning_module)
+    def _checkpoint_prepare(self) -> None:
+        self._reshard()  # the state at rest: shards
 
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        if self._fsdp_units is None:
-            return super().optimizer_state(optimizer)
-        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return fsdp.full_optimizer_state(self.lightning_module, optimizer)
-
-    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        if self._fsdp_units is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        fsdp.load_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        if self._fsdp_units is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            fsdp.load_optimizer_state(self.lightning_module, opt._optimizer if isinstance(opt, LightningOptimizer)
-                                      else opt, state)
+    def _checkpoint_layout(self) -> dict[str, Any]:
+        return {**super()._checkpoint_layout(), "data_parallel_size": self.world_size, "zero_stage": self._zero_stage}
 
     def _register_ddp_hooks(self) -> None:
         """Register the chosen communication hook on every device type (Lightning: CUDA only; for bf16 on

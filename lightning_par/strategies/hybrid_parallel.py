@@ -81,6 +81,7 @@ class HybridParallelStrategy(LayoutStrategy):
         weights_prefix: str = "",
         nonfinite: str = "error",
         save_distributed_checkpoint: bool = False,
+        async_save: bool = False,
         start_method: str = "popen",
         timeout: Union[float, timedelta] = 1800.0,
         accelerator=None,
@@ -104,7 +105,7 @@ class HybridParallelStrategy(LayoutStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method, timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-            nonfinite=nonfinite, weights=weights, weights_prefix=weights_prefix,
+            nonfinite=nonfinite, weights=weights, weights_prefix=weights_prefix, async_save=async_save,
         )
         self._sizes = {"data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
                        "tensor_parallel_size": tensor_parallel_size}
@@ -225,6 +226,7 @@ class HybridParallelStrategy(LayoutStrategy):
         self.precision_plugin = layout_precision(self._user_precision, hooks)
 
     def teardown(self) -> None:
+        self._close_checkpointing()  # a background save finishes first
         self._restore_loader()
         if self._mesh is not None:
             restore_rules()  # DTensor's propagator is process-global: no rule of ours outlives the run
@@ -234,12 +236,6 @@ class HybridParallelStrategy(LayoutStrategy):
             super().teardown()
         if self._user_precision is not None:
             self.precision_plugin, self._user_precision = self._user_precision, None
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        if isinstance(self._path, TensorPath):
-            return True  # one stage: full tensors loaded into the shards, after setup
-        return self._restore_after_setup()  # into the materialized stage, after weights=
 
     # -- steps --------------------------------------------------------------------------------------
     def on_train_start(self) -> None:
@@ -278,33 +274,31 @@ class HybridParallelStrategy(LayoutStrategy):
             return self._path.eval_step(hook, context, args, kwargs)
         return self._path.step(lambda: getattr(super(HybridParallelStrategy, self), hook)(*args, **kwargs), hook)
 
-    # -- checkpoints (the path's own format) ----------------------------------------------------------
-    def caller_state(self) -> dict[str, Any]:
+    # -- checkpoints: the interface of lightning_par.strategies._checkpoint (one format for every layout) --
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # into the installed stage and the shards: each rank reads what it holds
+
+    def _checkpoint_model_share(self) -> dict[str, Any]:
         if isinstance(self._path, PipelinePath) and self._path.runtime is not None:
-            return self._path.caller_state()
-        return super().caller_state()
+            return self._path.owned_state()  # a stage leaves out the copies it never trains
+        return super()._checkpoint_model_share()
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if isinstance(self._path, PipelinePath) and self._path.runtime is None:
-            return self.lightning_module.state_dict()
-        return self._path.state_dict()
+    def _checkpoint_writes_param(self, param, name: str) -> bool:
+        if isinstance(self._path, PipelinePath) and self._path.runtime is not None:
+            return self.topology.coordinates(self.global_rank)["dp"] == 0 and self._path.owns(param, name)
+        return super()._checkpoint_writes_param(param, name)
 
-    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        if isinstance(self._path, PipelinePath) and self._path.runtime is None:  # before setup: the whole module
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        self._path.load_model_state_dict(checkpoint, strict)
+    def _checkpoint_expected_keys(self) -> list[str]:
+        if isinstance(self._path, PipelinePath) and self._path.runtime is not None:
+            return self._path.full_keys
+        return super()._checkpoint_expected_keys()
 
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
+    def _checkpoint_layout(self) -> dict[str, Any]:
+        layout = {**super()._checkpoint_layout(), "mesh_order": "_".join(self.topology.order)}
         if isinstance(self._path, PipelinePath):
-            return self._path.optimizer_state(optimizer, lambda: super(HybridParallelStrategy, self).optimizer_state(
-                optimizer))
-        return self._path.optimizer_state(optimizer)
-
-    def _load_distributed(self, path: str) -> dict[str, Any]:
-        return self._path.load_distributed(path)
-
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        self._path.load_optimizer_state_dict(checkpoint)
+            layout.update(schedule=self._schedule, stages_per_rank=self._stages_per_rank, balance=self._balance)
+        return layout
 
 
 __all__ = ["HybridParallelStrategy"]

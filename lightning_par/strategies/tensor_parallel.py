@@ -43,6 +43,7 @@ class TensorParallelStrategy(HybridParallelStrategy):
         nonfinite: ``"error"`` (stop at a NaN / inf loss or gradient, naming it) or ``"skip"`` (skip that step
             on every rank); see [Note: non-finite values] in :mod:`lightning_par.nonfinite`.
         save_distributed_checkpoint: write ``torch.distributed.checkpoint`` directories instead of one file.
+        async_save: write checkpoints in the background (see :mod:`lightning_par.strategies._checkpoint`).
         start_method: ``"popen"`` (as DDPStrategy), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         timeout: collective timeout in seconds (or a ``timedelta``).
     """
@@ -64,6 +65,7 @@ class TensorParallelStrategy(HybridParallelStrategy):
         weights_prefix: str = "",
         nonfinite: str = "error",
         save_distributed_checkpoint: bool = False,
+        async_save: bool = False,
         start_method: str = "popen",
         timeout: Union[float, int, timedelta] = 1800.0,
         process_group_backend: Optional[str] = None,
@@ -76,7 +78,7 @@ class TensorParallelStrategy(HybridParallelStrategy):
         super().__init__(
             data_parallel_size=data_parallel_size, pipeline_parallel_size=1, tensor_parallel_size=tensor_parallel_size,
             zero_stage=zero_stage, plan=plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-            nonfinite=nonfinite, weights=weights, weights_prefix=weights_prefix,
+            nonfinite=nonfinite, weights=weights, weights_prefix=weights_prefix, async_save=async_save,
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
             timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

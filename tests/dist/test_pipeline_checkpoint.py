@@ -94,7 +94,7 @@ def test_sharded_checkpoint_resumes_exactly_and_under_another_layout(tmp_path):
     _, dirs = run(tmp_path, "dcp", DataLoader(one_batch, batch_size=8), 2, strategy=sharded(), devices=2)
     dirs = sorted(glob.glob(str(tmp_path / "dcp" / "ckpt" / "*")))
     assert os.path.basename(dirs[-1]) == "epoch=1-step=2.ckpt" and os.path.isdir(dirs[-1])
-    assert glob.glob(os.path.join(dirs[-1], "*.distcp")) and os.path.isfile(os.path.join(dirs[-1], "meta.pt"))
+    assert glob.glob(os.path.join(dirs[-1], "*.distcp")) and os.path.isfile(os.path.join(dirs[-1], ".metadata"))
 
     resumed, _ = run(tmp_path, "resumed", DataLoader(one_batch, batch_size=8), 4, ckpt_path=dirs[-1],
                      strategy=sharded(), devices=2)

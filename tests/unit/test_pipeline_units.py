@@ -241,17 +241,6 @@ def test_router_on_one_stage_logs_and_returns_the_combined_result():
     assert logged == [("loss", pytest.approx(2.5), {"prog_bar": True})]
 
 
-def test_optimizer_states_resume_only_under_the_layout_that_wrote_them():
-    from lightning_par.pipeline.consolidate import LAYOUT_KEY, optimizer_state_of
-
-    plain = {"state": {}, "param_groups": []}
-    assert optimizer_state_of(plain, (2, 1, 1), rank=1) is plain  # a file written without a pipeline
-    saved = {LAYOUT_KEY: {"layout": [2, 1, 1], "ranks": ["rank 0", "rank 1"]}}
-    assert optimizer_state_of(saved, (2, 1, 1), rank=1) == "rank 1"
-    with pytest.raises(ValueError, match=r"saved under the layout \(pp, dp, tp\) = \(2, 1, 1\); this run has "
-                                         r"\(4, 1, 1\)\. Resume with the same sizes"):
-        optimizer_state_of(saved, (4, 1, 1), rank=1)
-
 # -- strategy arguments --------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
     (dict(schedule="pipedream"), r"`schedule='pipedream'` is not a pipeline schedule; choose one of \('gpipe'"),

@@ -98,11 +98,11 @@ def _dcp_worker(rank, port, out_dir):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import distribute_tensor
 
-        from lightning_par.checkpoint import save_distributed
+        from lightning_par.checkpoint import sharded as sharded_checkpoint
 
         mesh = init_device_mesh("cpu", (2,))
         sharded = {k: distribute_tensor(v, mesh, [_placement(k, v)]) for k, v in gpt_state().items()}
-        save_distributed(os.path.join(out_dir, "gpt"), {"state_dict": sharded, "epoch": 0}, is_rank_zero=rank == 0)
+        sharded_checkpoint.save(os.path.join(out_dir, "gpt"), sharded, meta={"epoch": 0}, is_rank_zero=rank == 0)
         odd = {k: distribute_tensor(v, mesh, [ODD[k][1]]) for k, v in odd_state().items()}
         dcp.save({"odd": odd}, checkpoint_id=os.path.join(out_dir, "odd"))
         dist.barrier()
