@@ -104,7 +104,8 @@ def load_named(optimizer: torch.optim.Optimizer, state: Mapping[str, Mapping[str
                groups: Sequence[Mapping[str, Any]], names: Mapping[int, str], *, where: str) -> None:
     """Load the named ``state`` and ``groups`` (hyperparameters; ``params``: names) into ``optimizer``, which
     may hold any subset of the parameters (a stage's) as plain or DTensor parameters: full tensors are sliced
-    to the local shard, tensors that already are DTensors are taken as they are."""
+    to the local shard, tensors that already are DTensors are taken as they are; parameters on the meta device
+    (what another rank holds) get none."""
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(f"The checkpoint {where} holds an optimizer with {len(groups)} parameter groups; this "
                          f"run's {type(optimizer).__name__} has {len(optimizer.param_groups)}.")
@@ -117,7 +118,7 @@ def load_named(optimizer: torch.optim.Optimizer, state: Mapping[str, Mapping[str
                              f"{stray[:5]} are not in it. Resume with the `configure_optimizers` that wrote it.")
         for offset, p in enumerate(live["params"]):
             entry = state.get(names[id(p)])
-            if entry:
+            if entry and not p.is_meta:  # a meta parameter is another rank's share: this one keeps no state
                 positional_state[start + offset] = {
                     k: (local_shard_like(v, p) if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape)
                         and v.dim() > 0 else v) for k, v in entry.items()}

@@ -1,5 +1,5 @@
-"""Saves checkpoints the way the strategies do (lightning_par.atomic through AtomicCheckpointIO, and a
-torch.distributed.checkpoint directory through LayoutStrategy's write_directory + save_distributed), for
+"""Saves checkpoints the way the strategies do (files through AtomicCheckpointIO, torch.distributed.checkpoint
+directories through lightning_par.checkpoint.sharded.save: a hidden temporary published atomically), for
 tests/dist/test_atomic_checkpoints.py, which kills it mid-save:
 
     python tests/dist/saver.py FOLDER loop                # saves for ever: files ckpt0/1.ckpt, directories dcp0/1
@@ -11,8 +11,7 @@ import sys
 
 import torch
 
-from lightning_par import atomic
-from lightning_par.checkpoint import save_distributed
+from lightning_par.checkpoint import sharded
 from lightning_par.strategies._checkpoint_io import AtomicCheckpointIO
 
 N = 1 << 20  # 4 MiB per tensor: a save takes long enough to be caught in the middle
@@ -32,8 +31,9 @@ def save_file(folder, name, step):
 
 
 def save_dir(folder, name, step):
-    path = os.path.join(folder, name)
-    atomic.write_directory(path, lambda tmp: save_distributed(tmp, checkpoint(step), is_rank_zero=True))
+    ckpt = checkpoint(step)
+    sharded.save(os.path.join(folder, name), ckpt["state_dict"], ckpt["optimizer_states"],
+                 {"global_step": step}, is_rank_zero=True)
 
 
 def main(folder, mode):
@@ -50,8 +50,8 @@ def main(folder, mode):
         torch.save = lambda obj, f: (open(f, "wb").write(b"\x80" * 1000), die())
         save_file(folder, "ckpt0.ckpt", 2)
         torch.save = real_save
-    if mode == "write_dir":  # dies with the DCP shards and .metadata written, before meta.pt
-        torch.save = lambda obj, f: die()
+    if mode == "write_dir":  # dies with the DCP shards and .metadata written, before the directory is published
+        sharded.publish = lambda *a: die()
         save_dir(folder, "dcp0", 2)
     if mode == "replace":  # dies with the file and the directory written, before either is renamed
         os.replace = lambda *a: die()

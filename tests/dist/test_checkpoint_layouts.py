@@ -1,5 +1,5 @@
 """One checkpoint format for every layout: a checkpoint saved under any of {one device (plain Lightning),
-dp2 zero 1, dp2 zero 3, pp2 1F1B, pp2 interleaved, tp2} resumes under three others and the run continues as
+dp2 zero 1, dp2 zero 3, pp2 1F1B, pp2 interleaved, tp2, pp2 × tp2} resumes under three others and the run continues as
 the uninterrupted one-device run does (fp32, 1e-5: losses and parameters after two more AdamW steps with a
 scheduled learning rate). The 1F1B pipeline splits the four blocks 3 + 1, the interleaved one 1 + 1 + 1 + 1. Each layout saves once (at the end of epoch 0; the runs stop with max_epochs, see
 DESIGN.md "Learned in round 2"), in one of the two forms (one file / a DCP directory), and the three layouts
@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded, trainer_kwargs
-from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
+from lightning_par import DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
 
@@ -89,9 +89,12 @@ LAYOUTS = {
                                                                  save_distributed_checkpoint=d, **kw), 2, BATCH),
     "tp2": (lambda d, **kw: TensorParallelStrategy(tensor_parallel_size=2, start_method="fork", timeout=120,
                                                    save_distributed_checkpoint=d, **kw), 2, BATCH),
+    "pp2xtp2": (lambda d, **kw: HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2,
+                                                       data_parallel_size=1, microbatches=2, start_method="fork",
+                                                       timeout=120, save_distributed_checkpoint=d, **kw), 4, BATCH),
 }
 NAMES = list(LAYOUTS)
-SAVES_DCP = {"dp2_zero1", "pp2_1f1b", "tp2"}  # the others save one file (one device: plain Lightning's)
+SAVES_DCP = {"dp2_zero1", "pp2_1f1b", "tp2", "pp2xtp2"}  # the others save one file (one device: plain Lightning's)
 
 
 def resumers(layout: str) -> list[str]:
@@ -160,7 +163,7 @@ def test_save_under_one_layout_resume_under_three_others(tmp_path, tmp_path_fact
     ref, ref_ckpt = reference(model, tmp_path_factory)
     recs = run(saved, model, tmp_path / "save", epochs=1, save_dir=str(tmp_path / "ckpt"), validate=True)
     path = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
-    assert path.exists() and not glob.glob(str(tmp_path / "ckpt" / "*.incomplete"))
+    assert path.exists() and not glob.glob(str(tmp_path / "ckpt" / ".*"))  # no hidden temporary left
     if saved in SAVES_DCP:
         assert path.is_dir() and glob.glob(str(path / "*.distcp"))
         as_file = tmp_path / "converted.ckpt"
@@ -210,7 +213,7 @@ def test_async_save_completes_under_its_final_name_and_resumes(tmp_path, tmp_pat
     ref, _ = reference("gpt", tmp_path_factory)
     run(saved, "gpt", tmp_path / "save", epochs=2, save_dir=str(tmp_path / "ckpt"), dcp=dcp, async_save=True)
     saves = sorted(os.listdir(tmp_path / "ckpt"))
-    assert saves == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]  # both complete, no `.incomplete` left
+    assert saves == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]  # both complete, no hidden temporary left
     path = tmp_path / "ckpt" / saves[0]
     assert path.is_dir() == dcp
     assert_continues(ref, resumed, run(resumed, "gpt", tmp_path / "resumed", epochs=2, ckpt_path=str(path),

@@ -46,7 +46,7 @@ def one_device_checkpoint(path, steps=2, names=True):
 def test_file_to_dcp_to_file_round_trip_is_exact(tmp_path):
     src = one_device_checkpoint(tmp_path / "one.ckpt")
     convert(tmp_path / "one.ckpt", tmp_path / "dcp")
-    assert sharded.is_sharded(tmp_path / "dcp") and not os.path.exists(str(tmp_path / "dcp") + ".incomplete")
+    assert sharded.is_sharded(tmp_path / "dcp") and not os.path.exists(str(tmp_path / ".dcp.partial"))
     convert(tmp_path / "dcp", tmp_path / "back.ckpt")
     back = torch.load(tmp_path / "back.ckpt", weights_only=True)
     assert set(back) == set(src)
