@@ -77,14 +77,9 @@ class DataParallelStrategy(FaultTolerantReplicas, CheckpointMixin, AtomicSaves, 
     - ``save_distributed_checkpoint``: ``False`` (one file in one device's format) or ``True`` (a DCP
       directory, each rank writing its shards); ``async_save``: write in the background. Either loads under
       any layout (:mod:`lightning_par.strategies._checkpoint`).
-    - ``lr_scaling``: ``"none"``, ``"linear"`` or ``"sqrt"``: every configured learning rate (including
-      the ``base_lrs`` of LR schedulers) is multiplied by ``global batch / reference_batch_size``
-      (or its square root), where global batch = per-device batch × world size ×
-      ``accumulate_grad_batches`` with the per-device batch read from the train dataloader when
-      training starts. ``reference_batch_size=None`` means the batch one device takes per optimizer
-      step (per-device batch × accumulate_grad_batches), i.e. the factor is the world size (or its
-      root). The factor is printed on rank 0, logged as hyper-parameter ``lr_scale_factor`` and
-      available as :attr:`lr_scale_factor`.
+    - ``lr_scaling``: ``"none"``, ``"linear"`` or ``"sqrt"``: every configured learning rate (LR schedulers'
+      ``base_lrs`` too) times ``global batch / reference_batch_size`` (or its root; ``None``: one device's batch
+      per optimizer step); see :mod:`lightning_par.dp.lr_scaling`. Available as :attr:`lr_scale_factor`.
     - ``fault_tolerance``: ``None`` or ``"torchft"``: each torchrun job is one replica group of a torchft quorum
       (:mod:`lightning_par.dp.ft`); gradients are averaged over the live groups, a lost group drops out while
       at least ``min_replicas`` train on, and a restarted one rejoins with a live peer's state
