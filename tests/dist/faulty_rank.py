@@ -1,4 +1,4 @@
-"""One rank of a 2-rank fit launched from outside Lightning (as torchrun launches it), whose rank ``--rank``
+"""One rank of a 2-rank (``--world 4``: 4-rank) fit launched from outside Lightning (as torchrun launches it), whose rank ``--rank``
 stops answering (``--fault stop``: SIGSTOP) or dies (``--fault kill``: SIGKILL) at the start of training
 batch ``--step``, after writing the time to ``<--out>/fault``. Run by tests/dist/test_bounded_waits.py:
 
@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import trainer_kwargs  # noqa: E402
-from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy  # noqa: E402
+from lightning_par import (DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy,  # noqa: E402
+                           TensorParallelStrategy)
 from lightning_par.data import SyntheticCorpus  # noqa: E402
 from lightning_par.models import GPT  # noqa: E402
 
@@ -40,18 +41,22 @@ def main():
     for name in ("rank", "step", "port", "me"):
         ap.add_argument(f"--{name}", type=int, required=True)
     ap.add_argument("--timeout", type=float, required=True)
+    ap.add_argument("--world", type=int, default=2)
     a = ap.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), WORLD_SIZE="2", NODE_RANK="0",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), WORLD_SIZE=str(a.world), NODE_RANK="0",
                       LOCAL_RANK=str(a.me))
     common = dict(start_method="popen", timeout=a.timeout)
     strategy = {"dp": lambda: DataParallelStrategy(**common),
                 "pp": lambda: PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, **common),
-                "tp": lambda: TensorParallelStrategy(tensor_parallel_size=2, **common)}[a.strategy]()
+                "tp": lambda: TensorParallelStrategy(tensor_parallel_size=2, **common),
+                "hybrid": lambda: HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2,
+                                                         data_parallel_size=a.world // 4, microbatches=2, **common),
+                }[a.strategy]()
     torch.manual_seed(0)
     module = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
     data = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=8)
     sig = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}[a.fault]
-    trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=2, max_steps=10_000, max_time=None,
+    trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=a.world, max_steps=10_000, max_time=None,
                                           callbacks=[Fault(a.rank, a.step, sig, a.out)]))
     trainer.fit(module, DataLoader(data.train_set, batch_size=4))
 

@@ -21,16 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path, strategy: str, fault: str, rank: int, timeout: float):
+def launch(tmp_path, strategy: str, fault: str, rank: int, timeout: float, world: int = 2):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     port = free_port()
     procs = []
-    for me in range(2):
+    for me in range(world):
         log = open(tmp_path / f"log{me}", "w")
         procs.append(subprocess.Popen(
             [sys.executable, os.path.join(HERE, "faulty_rank.py"), "--strategy", strategy, "--fault", fault,
              "--rank", str(rank), "--step", str(STEP), "--timeout", str(timeout), "--port", str(port),
-             "--out", str(tmp_path), "--me", str(me)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+             "--out", str(tmp_path), "--me", str(me), "--world", str(world)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
     return procs
 
 
@@ -90,6 +90,28 @@ def test_a_killed_rank_ends_every_rank_non_zero_within_the_timeout(tmp_path, str
         assert procs[rank].wait() == -signal.SIGKILL
         assert rc not in (None, 0), f"rank {1 - rank} still running {time.time() - at:.0f} s after rank {rank} died"
         assert ended - at <= timeout, f"rank {1 - rank} ended {ended - at:.1f} s after rank {rank} died"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_of_a_pp2_tp2_hybrid_ends_every_rank_non_zero_within_the_timeout(tmp_path):
+    """4 ranks (pp, tp) = (0,0) (0,1) (1,0) (1,1): the last stage's second tensor-parallel rank dies; its
+    tensor-parallel peer, the other stage (waiting on point-to-point transfers) and their peers all end."""
+    timeout, rank = 10.0, 3
+    procs = launch(tmp_path, "hybrid", "kill", rank=rank, timeout=timeout, world=4)
+    try:
+        at = fault_time(tmp_path, procs, limit=240.0)
+        assert procs[rank].wait() == -signal.SIGKILL
+        for r, proc in enumerate(procs):
+            if r == rank:
+                continue
+            rc, ended = wait_for_exit(proc, at + timeout + 30)
+            assert rc not in (None, 0), f"rank {r} still running {time.time() - at:.0f} s after rank {rank} died"
+            assert ended - at <= timeout, f"rank {r} ended {ended - at:.1f} s after rank {rank} died"
     finally:
         for p in procs:
             if p.poll() is None:
