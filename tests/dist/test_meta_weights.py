@@ -148,8 +148,8 @@ def save_weights(module: nn.Module, path: str, strip: str = "", drop=()) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
 
 
-def fit_meta(factory, strategy, out_dir: str, max_steps: int = 2) -> tuple[list, list]:
-    trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=2, max_steps=max_steps,
+def fit_meta(factory, strategy, out_dir: str, max_steps: int = 2, devices: int = 2) -> tuple[list, list]:
+    trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, max_steps=max_steps,
                                           callbacks=[Recorder(out_dir), Share(out_dir)]))
     torch.manual_seed(0)  # the run's init seed (each rank materializes with global rank 0's)
     with trainer.init_module(empty_init=True):
@@ -286,3 +286,38 @@ def test_weights_with_missing_extra_and_misshaped_names_are_refused_before_train
                      "ln_f.weight: file (17,)"):
         assert expected in text, (expected, text[-2000:])
     assert not glob.glob(str(tmp_path / "par" / "share*.pt"))  # refused before training started
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_meta_build_with_weights_under_pp2_tp2_matches_one_device(tmp_path, model):
+    """The hybrid core: ranks (pp, tp) hold their stage's blocks as tensor shards, the ends their stage uses,
+    nothing whole of another stage; each reads only that from the file; training equals one device's."""
+    pytest.importorskip("transformers")
+    from lightning_par import HybridParallelStrategy
+
+    factory, plain, prefix, sharded, drop = MODELS[model]
+    torch.manual_seed(1)
+    path = str(tmp_path / "weights.safetensors")
+    file_bytes = save_weights(plain(), path, strip=prefix, drop=drop)
+    torch.manual_seed(2)
+    ref_module = plain()
+    from safetensors.torch import load_file
+
+    ref_module.load_state_dict({prefix + k: v for k, v in load_file(path).items()}, strict=False)
+    ref = fit_and_record_one(ref_module, str(tmp_path / "ref"))
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
+                                      microbatches=2, start_method="fork", timeout=120, weights=path,
+                                      weights_prefix=prefix)
+    got, shares = fit_meta(factory, strategy, str(tmp_path / "par"), devices=4)
+    assert_pipeline_matches(ref, got)
+    for rank, share in enumerate(shares):  # ranks 0, 1: stage 0 (blocks 0-1); 2, 3: stage 1 (blocks 2-3)
+        kinds, stage = share["kinds"], rank // 2
+        for name, kind in kinds.items():
+            block = name.split(".")[3] if name.startswith("model.model.layers.") else (
+                name.split(".")[1] if name.startswith("blocks.") else None)
+            if block is not None and int(block) // 2 != stage:
+                assert kind[0] == "meta", (rank, name, kind)  # another stage's block: no storage
+            elif block is not None and any(fnmatch.fnmatch(name, g) for g in sharded):
+                assert kind[0] == "shard" and kind[1] * 2 == kind[2], (rank, name, kind)  # its tensor shard
+        assert share["read"] == share["held_bytes"] > 0 and share["read"] < file_bytes / 2, (rank, share)
