@@ -51,7 +51,8 @@ class Snapshots(pl.Callback):
         self.out_dir, self.params, self.losses = out_dir, [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.params.append({n: _full(p) for n, p in pl_module.named_parameters()})
+        # (a pipeline stage's parameters of other stages' ends are meta: it holds nothing there)
+        self.params.append({n: _full(p) for n, p in pl_module.named_parameters() if not p.is_meta})
         self.losses.append(float(_full(outputs["loss"] if isinstance(outputs, dict) else outputs)))
 
     def on_fit_end(self, trainer, pl_module):
