@@ -11,6 +11,8 @@ the p2p groups are the ``pp`` groups of the mesh and nothing crosses tensor-para
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Optional, Union
 
 import torch
@@ -185,7 +187,7 @@ class PipelinePath:
     def training_step(self, args: tuple, kwargs: dict) -> Any:
         s = self.s
         lm, (batch, *rest) = s.lightning_module, args
-        with backward_context() if s._mesh is not None else _nothing():  # [Note: one layout per region]
+        with backward_context() if s._mesh is not None else contextlib.nullcontext():  # [Note: one layout per region]
             result, self.new_grads = self.runner.train(
                 lm, batch, lambda mb: lm.training_step(mb, *rest, **kwargs),
                 context=s.precision_plugin.train_step_context,
@@ -235,11 +237,3 @@ class PipelinePath:
 
 def _params(optimizer) -> list:
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
