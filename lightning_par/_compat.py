@@ -53,6 +53,62 @@ def broadcast_coalesced(group, tensors: Sequence[torch.Tensor], src: int, bucket
     torch.distributed._broadcast_coalesced(group, list(tensors), bucket_bytes, src)
 
 
+_ZERO_CLASS: Optional[type] = None
+
+
+def shard_aware_zero_optimizer() -> type:
+    """torch's ``ZeroRedundancyOptimizer``, subclassed (once) so that the broadcast of each updated parameter
+    from the rank that stepped it sends a tensor-parallel ``DTensor``'s local shard: its data-parallel peers
+    hold the same shard, and c10d collectives take no DTensor. Overrides the private
+    ``_broadcast_params_from_rank`` of the per-parameter path (``parameters_as_bucket_view=False``, the
+    default, which the strategies use); plain parameters are broadcast exactly as torch does."""
+    global _ZERO_CLASS
+    if _ZERO_CLASS is not None:
+        return _ZERO_CLASS
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.tensor import DTensor
+
+    if not hasattr(ZeroRedundancyOptimizer, "_broadcast_params_from_rank"):
+        raise RuntimeError("This torch's ZeroRedundancyOptimizer has no `_broadcast_params_from_rank`: "
+                           "zero_stage=1 with tensor-parallel (DTensor) parameters needs lightning_par updated.")
+
+    class ShardAwareZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+        def _broadcast_params_from_rank(self, rank: int):
+            if self.parameters_as_bucket_view:
+                return super()._broadcast_params_from_rank(rank)
+            src = dist.distributed_c10d.get_global_rank(self.process_group, rank)
+            return [dist.broadcast(p.to_local() if isinstance(p, DTensor) else p.data, src=src,
+                                   group=self.process_group, async_op=True)
+                    for group in self._partition_parameters()[rank] for p in group["params"]]
+
+    _ZERO_CLASS = ShardAwareZeroRedundancyOptimizer
+    return _ZERO_CLASS
+
+
+def fsdp_root_init(module) -> None:
+    """Make ``module`` (a ``fully_shard``-ed module) the root of its FSDP units now, as its first forward
+    would: ``fully_shard.state(module)._lazy_init()``. A pipeline stage's step may enter a block unit before
+    (or without) the root's forward, and FSDP makes the first unit to run forward the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard.state(module)._lazy_init()
+
+
+def fsdp_finish_backward(module) -> None:
+    """The post-backward of every FSDP unit under the root ``module``, run by hand once a step's last
+    micro-batch backward is done (gradients reduce-scattered, parameters resharded), as
+    ``torch.distributed.pipelining``'s stage does for an FSDP stage: the per-unit
+    ``_fsdp_param_groups[i].post_backward()`` and the root's ``_root_post_backward_final_callback()``."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)
+    for unit in state._state_ctx.all_states:
+        for group in unit._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
 # -- torch: pytree, dispatch modes, autograd, process groups ------------------------------------------------
 # (plain re-exports: torch.utils._pytree is how torch itself flattens nested containers)
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402

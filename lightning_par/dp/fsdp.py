@@ -59,10 +59,28 @@ every weight are bf16-rounded in forward (~2^-8 relative), so losses and gradien
 not fp32's (the test derives its tolerance from that). ``*-true`` precisions convert the module before
 sharding (FSDP gathers and reduces in that dtype, as DDP would). ``16-mixed`` is refused: its ``GradScaler``
 would look for infs in this rank's gradient shard only, and ranks could disagree on skipping a step.
+
+[Note: FSDP under pipeline parallelism]
+A stage runs many micro-batches per step, forwards and backwards interleaved (1F1B), and its step is the
+user's ``training_step`` entered through block hooks, not a call of the module. FSDP's hooks alone would
+gather and free every unit for each micro-batch and reduce-scatter after each backward. As torchtitan
+and ``torch.distributed.pipelining``'s stage do, :class:`StageShards` instead gathers each unit of the
+stage once before the step's first micro-batch (the root unit, the ends, explicitly: a step need not call
+the module), keeps the whole parameters through every micro-batch (``reshard_after_forward`` and
+``reshard_after_backward`` off), lets the whole gradients accumulate unreduced
+(``requires_gradient_sync`` off), and after the last backward runs every unit's post-backward by hand:
+one reduce-scatter (the replicas' average) into the shards' ``.grad``, then the whole parameters freed.
+Per stage and step: one all-gather and one reduce-scatter of its parameters, whichever the stage (2 or 3);
+between steps the stage holds 1/N of its parameters, gradients and optimizer state. During the step it
+holds its whole parameters and gradients, as ZeRO-1 would: under pipeline parallelism stages 2 and 3
+differ from 1 in what is kept at rest and in the bytes (FSDP's formula), not in the step's peak. The root
+is made root before any block's forward (FSDP makes the first unit that runs forward the root).
+Zero bubble's split backward takes the weights the graph uses: the whole parameters, named anew each step
+(:meth:`StageShards.trainable`). Forward-only steps gather every unit and reshard at the end.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -134,26 +152,35 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def shard_module(module: nn.Module, mesh, *, zero_stage: int, precision: str = "32-true") -> list[str]:
+def shard_module(module: nn.Module, mesh, *, zero_stage: int, precision: str = "32-true", broadcast: bool = True,
+                 ignored=None, blocks: Optional[list[tuple[str, nn.Module]]] = None) -> list[str]:
     """Shard ``module`` in place over the 1-D ``mesh`` (every rank of it calls this) and return the units'
-    names (``""`` is the root). Every rank first takes the mesh's first rank's weights and buffers, as DDP
-    does at construction. A module that is sharded already is left as it is."""
+    names (``""`` is the root). With ``broadcast`` every rank first takes the mesh's first rank's weights and
+    buffers, as DDP does at construction (the layout strategies broadcast before they split). ``ignored``:
+    parameters FSDP leaves alone (a pipeline stage's copies of what it does not hold). A module that is
+    sharded already is left as it is. Parameters may be tensor-parallel DTensors on another axis of the
+    same mesh (FSDP2's 2-D sharding). ``blocks``: the (name, block) units, found here when not given."""
     if zero_stage not in (2, 3):
         raise ValueError(f"`zero_stage={zero_stage!r}`: FSDP shards for stages 2 and 3 only.")
-    try:
-        path, stack = find_blocks(module)
-        blocks = [(f"{path}.{name}", block) for name, block in stack.named_children()]
-    except ValueError:  # no repeated block stack: the root is the only unit
-        blocks = []
+    if blocks is None:
+        try:
+            path, stack = find_blocks(module)
+            blocks = [(f"{path}.{name}", block) for name, block in stack.named_children()]
+        except ValueError:  # no repeated block stack: the root is the only unit
+            blocks = []
     if is_sharded(module):
         return [name for name, _ in blocks] + [""]
-    _broadcast_from_first_rank(module, mesh)
+    if broadcast:
+        _broadcast_from_first_rank(module, mesh)
     policy = mixed_precision_policy(precision)
     reshard = zero_stage == 3
+    ignored = set(ignored or ())
     for _, block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        if any(True for _ in block.parameters()):  # a pipeline's ghost of another stage's block holds none
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
     # None: FSDP2's choice for the root (keep its parameters through the step); stage 2 never reshards early
-    fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=policy,
+                ignored_params=ignored)
     return [name for name, _ in blocks] + [""]
 
 
@@ -185,6 +212,55 @@ class StepRunner:
         self._handle.remove()
 
 
+class StageShards:
+    """ZeRO stages 2 / 3 on one pipeline stage (see [Note: FSDP under pipeline parallelism]): ``module``
+    sharded by :func:`shard_module` over the stage's replicas, driven by the schedule runner through
+    :meth:`begin_step` (before a training step's first micro-batch) and :meth:`end_step` (after its last
+    backward)."""
+
+    def __init__(self, module: nn.Module):
+        from lightning_par._compat import fsdp_root_init
+
+        self.module = module
+        self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        fsdp_root_init(module)  # the root before any block's forward runs
+
+    def _set(self, final: bool) -> None:
+        for unit in self.units:
+            unit.set_requires_gradient_sync(final, recurse=False)
+            unit.set_reshard_after_backward(final, recurse=False)
+            unit.set_is_last_backward(final)
+
+    def begin_step(self) -> None:
+        """Every unit gathered once; its whole gradients accumulate over the micro-batches, unreduced."""
+        self._set(False)
+        for unit in self.units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The trainable parameters the module holds now: the whole ones while gathered."""
+        return [p for p in self.module.parameters() if p.requires_grad and not p.is_meta]
+
+    def end_step(self) -> None:
+        """The accumulated gradients reduce-scattered (averaged over the replicas) into the shards' ``.grad``,
+        the whole parameters freed."""
+        from lightning_par._compat import fsdp_finish_backward
+
+        self._set(True)
+        fsdp_finish_backward(self.module)
+        reshard(self.module)
+
+    def gather(self) -> None:
+        """Before a forward-only step (validation): every unit gathered, kept until :meth:`reshard`."""
+        for unit in self.units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+
+    def reshard(self) -> None:
+        reshard(self.module)
+
+
 def _broadcast_from_first_rank(module: nn.Module, mesh) -> None:
     """Every rank starts from the first mesh rank's parameters and buffers (FSDP takes each rank's own
     weights for its shard: ranks that built different weights would train a model nobody initialised)."""
@@ -213,4 +289,4 @@ def local_training_bytes(module: nn.Module, optimizers=()) -> dict[str, int]:
 
 
 __all__ = ["PRECISIONS", "check_precision", "check_ddp_options", "mixed_precision_policy", "is_sharded",
-           "shard_module", "StepRunner", "reshard", "local_training_bytes"]
+           "shard_module", "StepRunner", "StageShards", "reshard", "local_training_bytes"]

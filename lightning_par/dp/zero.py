@@ -14,6 +14,21 @@ broadcasts them to the other ranks after the step. Checkpoints call ``consolidat
 collective, every rank) and save rank 0's consolidated state, which has the layout of the wrapped
 optimizer's own ``state_dict`` and therefore loads into a plain optimizer on one device, or back into
 a wrapper (which keeps only its shard).
+
+[Note: ZeRO on the core's data axis]
+``zero_stage`` has one meaning on every strategy: what the data-parallel replicas shard. On the hybrid
+core (and so on the pipeline and tensor presets) the replicas are the ``dp`` axis of its mesh, and each
+stage / tensor-parallel shard is sharded over its own replicas only:
+- 1: the optimizer is wrapped in ``ZeroRedundancyOptimizer`` over the dp group, after the stage is
+  installed (a stage's optimizer holds its own parameters; the meta copies of what it does not hold are
+  left out). Its broadcast of updated parameters sends a tensor-parallel DTensor's local shard (the dp
+  peers hold the same shard): ``shard_aware_zero_optimizer`` in ``_compat``.
+- 2 / 3: FSDP2 ``fully_shard`` over ``mesh["dp"]``, per block of this rank's stage and then the module
+  (the ends); tensor-parallel parameters are DTensors on ``mesh["tp"]``, so FSDP shards them 2-D. FSDP's
+  reduce-scatter averages the gradients over the replicas, so the core's own replica average is skipped.
+  With one stage Lightning runs the step through the root unit, as ``DataParallelStrategy`` does; with
+  several, the schedule runner drives the units ([Note: FSDP under pipeline parallelism] in fsdp.py).
+With one replica there is nothing to shard: every stage trains as stage 0.
 """
 from __future__ import annotations
 
@@ -23,6 +38,8 @@ from functools import wraps
 from typing import Any
 
 from torch.optim import Optimizer
+
+from lightning_par._compat import shard_aware_zero_optimizer
 
 ZERO_STAGES = {
     0: "replicas: every rank holds everything, DDP all-reduces the gradients",
@@ -66,9 +83,22 @@ def shard_optimizer(optimizer: Optimizer, process_group: Any = None) -> Optimize
     if any(len(s) for s in optimizer.state.values()):
         raise ValueError(f"{type(optimizer).__name__} already holds state; zero_stage=1 must shard it before the "
                          f"first step. Create the optimizer in `configure_optimizers` without stepping it.")
-    groups = [dict(group) for group in optimizer.param_groups]  # every key, params included
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=process_group,
+    # every key, params included; a pipeline stage's meta copies of what it does not hold are left out
+    groups = [{**group, "params": [p for p in group["params"] if not p.is_meta]} for group in optimizer.param_groups]
+    return shard_aware_zero_optimizer()(groups, optimizer_class=type(optimizer), process_group=process_group,
                                    **_constructor_defaults(optimizer))
+
+
+def shard_optimizers(optimizers: list, scheduler_configs=(), process_group: Any = None) -> list:
+    """:func:`shard_optimizer` for each of Lightning's ``optimizers``, with every LR scheduler of
+    ``scheduler_configs`` pointed at its optimizer's wrapper; returns the wrappers (every rank calls it)."""
+    sharded = [shard_optimizer(opt, process_group) for opt in optimizers]
+    by_id = {id(old): new for old, new in zip(optimizers, sharded)}
+    for config in scheduler_configs:
+        new = by_id.get(id(config.scheduler.optimizer))
+        if new is not None:
+            rebind_scheduler(config.scheduler, new)
+    return sharded
 
 
 def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:

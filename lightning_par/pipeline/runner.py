@@ -60,8 +60,9 @@ class ScheduleRunner:
     micro-batches in the order of ``schedule``; results go through ``router``."""
 
     def __init__(self, runtime: StageRuntime, router: ResultRouter, *, schedule: str, stage: int,
-                 num_stages: int, microbatches: int):
+                 num_stages: int, microbatches: int, shards: Any = None):
         self.runtime, self.router = runtime, router
+        self.shards = shards  # zero_stage 2 / 3: the stage's FSDP units (lightning_par.dp.fsdp.StageShards)
         self.schedule, self.stage, self.num_stages, self.microbatches = schedule, stage, num_stages, microbatches
         self.last_step_stats: dict[str, float] = {}  # seconds of the last training step's schedule (benchmarks)
 
@@ -89,6 +90,9 @@ class ScheduleRunner:
         rt.wait_s = rt.busy_s = 0.0
         actions = self.actions(len(mbs))
         rt.begin_step(actions)
+        if self.shards is not None:
+            self.shards.begin_step()  # each unit gathered once for all micro-batches
+            rt.weights = self.shards.trainable()  # the whole parameters this step's graph uses (zero bubble's W)
         deferred: list[tuple[int, int]] = []  # zero bubble: (chunk, micro-batch) whose B ran and whose W has not
         payload = None  # the last stage's (result, logs), sent once its last backward has run
         self.router.post()
@@ -123,6 +127,8 @@ class ScheduleRunner:
                         if i == len(mbs) - 1:  # every forward has run; sent after the last gradient went upstream
                             payload = self.router.send([outputs[j] for j in range(len(mbs))], sizes, capture)
             rt.finish()
+            if self.shards is not None:
+                self.shards.end_step()  # the step's gradients reduce-scattered into the shards
         self.last_step_stats = {"schedule_s": time.perf_counter() - start, "busy_s": rt.busy_s, "wait_s": rt.wait_s,
                                 "microbatches": len(mbs)}
         grads = [p.grad for p in params]
@@ -139,6 +145,8 @@ class ScheduleRunner:
         sizes = [batch_size(mb) for mb in mbs]
         rt.seeded = False
         rt.begin_step([("F", c, i) for i in range(len(mbs)) for c in range(len(rt.chunks))])
+        if self.shards is not None:
+            self.shards.gather()
         outputs = []
         capture = LogCapture(module)
         if not predict:
@@ -151,6 +159,8 @@ class ScheduleRunner:
                         out = rt.forward(i, lambda: step(mb), chunk=c)
                 outputs.append(out)
             rt.finish()
+        if self.shards is not None:
+            self.shards.reshard()
         if predict:
             return self.router.broadcast_from_last(concat_outputs(outputs) if rt.is_last else None)
         return self.router.route(self.router.send(outputs, sizes, capture) if rt.is_last else None, module)

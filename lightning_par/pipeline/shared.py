@@ -119,24 +119,23 @@ class SharedParameters:
         return (self.owner_stage or {}).get(name, self.default_owner.get(name, 0)) == self.stage
 
     def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: Union[int, float], *, group,
-                        device: torch.device, tp_group=None) -> None:
+                        device: torch.device, tp_group=None, dp_group=None) -> None:
         """Scale the gradients of ``params`` so that their norm over the whole pipeline (``group``: its
         stages; each gradient counted once, by its owner) is at most ``max_norm``. A gradient sharded over
-        the tensor-parallel ranks (``tp_group``) counts each shard once; a replicated one once."""
+        the tensor-parallel ranks (``tp_group``) or by FSDP over the replicas (``dp_group``) counts each
+        shard once; a replicated one once."""
         names = self.names()
         params = [p for p in params if p.grad is not None]
-        sharded = torch.zeros((), dtype=torch.float32, device=device)
-        whole = torch.zeros((), dtype=torch.float32, device=device)
+        sums = {axes: torch.zeros((), dtype=torch.float32, device=device)
+                for axes in [(), ("tp",), ("dp",), ("dp", "tp")]}  # squares, by the axes a gradient is sharded on
         for p in params:
             if self.owns(p, names.get(id(p), "")):
-                g = _local(p.grad.detach()).float().pow(2).sum()
-                if _is_sharded(p.grad):
-                    sharded += g
-                else:
-                    whole += g
-        if tp_group is not None:
-            dist.all_reduce(sharded, group=tp_group)
-        sq = sharded + whole
+                sums[_sharded_axes(p.grad)] += _local(p.grad.detach()).float().pow(2).sum()
+        for axes, value in sums.items():
+            for axis, axis_group in (("tp", tp_group), ("dp", dp_group)):
+                if axis in axes and axis_group is not None:
+                    dist.all_reduce(value, group=axis_group)
+        sq = sum(sums.values())
         if group is not None:
             dist.all_reduce(sq, group=group)
         coef = torch.clamp(float(max_norm) / (sq.sqrt() + 1e-6), max=1.0)
@@ -153,8 +152,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local()
 
 
-def _is_sharded(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
+def _sharded_axes(t: torch.Tensor) -> tuple:
+    """The mesh axes (``"dp"`` and / or ``"tp"``) a DTensor is sharded on; a plain tensor: none. A
+    tensor-parallel shard's mesh names its axis "tp", an FSDP shard's "dp" (FSDP over tensor-parallel
+    shards: both)."""
+    if not isinstance(t, DTensor):
+        return ()
+    names = t.device_mesh.mesh_dim_names or ("tp",) * t.device_mesh.ndim
+    return tuple(sorted({n for n, p in zip(names, t.placements) if p.is_shard()}))
 
 
 def sync_found_inf(scaler, optimizer, device: torch.device) -> None:

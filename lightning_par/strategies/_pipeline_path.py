@@ -20,6 +20,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_par._compat import optimizers_to_device
+from lightning_par.dp import fsdp
 from lightning_par.pipeline.consolidate import owned_state
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.discovery import find_blocks
@@ -155,6 +156,12 @@ class PipelinePath:
             rank_zero_info(f"{topo}\n{self.plan.describe(lm)}")
         needs = stage_needs(uses, rt.chunks, pp * v)  # this stage's blocks and the ends it needs: placed, weights=
         s._place_share(lm, reader, owned=lambda n: n.startswith(self.block_prefix) or needs(n))
+        shards = None
+        if s._sharded_replicas():  # zero_stage 2 / 3: [Note: FSDP under pipeline parallelism] in dp/fsdp.py
+            fsdp.shard_module(lm, s._mesh["dp"], zero_stage=s._zero_stage, precision=s.precision_plugin.precision,
+                              broadcast=False, ignored={p for p in lm.parameters() if p.is_meta},
+                              blocks=[(f"{path}.{i}", b) for i, b in enumerate(container) if not isinstance(b, Ghost)])
+            shards = fsdp.StageShards(lm)
         rt.weights = [p for p in lm.parameters() if p.requires_grad and not p.is_meta]
         # 5. the schedule, the routing of results, the gradients that span ranks
         mailbox = (ResultMailbox(ranks=ring, me=s.global_rank, group=s._result_group, device=s.root_device)
@@ -162,10 +169,11 @@ class PipelinePath:
         router = ResultRouter(mailbox=mailbox, is_last=rt.is_last, device=s.root_device, dp_group=s._dp_group,
                               dp_size=topo.data_parallel_size, pp_group=s._pp_group, last_rank=ring[-1])
         self.runner = ScheduleRunner(rt, router, schedule=s._schedule, stage=self.stage, num_stages=pp,
-                                     microbatches=self.microbatches())
+                                     microbatches=self.microbatches(), shards=shards)
         self.shared = SharedParameters(lm, [p for p in lm.parameters() if p.requires_grad],
                                        {id(p) for b in container for p in b.parameters()}, topology=topo,
-                                       rank=s.global_rank, timeout=s._timeout, dp_group=s._dp_group,
+                                       rank=s.global_rank, timeout=s._timeout,
+                                       dp_group=None if shards is not None else s._dp_group,  # FSDP averaged
                                        default_owner=first_owner(uses, bounds, v))
         s.model = lm
         confine_metrics(lm, is_last=rt.is_last, dp_group=s._dp_group)
@@ -219,7 +227,8 @@ class PipelinePath:
 
     def clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
         self.shared.clip_grad_norm_(_params(optimizer), clip_val, group=self.s._pp_group, device=self.s.root_device,
-                                    tp_group=self.s._tp_group)
+                                    tp_group=self.s._tp_group,
+                                    dp_group=self.s._dp_group if self.s._sharded_replicas() else None)
 
     def eval_step(self, hook: str, context, args: tuple, kwargs: dict) -> Any:
         lm, (batch, *rest) = self.s.lightning_module, args
@@ -232,7 +241,7 @@ class PipelinePath:
         s = self.s
         return owned_state(s.lightning_module, block_prefix=self.block_prefix, owns=self.owns,
                            first_stage=self.stage == 0,
-                           first_replica=s.topology.coordinates(s.global_rank)["dp"] == 0)
+                           first_replica=s.topology.coordinates(s.global_rank)["dp"] == 0 or s._sharded_replicas())
 
 
 def _params(optimizer) -> list:

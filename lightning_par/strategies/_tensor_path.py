@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par._compat import optimizers_to_device
+from lightning_par.dp import fsdp
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._precision import PrecisionHooks
@@ -46,6 +47,7 @@ class TensorPath:
     def __init__(self, strategy):
         self.s = strategy
         self.plan = None
+        self.steps = None  # zero_stage 2 / 3: runs each step through FSDP's root unit
 
     def setup(self, trainer) -> None:
         s = self.s
@@ -63,7 +65,15 @@ class TensorPath:
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(s.optimizers, s.root_device)
 
+    def reshard(self) -> None:
+        """After forward-only passes and before checkpoints: the sharded module at rest (FSDP's shards)."""
+        if fsdp.is_sharded(self.s.lightning_module):
+            fsdp.reshard(self.s.lightning_module)
+
     def teardown(self) -> None:
+        if self.steps is not None:
+            self.steps.close()
+            self.steps = None
         # As Lightning's ModelParallelStrategy: the sharded module stays where it is (DDPStrategy would move it
         # to the CPU, which swaps every DTensor parameter and fails when anything holds a weak reference to one).
         s = self.s
@@ -88,6 +98,9 @@ class TensorPath:
             self._sync_rng()
         parallelize(module, plan, s._mesh["tp"], sequence_parallel=s._sequence_parallel)
         s._place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
+        if s._sharded_replicas():  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis]
+            fsdp.shard_module(module, s._mesh["dp"], zero_stage=s._zero_stage, broadcast=False,
+                              precision=s.precision_plugin.precision)
         _PARALLELIZED[module] = self.plan = plan
         if s.is_global_zero:
             rank_zero_info(f"{s.topology}\n{plan.describe(module)}")
@@ -105,10 +118,18 @@ class TensorPath:
             torch.cuda.set_rng_state(state[1], s.root_device)
 
     # -- steps ([Note: loss reporting over replicas], [Note: loss parallel]) -------------------------
-    def step(self, run, hook: str) -> Any:
+    def step(self, run, hook: str, args: tuple = (), kwargs: Optional[dict] = None, context=None) -> Any:
         """``run()`` (Lightning's call of the user's ``hook``), its result and logs made plain and, with
-        replicas, averaged over them."""
+        replicas, averaged over them. A module sharded by FSDP runs ``hook`` through its root unit instead
+        ([Note: running a step through the root unit] in dp/fsdp.py)."""
         s = self.s
+        if fsdp.is_sharded(s.lightning_module):
+            if self.steps is None:
+                self.steps = fsdp.StepRunner(s.lightning_module)
+
+            def run():
+                with context():
+                    return self.steps.run(hook, s._forward_redirection, *args, **(kwargs or {}))
         replicas = s.topology.data_parallel_size > 1 and hook != "predict_step"
         if not replicas and not s._loss_parallel:
             return run()
@@ -141,7 +162,8 @@ class TensorPath:
             result = closure()
             params = list(s.lightning_module.parameters())
             reduce_partial_grads(params, s._mesh["tp"].get_group())
-            average_grads(params, s._dp_group, dp)
+            if not fsdp.is_sharded(s.lightning_module):  # FSDP reduce-scattered the replicas' average already
+                average_grads(params, s._dp_group, dp)
             return result
 
         return closure_then_average

@@ -313,13 +313,7 @@ class DataParallelStrategy(FaultTolerantReplicas, CheckpointMixin, AtomicSaves, 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
         if self._zero_stage == 1:  # [Note: wrapping the user's optimizer] in lightning_par.dp.zero
-            sharded = [zero.shard_optimizer(opt) for opt in self.optimizers]
-            by_id = {id(old): new for old, new in zip(self.optimizers, sharded)}
-            for config in self.lr_scheduler_configs:
-                new = by_id.get(id(config.scheduler.optimizer))
-                if new is not None:
-                    zero.rebind_scheduler(config.scheduler, new)
-            self.optimizers = sharded
+            self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs)
 
     def on_train_start(self) -> None:
         super().on_train_start()

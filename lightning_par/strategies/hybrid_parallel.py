@@ -32,6 +32,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
+from lightning_par.dp import fsdp, zero
 from lightning_par.pipeline.options import check_layout, check_options
 from lightning_par.pipeline.stage import StageRuntime
 from lightning_par.strategies._base import LayoutStrategy, check_flags, check_zero_stage
@@ -95,7 +96,7 @@ class HybridParallelStrategy(LayoutStrategy):
                     tensor_parallel_size=tensor_parallel_size)
         check_options(microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank, blocks=blocks,
                       balance=balance)
-        check_zero_stage(zero_stage, built=(0,), strategy=type(self).__name__)
+        check_zero_stage(zero_stage, built=(0, 1, 2, 3), strategy=type(self).__name__)
         check_flags(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         if mesh_order not in ORDERS:
             raise ValueError(f"`mesh_order={mesh_order!r}` must be one of {sorted(ORDERS)}: 'pp_dp_tp' (pipelines "
@@ -159,6 +160,10 @@ class HybridParallelStrategy(LayoutStrategy):
         """Whether this rank counts ``p`` (for the global gradient norm and the consolidated state)."""
         return self._path.owns(p, name) if isinstance(self._path, PipelinePath) else True
 
+    def _sharded_replicas(self) -> bool:
+        """zero_stage 2 / 3 with several replicas: FSDP2 over the ``dp`` axis."""
+        return self._zero_stage >= 2 and self.topology.data_parallel_size > 1
+
     def _num_microbatches(self) -> int:
         return self._microbatches or 2 * self.topology.pipeline_parallel_size
 
@@ -168,6 +173,8 @@ class HybridParallelStrategy(LayoutStrategy):
 
     def _configure_launcher(self) -> None:  # in the launching process: bad sizes fail before any process starts
         self._resolve()
+        if self._zero_stage >= 2:  # FSDP's precisions ([Note: mixed precision under FSDP] in dp/fsdp.py)
+            fsdp.check_precision(self.precision_plugin.precision, self._zero_stage)
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
@@ -190,7 +197,7 @@ class HybridParallelStrategy(LayoutStrategy):
             # rank (the ring wraps around): [Note: one direction per group] in pipeline/p2p.py
             self._p2p_groups = tuple(self._new_groups("pp") for _ in range(2 if self._stages_per_rank == 1 else 4))
             self._result_group = self._new_groups("pp")  # the last stage's step results: [Note: result mailbox]
-        if tp > 1 or not pipelined:
+        if tp > 1 or not pipelined or self._sharded_replicas():
             self._mesh = topo.build_mesh(self.root_device.type, timeout=self._timeout)
             self._tp_group = self._mesh["tp"].get_group() if tp > 1 else None
 
@@ -213,9 +220,11 @@ class HybridParallelStrategy(LayoutStrategy):
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
+        if self._zero_stage == 1 and self.topology.data_parallel_size > 1:  # [Note: ZeRO on the core's data axis]
+            self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs, self._dp_group)
         if self._mesh is not None:  # DTensor and plain parameters stepped apart ([Note: mixed DTensor / plain ...])
             for opt in self.optimizers:
-                split_step_by_kind(opt._optimizer if isinstance(opt, LightningOptimizer) else opt)
+                split_step_by_kind(zero.local_optimizer(opt._optimizer if isinstance(opt, LightningOptimizer) else opt))
 
     def _install_precision(self, hooks) -> None:
         """The layout's subclass of the precision plugin ([Note: precision subclasses])."""
@@ -247,7 +256,7 @@ class HybridParallelStrategy(LayoutStrategy):
         if isinstance(self._path, PipelinePath):
             return self._path.training_step(args, kwargs)
         return self._path.step(lambda: super(HybridParallelStrategy, self).training_step(*args, **kwargs),
-                               "training_step")
+                               "training_step", args, kwargs, self.precision_plugin.train_step_context)
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         if isinstance(self._path, PipelinePath):
@@ -272,7 +281,8 @@ class HybridParallelStrategy(LayoutStrategy):
     def _eval_step(self, hook: str, context, args: tuple, kwargs: dict) -> Any:
         if isinstance(self._path, PipelinePath):
             return self._path.eval_step(hook, context, args, kwargs)
-        return self._path.step(lambda: getattr(super(HybridParallelStrategy, self), hook)(*args, **kwargs), hook)
+        return self._path.step(lambda: getattr(super(HybridParallelStrategy, self), hook)(*args, **kwargs), hook,
+                               args, kwargs, context)
 
     # -- checkpoints: the interface of lightning_par.strategies._checkpoint (one format for every layout) --
     @property
@@ -286,7 +296,9 @@ class HybridParallelStrategy(LayoutStrategy):
 
     def _checkpoint_writes_param(self, param, name: str) -> bool:
         if isinstance(self._path, PipelinePath) and self._path.runtime is not None:
-            return self.topology.coordinates(self.global_rank)["dp"] == 0 and self._path.owns(param, name)
+            replica_writes = self.topology.coordinates(self.global_rank)["dp"] == 0 or (
+                self._zero_stage >= 1 and self.topology.data_parallel_size > 1)  # each its partition / shards
+            return replica_writes and self._path.owns(param, name)
         return super()._checkpoint_writes_param(param, name)
 
     def _checkpoint_expected_keys(self) -> list[str]:
