@@ -106,6 +106,7 @@ class ParallelMetrics(pl.Callback):
             self.measured["comm_calls"] = sum(self._counter.calls.values())
             self._comm_seconds = self._counter.seconds
             self.measured["comm_bytes_by_kind"] = dict(self._counter.wire)
+            self.measured["comm_calls_by_kind"] = dict(self._counter.calls)
             if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda":
                 self.measured["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
             self._log(trainer, {f"perf/{k}": v for k, v in self.measured.items() if not isinstance(v, dict)})

@@ -80,7 +80,7 @@ class PipelineStrategyConfig:
     stages_per_rank: int = 1
     blocks: Optional[str] = None  # null: the longest ModuleList/Sequential of same-class blocks
     balance: Any = "params"  # uniform | params | time | [blocks per stage]
-    zero_stage: int = 0  # 0 replicas (stages 1-3: DataParallelStrategy only, for now)
+    zero_stage: int = 0  # 0 | 1 | 2 | 3 on the replicas (the dp axis), as DataParallelStrategy's
     weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
     weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
@@ -101,7 +101,7 @@ class TensorStrategyConfig:
     plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    zero_stage: int = 0  # 0 replicas (stages 1-3: DataParallelStrategy only, for now)
+    zero_stage: int = 0  # 0 | 1 | 2 | 3 on the replicas (the dp axis), as DataParallelStrategy's
     weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
     weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories

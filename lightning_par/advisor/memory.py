@@ -76,6 +76,7 @@ class Estimate:
     optimizer_bytes: int
     activation_bytes: int
     comm_bytes: int
+    all_gathers: int = 0  # FSDP's all-gathers per step (one per unit gathered: ZeRO-2 / 3)
 
     @property
     def total_bytes(self) -> int:
@@ -145,7 +146,9 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
         # kept for the step; ZeRO-3 one block at a time, beside the root unit (embeddings, head, final norm)
         gathered = 0.0
-        if layout.zero_stage == 2:
+        if layout.zero_stage >= 2 and p > 1:  # a pipeline stage: gathered once per step, whole gradients
+            gathered = params * (1 + g_bytes / p_bytes)  # accumulate ([Note: FSDP under pipeline parallelism])
+        elif layout.zero_stage == 2:
             gathered = params
         elif layout.zero_stage == 3:
             gathered = max((profile.block_params[i] for i in blocks), default=0) + ends
@@ -156,7 +159,7 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
 
         if zero >= 2:  # FSDP2: reduce-scatter the gradients, all-gather the parameters (ZeRO-3: the blocks
             # again in backward; the root unit, embeddings / head / final norm, stays gathered for the step)
-            again = params - ends if zero == 3 else 0
+            again = params - ends if zero == 3 and p == 1 else 0  # a pipeline stage gathers once per step
             comm = (dp - 1) / dp * (params * (g_bytes + p_bytes) + again * p_bytes)
         else:
             comm = 2 * (dp - 1) / dp * params * g_bytes
@@ -168,8 +171,10 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
                 comm += profile.tied_params * g_bytes  # all-reduce of the tied weight over 2 ranks
         if t > 1:
             comm += len(blocks) * 4 * 2 * (t - 1) / t * m * boundary
+        units = len(blocks) + 1  # FSDP units of the stage: its blocks, then the root (the ends)
+        gathers = 0 if zero < 2 or dp == 1 else (units if zero == 2 or p > 1 else 2 * len(blocks) + 1)
         est = Estimate(int(held_params * p_bytes), int(grads * g_bytes), int(opt),
-                       int(acts * micro * held + gathered * p_bytes), int(comm))
+                       int(acts * micro * held + gathered * p_bytes), int(comm), gathers)
         if worst is None or est.total_bytes > worst.total_bytes:
             worst = est
     return worst  # type: ignore[return-value]

@@ -20,10 +20,14 @@ def run(cfg, out_dir: Path, command: str) -> Report:
         for r in m.rows:
             for k, v in r.get("comm_bytes_by_kind", {}).items():
                 kinds[k] = max(kinds.get(k, 0.0), v)
+        gathers = max(sum(v for k, v in r.get("comm_calls_by_kind", {}).items() if k.startswith("all_gather"))
+                      for r in m.rows)
         rows.append([m.name, f"{measured:,.0f}", f"{predicted:,.0f}",
                      f"{measured / predicted:.3f}" if predicted else "-",
+                     f"{gathers} / {m.predicted.all_gathers}" if m.predicted.all_gathers else "-",
                      ", ".join(f"{k} {v:,.0f}" for k, v in sorted(kinds.items()))])
-        data[m.name] = {"measured": measured, "predicted": predicted, "by_kind": kinds}
+        data[m.name] = {"measured": measured, "predicted": predicted, "by_kind": kinds, "all_gathers": gathers,
+                        "all_gathers_formula": m.predicted.all_gathers}
     report = Report(
         title="communication: bytes per step per strategy vs the formulas",
         command=command,
@@ -33,7 +37,9 @@ def run(cfg, out_dir: Path, command: str) -> Report:
         data=data,
     )
     report.tables.append(("Bytes sent per step by the busiest rank: measured vs formula",
-                          ["layout", "measured", "formula", "measured / formula", "by op kind (measured)"], rows))
+                          ["layout", "measured", "formula", "measured / formula",
+                           "FSDP all-gathers / step (busiest stage): measured / formula", "by op kind (measured)"],
+                          rows))
     report.figures.append(("Measured (left) and formula (right) bytes per step",
                            savefig(_plot(data), out_dir, "communication.png")))
     report.notes.append("Measured includes Lightning's own small control messages (a few hundred bytes); "

@@ -54,7 +54,8 @@ def layout_for(kind: str, args: dict, devices: int) -> Layout:
     if kind == "pp":
         p = args.get("pipeline_parallel_size", devices)
         return Layout(data_parallel_size=devices // p, pipeline_parallel_size=p,
-                      microbatches=args.get("microbatches") or 2 * p, schedule=args.get("schedule", "1f1b"))
+                      microbatches=args.get("microbatches") or 2 * p, schedule=args.get("schedule", "1f1b"),
+                      zero_stage=args.get("zero_stage", 0))
     if kind == "hybrid":
         p, t = args.get("pipeline_parallel_size", 1), args.get("tensor_parallel_size", 1)
         return Layout(data_parallel_size=devices // (p * t), pipeline_parallel_size=p, tensor_parallel_size=t,
@@ -62,7 +63,7 @@ def layout_for(kind: str, args: dict, devices: int) -> Layout:
                       zero_stage=args.get("zero_stage", 0))
     t = args.get("tensor_parallel_size", devices)
     return Layout(data_parallel_size=devices // t, tensor_parallel_size=t,
-                  sequence_parallel=args.get("sequence_parallel", False))
+                  sequence_parallel=args.get("sequence_parallel", False), zero_stage=args.get("zero_stage", 0))
 
 
 def measure_layouts(cfg, out_dir: Path) -> list[Measured]:

@@ -44,13 +44,9 @@ def as_timeout(timeout: Union[float, timedelta]) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def check_zero_stage(zero_stage: int, *, built: tuple, strategy: str) -> int:
-    """``zero_stage`` is a ZeRO stage (one meaning on every strategy's data axis) that ``strategy`` runs."""
+def check_zero_stage(zero_stage: int) -> int:
+    """``zero_stage`` is a ZeRO stage: one meaning on every strategy's data axis (:mod:`lightning_par.dp.zero`)."""
     validate_zero_stage(zero_stage)
-    if zero_stage not in built:
-        raise ValueError(f"`zero_stage={zero_stage}` is not built for {strategy} yet (it runs {built}). Use "
-                         f"DataParallelStrategy(zero_stage={zero_stage}) for a model that one device holds, or "
-                         f"zero_stage=0 here.")
     return zero_stage
 
 

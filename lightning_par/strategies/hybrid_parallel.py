@@ -96,7 +96,7 @@ class HybridParallelStrategy(LayoutStrategy):
                     tensor_parallel_size=tensor_parallel_size)
         check_options(microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank, blocks=blocks,
                       balance=balance)
-        check_zero_stage(zero_stage, built=(0, 1, 2, 3), strategy=type(self).__name__)
+        check_zero_stage(zero_stage)
         check_flags(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         if mesh_order not in ORDERS:
             raise ValueError(f"`mesh_order={mesh_order!r}` must be one of {sorted(ORDERS)}: 'pp_dp_tp' (pipelines "

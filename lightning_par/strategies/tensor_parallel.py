@@ -37,7 +37,7 @@ class TensorParallelStrategy(HybridParallelStrategy):
         loss_parallel: the output head writes vocabulary-sharded logits (the tied / matching embedding becomes
             vocabulary-parallel) and the user's ``F.cross_entropy`` runs on the shards inside
             ``torch.distributed.tensor.parallel.loss_parallel()``; see [Note: loss parallel].
-        zero_stage: 0 (replicas; stages 1-3 are built on DataParallelStrategy only, for now).
+        zero_stage: 0-3 over the data-parallel replicas ([Note: ZeRO on the core's data axis] in dp/zero.py).
         weights: a weights file or directory read into each rank's shards at setup (see the README);
             ``weights_prefix``: what the module's names have before the file's (``"net."``).
         nonfinite: ``"error"`` (stop at a NaN / inf loss or gradient, naming it) or ``"skip"`` (skip that step

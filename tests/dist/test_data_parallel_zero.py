@@ -17,8 +17,8 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from harness import (TIMEOUT_S, assert_close_records, assert_ranks_close, fit_and_record, reference_loader, seeded,
-                     trainer_kwargs)
+from harness import (TIMEOUT_S, assert_close_records, assert_ranks_close, bf16_bound, fit_and_record, reference_loader,
+                     seeded, trainer_kwargs, U_BF16)
 from lightning_par import DataParallelStrategy
 from lightning_par.data import SyntheticCorpus
 from lightning_par.dp.fsdp import local_training_bytes
@@ -335,31 +335,7 @@ def test_zero3_clipping_and_accumulation_equal_one_process(tmp_path, algorithm):
 
 # -- bf16-mixed ------------------------------------------------------------------------------------
 
-# [Note: the bf16-mixed tolerance]
-# bf16 keeps 8 significant bits: unit roundoff u = 2^-8. Stage 3 under bf16-mixed differs from stage 0 under
-# bf16-mixed by FSDP's policy ([Note: mixed precision under FSDP] in lightning_par.dp.fsdp): the matmuls see
-# the same bf16 operands in both (autocast rounds them anyway), but stage 3 also rounds, once each, values
-# that stage 0 keeps in fp32. Counted per block of the reference GPT: in forward the block's input, the two
-# LayerNorms' weight, bias and output, the two residual adds (9); in backward the gradients through the two
-# norms and the two adds (4): 13. Its root: the two embeddings, their sum, the final norm's weight, bias and
-# output in forward, and in backward the gradients through the final norm, the sum and the embedding (9).
-# Per Llama block: the input, the two RMSNorms' weight and output, rotary q and k, the gate x up product,
-# the two adds in forward (10), the gradients through the norms, adds, rotary q/k and the product (7): 17;
-# its root: the embedding, the final norm's weight and output, the gradient through that norm (4).
-# Each rounding perturbs its value by at most u relative; to first order the perturbations along a
-# gradient's path add up, so at step 0 (same weights, same data) the norm-wise relative difference of all
-# gradients together is at most n u, n = per_block L + root (L = 2 blocks here: 35 u for GPT, 38 u for
-# Llama). Every later step starts from weights that differ by Adam's response to the previous differences,
-# of the same first order: step t is allowed (1 + t) n u. Measured: at most ~2 u (GPT) and ~3 u (Llama)
-# over 4 steps. A reduction bug is far outside: a rank's own gradient differs from the averaged one by
-# ~0.85 relative (~220 u) on both models.
-U_BF16 = 2.0 ** -8
-ROUNDINGS = {"gpt": (13, 9), "llama": (17, 4)}     # (per block, root), see the Note
-
-
-def bf16_bound(model, step, n_layer=2):
-    per_block, root = ROUNDINGS[model]
-    return (1 + step) * (per_block * n_layer + root) * U_BF16
+# [Note: the bf16-mixed tolerance] is in tests/harness.py (bf16_bound).
 
 
 class GatheredDtype(Callback):

@@ -20,7 +20,6 @@ def test_sizes_whose_product_is_not_the_world_fail_at_trainer_construction():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(zero_stage=4), r"`zero_stage=4` is not a ZeRO stage. Choose 0 \(replicas"),
-    (dict(zero_stage=3), r"`zero_stage=3` is not built for HybridParallelStrategy yet"),
     (dict(mesh_order="tp_dp_pp"), r"`mesh_order='tp_dp_pp'` must be one of"),
     (dict(tensor_parallel_size=0), r"`tensor_parallel_size=0` must be a positive integer or 'auto'"),
     (dict(schedule="interleaved_1f1b"), r"needs `stages_per_rank` >= 2"),

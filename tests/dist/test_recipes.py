@@ -54,6 +54,8 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
         for layout, res in results.items():
             # the formulas, plus only small control messages (loss broadcast, activation headers)
             assert 0 <= res["measured"] - res["predicted"] < 0.06 * res["predicted"] + 1024, (layout, res)
+            # FSDP: one all-gather per unit and step, two per block under ZeRO-3 without a pipeline
+            assert res["all_gathers"] == res["all_gathers_formula"] or not res["all_gathers_formula"], (layout, res)
     if name == "network":  # two namespaces joined by a veth pair, the link shaped with tc (see test_two_nodes)
         res, grad_bytes = results["results"], results["gradient_bytes"]
         for layout, by_rate in res.items():

@@ -14,8 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
+
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_par import DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_par.dp import fsdp
@@ -90,9 +93,11 @@ CASES = {
     "zero 3 with 16-mixed": (lambda: fsdp.check_precision("16-mixed", 3), r"16-mixed"),
     "unknown zero stage": (lambda: DataParallelStrategy(zero_stage=5),
                            r"`zero_stage=5` is not a ZeRO stage\. Choose 0 \(replicas"),
-    "zero on the pipeline": (lambda: PipelineParallelStrategy(zero_stage=2),
-                             r"`zero_stage=2` is not built for PipelineParallelStrategy yet.*"
-                             r"DataParallelStrategy\(zero_stage=2\)"),
+    "zero 2 on a pipeline with 16-mixed": (
+        lambda: pl.Trainer(accelerator="cpu", devices=4, logger=False,  # fp16 AMP itself: Lightning makes CPU's bf16
+                           plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))],
+                           strategy=PipelineParallelStrategy(pipeline_parallel_size=2, zero_stage=2)),
+        r"`precision='16-mixed'` with `zero_stage=2` is not supported: its GradScaler.*bf16-mixed"),
     "zero 2 with a comm hook": (lambda: DataParallelStrategy(zero_stage=2, comm_hook="fp16"), r"comm_hook"),
     # DDP hooks and scaling
     "unknown comm hook": (lambda: DataParallelStrategy(comm_hook="int8"),
