@@ -70,12 +70,16 @@ def materialize(module: nn.Module, device: torch.device,
     on ``device``, filled
     with a sentinel (see [Note: initializing a materialized share]), and move the tensors that hold storage
     there. A DTensor keeps its placements (its local shard gets the storage). Returns ``{name: tensor}``,
-    one name per new tensor. Under FSDP2 every meta tensor is owned (each rank holds its shard) and FSDP's
-    own ``_apply`` path (its ``to_empty``) swaps them.
+    one name per new tensor. Under FSDP2 each rank holds a shard of every tensor FSDP manages, and FSDP's
+    own ``_apply`` path (its ``to_empty``) swaps them; what ``owned`` rejects (a pipeline stage's copies of
+    what it does not hold, which FSDP ignores) stays meta.
     """
     if any(isinstance(m, FSDPModule) for m in module.modules()):
-        before = {name for name, *_ in _entries(module) if is_meta(getattr_entry(module, name))}
-        module._apply(lambda t: _sentinel_like(t, device) if is_meta(t) else t.to(device))
+        before = {name for name, *_ in _entries(module) if is_meta(getattr_entry(module, name))
+                  and (owned is None or owned(name))}
+        wanted = {id(getattr_entry(module, name)) for name in before}
+        module._apply(lambda t: (_sentinel_like(t, device) if id(t) in wanted else t) if is_meta(t)
+                      else t.to(device))
         made, seen = {}, set()
         for name, mod, attr, store in _entries(module):
             if name in before and id(store[attr]) not in seen:

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_par._compat import optimizers_to_device
 from lightning_par.dp import fsdp
 from lightning_par.pipeline.consolidate import owned_state
-from lightning_par.materialize import move_real
+from lightning_par.materialize import free_parameters, move_real
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.ends import first_owner, stage_needs
 from lightning_par.pipeline.flow import trace_flow
@@ -155,12 +155,15 @@ class PipelinePath:
             parallelize(lm, self.plan, s._mesh["tp"])
             rank_zero_info(f"{topo}\n{self.plan.describe(lm)}")
         needs = stage_needs(uses, rt.chunks, pp * v)  # this stage's blocks and the ends it needs: placed, weights=
-        s._place_share(lm, reader, owned=lambda n: n.startswith(self.block_prefix) or needs(n))
+        owned = lambda n: n.startswith(self.block_prefix) or needs(n)  # noqa: E731
         shards = None
         if s._sharded_replicas():  # zero_stage 2 / 3: [Note: FSDP under pipeline parallelism] in dp/fsdp.py
+            free_parameters(lm, [n for n, p in lm.named_parameters() if id(p) in _not_held(lm, owned)])
             fsdp.shard_module(lm, s._mesh["dp"], zero_stage=s._zero_stage, precision=s.precision_plugin.precision,
-                              broadcast=False, ignored={p for p in lm.parameters() if p.is_meta},
+                              broadcast=False, ignored=[p for p in lm.parameters() if id(p) in _not_held(lm, owned)],
                               blocks=[(f"{path}.{i}", b) for i, b in enumerate(container) if not isinstance(b, Ghost)])
+        s._place_share(lm, reader, owned=owned)
+        if s._sharded_replicas():
             shards = fsdp.StageShards(lm)
         rt.weights = [p for p in lm.parameters() if p.requires_grad and not p.is_meta]
         # 5. the schedule, the routing of results, the gradients that span ranks
@@ -242,6 +245,14 @@ class PipelinePath:
         return owned_state(s.lightning_module, block_prefix=self.block_prefix, owns=self.owns,
                            first_stage=self.stage == 0,
                            first_replica=s.topology.coordinates(s.global_rank)["dp"] == 0 or s._sharded_replicas())
+
+
+def _not_held(module: torch.nn.Module, owned) -> set[int]:
+    """Ids of the parameters none of whose names ``owned`` accepts (a tied parameter is held under any name)."""
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {i for i, ns in names.items() if not any(owned(n) for n in ns)}
 
 
 def _params(optimizer) -> list:

@@ -97,10 +97,10 @@ class TensorPath:
             broadcast_state(module, src=0)  # every rank starts from rank 0's weights
             self._sync_rng()
         parallelize(module, plan, s._mesh["tp"], sequence_parallel=s._sequence_parallel)
-        s._place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
-        if s._sharded_replicas():  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis]
+        if s._sharded_replicas():  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis] (meta shards too)
             fsdp.shard_module(module, s._mesh["dp"], zero_stage=s._zero_stage, broadcast=False,
                               precision=s.precision_plugin.precision)
+        s._place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
         _PARALLELIZED[module] = self.plan = plan
         if s.is_global_zero:
             rank_zero_info(f"{s.topology}\n{plan.describe(module)}")

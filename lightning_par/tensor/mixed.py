@@ -6,10 +6,10 @@ torch refuses a list that mixes DTensors and plain tensors in one ``torch._forea
 DTensor would put every norm and embedding through DTensor dispatch (slower, and user code that touches a
 weight directly would then mix kinds itself). Instead the replicated parameters stay plain and:
 
-- the optimizer steps each param group as two groups, one per kind, with the same hyper-parameters
-  (:func:`split_step_by_kind`); ``param_groups`` and ``state_dict()`` keep the user's layout, so LR
+- the optimizer steps each param group as one group per kind (and per mesh: FSDP over tensor-parallel
+  shards adds a second one), with the same hyper-parameters (:func:`split_step_by_kind`); ``param_groups`` and ``state_dict()`` keep the user's layout, so LR
   schedulers and checkpoints see exactly what ``configure_optimizers`` built;
-- the gradient norm is computed per kind and combined (a sharded DTensor's norm is already global):
+- the gradient norm is computed per kind and mesh and combined (a sharded DTensor's norm is already global):
   :func:`clip_grad_norm_` / :func:`clip_grad_value_`.
 """
 from __future__ import annotations
@@ -23,11 +23,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def by_kind(tensors: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    dt, plain = [], []
+def by_layout(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by kind and mesh: the plain ones, and the DTensors of each ``DeviceMesh`` (FSDP over
+    tensor-parallel shards puts a model's DTensors on two meshes: ``dp`` and ``dp × tp``), in first-seen order."""
+    groups: dict = {}
     for t in tensors:
-        (dt if isinstance(t, DTensor) else plain).append(t)
-    return dt, plain
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
 
 
 def split_step_by_kind(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -40,11 +42,8 @@ def split_step_by_kind(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
         groups = self.param_groups
         split = []
         for g in groups:
-            dt, plain = by_kind(g["params"])
-            if dt and plain:
-                split += [{**g, "params": dt}, {**g, "params": plain}]
-            else:
-                split.append(g)
+            parts = by_layout(g["params"])
+            split += [{**g, "params": part} for part in parts] if len(parts) > 1 else [g]
         if len(split) == len(groups):
             return inner(*args, **kwargs)
         self.param_groups = split
@@ -63,13 +62,10 @@ def split_step_by_kind(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients together, as a plain tensor (sharded DTensors contribute their global norm)."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    dt, plain = by_kind(grads)
     norms = []
-    if dt:
-        n = torch.nn.utils.get_total_norm(dt, norm_type)
+    for part in by_layout(grads):
+        n = torch.nn.utils.get_total_norm(part, norm_type)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    if plain:
-        norms.append(torch.nn.utils.get_total_norm(plain, norm_type))
     if not norms:
         return torch.tensor(0.0)
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
@@ -79,16 +75,14 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     """``torch.nn.utils.clip_grad_norm_`` for a mix of DTensor and plain parameters."""
     params = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(params, norm_type)
-    for group in by_kind(params):
-        if group:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    for group in by_layout(params):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
 def clip_grad_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> None:
-    for group in by_kind(p for p in parameters if p.grad is not None):
-        if group:
-            torch.nn.utils.clip_grad_value_(group, clip_value)
+    for group in by_layout(p for p in parameters if p.grad is not None):
+        torch.nn.utils.clip_grad_value_(group, clip_value)
 
 
 _SCALERS: dict[type, type] = {}

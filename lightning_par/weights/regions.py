@@ -99,6 +99,9 @@ def shard_region(global_shape: Sequence[int], placements: Sequence, mesh_shape: 
         ((0, 6), (0, 5))
     """
     strided = _compat.strided_shard_type()
+    nested = _fsdp_over_tensor_parallel(global_shape, placements, mesh_shape, coordinate, strided)
+    if nested is not None:
+        return nested
     if any(isinstance(p, strided) for p in placements):
         raise ValueError(f"placements {tuple(placements)} include a strided shard: its local tensor is several "
                          f"blocks of the full tensor, not one region; read the full tensor's blocks one by one")
@@ -107,6 +110,29 @@ def shard_region(global_shape: Sequence[int], placements: Sequence, mesh_shape: 
                          f"{tuple(coordinate)} must have one entry per mesh axis")
     shape, offset = _compat.local_shape_and_offset(global_shape, mesh_shape, coordinate, placements)
     return tuple((int(o), int(n)) for o, n in zip(offset, shape))  # an empty shard starts at the dim's end
+
+
+def _fsdp_over_tensor_parallel(global_shape, placements, mesh_shape, coordinate, strided) -> Optional[Region]:
+    """FSDP2 over a tensor-parallel shard of the same dim: placements ``(_StridedShard(d, sf=B), Shard(d))`` on a
+    mesh ``(A, B)`` mean "split dim d in B (tensor parallel), then each part in A (FSDP)": one region, the
+    ``a``-th chunk of the ``b``-th chunk. Any other strided layout: ``None``.
+
+    Example:
+        >>> from torch.distributed.tensor import Shard
+        >>> S = _compat.strided_shard_type()
+        >>> _fsdp_over_tensor_parallel((8, 3), [S(0, split_factor=2), Shard(0)], (2, 2), (1, 0), S)
+        ((2, 2), (0, 3))
+    """
+    if len(placements) != 2 or len(mesh_shape) != 2 or not isinstance(placements[0], strided):
+        return None
+    outer, inner = placements
+    if not (inner.is_shard() and not isinstance(inner, strided) and inner.dim == outer.dim
+            and outer.split_factor == mesh_shape[1]):
+        return None
+    d = outer.dim
+    (start, length), = [shard_region((global_shape[d],), [inner], (mesh_shape[1],), (coordinate[1],))[0]]
+    (sub, count), = [shard_region((length,), [type(inner)(0)], (mesh_shape[0],), (coordinate[0],))[0]]
+    return tuple((start + sub, count) if i == d else (0, n) for i, n in enumerate(global_shape))
 
 
 def dtensor_region(tensor) -> Region:

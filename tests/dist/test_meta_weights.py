@@ -321,3 +321,40 @@ def test_meta_build_with_weights_under_pp2_tp2_matches_one_device(tmp_path, mode
             elif block is not None and any(fnmatch.fnmatch(name, g) for g in sharded):
                 assert kind[0] == "shard" and kind[1] * 2 == kind[2], (rank, name, kind)  # its tensor shard
         assert share["read"] == share["held_bytes"] > 0 and share["read"] < file_bytes / 2, (rank, share)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("layout", ["pp2_dp2", "tp2_dp2"])
+def test_meta_build_with_weights_under_zero3_replicas_matches_one_device(tmp_path, layout):
+    """zero_stage=3 on the hybrid core: FSDP shards the meta-built stage / tensor shards over the replicas
+    before anything is materialized, so every rank holds every parameter it owns as a replica shard (under
+    tensor parallelism a shard of its tensor shard), reads exactly those bytes of the file, and trains as one
+    device that loaded the file (losses and gradients at 1e-5)."""
+    from lightning_par import HybridParallelStrategy
+
+    factory, plain, prefix, sharded, drop = MODELS["gpt"]
+    torch.manual_seed(1)
+    path = str(tmp_path / "weights.safetensors")
+    file_bytes = save_weights(plain(), path, strip=prefix, drop=drop)
+    torch.manual_seed(2)
+    ref_module = plain()
+    from safetensors.torch import load_file
+
+    ref_module.load_state_dict({prefix + k: v for k, v in load_file(path).items()}, strict=False)
+    trainer = pl.Trainer(**trainer_kwargs(devices=1, max_steps=2, callbacks=[Recorder(str(tmp_path / "ref"))]))
+    trainer.fit(ref_module, reference_loader(DATA.train_set, 16))
+    ref = torch.load(os.path.join(str(tmp_path / "ref"), "rank0.pt"), weights_only=False)
+    pp, tp = (2, 1) if layout == "pp2_dp2" else (1, 2)
+    strategy = HybridParallelStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=2,
+                                      zero_stage=3, microbatches=2, start_method="fork", timeout=120, weights=path)
+    got, shares = fit_meta(factory, strategy, str(tmp_path / "par"), devices=4)
+    for rec in got:  # the replicas' mean on every rank: one device's losses on the global batch of 16
+        assert_close_records(ref, {**rec, "params": {}}, atol=1e-5, rtol=1e-5, require_all_grads=False)
+    for rank, share in enumerate(shares):
+        held = {n: k for n, k in share["kinds"].items() if k[0] != "meta"}
+        assert held and all(k[0] == "shard" for k in held.values()), (rank, {n: k for n, k in held.items() if k[0] != "shard"})
+        for name, (_, local, whole) in held.items():  # half of it, or a quarter under tp2 × dp2 (padding: a row)
+            assert local <= (whole + 1) // 2 + 16, (rank, name, local, whole)
+        if tp == 2:
+            assert any(local * 4 <= whole + 64 for _, local, whole in held.values())
+        assert share["read"] == share["held_bytes"] > 0 and share["read"] < file_bytes / 3, (rank, share)
