@@ -146,8 +146,10 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
         # kept for the step; ZeRO-3 one block at a time, beside the root unit (embeddings, head, final norm)
         gathered = 0.0
-        if layout.zero_stage >= 2 and p > 1:  # a pipeline stage: gathered once per step, whole gradients
-            gathered = params * (1 + g_bytes / p_bytes)  # accumulate ([Note: FSDP under pipeline parallelism])
+        if layout.zero_stage >= 2 and p > 1:  # a pipeline stage: gathered once per step, kept for all micro-
+            # batches ([Note: FSDP under pipeline parallelism]); its whole gradients, which also accumulate during
+            # the step, are not counted here (the recipes measure saved tensors and the state at rest)
+            gathered = params
         elif layout.zero_stage == 2:
             gathered = params
         elif layout.zero_stage == 3:
