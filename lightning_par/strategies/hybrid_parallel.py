@@ -284,7 +284,19 @@ class HybridParallelStrategy(LayoutStrategy):
         return self._path.step(lambda: getattr(super(HybridParallelStrategy, self), hook)(*args, **kwargs), hook,
                                args, kwargs, context)
 
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._checkpoint_prepare()
+
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._checkpoint_prepare()
+
     # -- checkpoints: the interface of lightning_par.strategies._checkpoint (one format for every layout) --
+    def _checkpoint_prepare(self) -> None:  # FSDP's forward-only passes leave units gathered: back to the shards
+        if isinstance(self._path, TensorPath):
+            self._path.reshard()
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # into the installed stage and the shards: each rank reads what it holds

@@ -155,7 +155,9 @@ def test_consolidated_checkpoint_loads_on_one_device_and_resumes(tmp_path, layou
     final weights, and one device resumes from it (optimizer state included) as the sharded run continues."""
     factory, devices = LAYOUTS[layout]
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last", every_n_train_steps=STEPS)
-    recs, _ = fit(tmp_path, "saved", factory(zero), devices, callbacks=[ckpt], enable_checkpointing=True)
+    recs, _ = fit(tmp_path, "saved", factory(zero), devices, callbacks=[ckpt], enable_checkpointing=True,
+                  val_loader=DataLoader(DATA.val_set, batch_size=8), limit_val_batches=2, val_check_interval=2)
+    assert all("val_loss" in rec["metrics"] for rec in recs)  # a validation pass (step 2) before the save
     path = str(tmp_path / "ckpt" / "last.ckpt")
     loaded = GPT.load_from_checkpoint(path, strict=True, map_location="cpu")
     for name, p in loaded.named_parameters():
