@@ -54,11 +54,10 @@ def strategy(variant: str, weights: str):
 def inner(args) -> None:
     import torch
     from lightning.pytorch import Callback, Trainer
-    from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader
 
     from lightning_par.data import SyntheticCorpus
-    from lightning_par.peak_memory import peak_resident, reset_peak
+    from lightning_par.peak_memory import held_bytes, peak_resident, reset_peak
 
     cfg = json.loads(args.cfg)
     torch.set_num_threads(args.threads)
@@ -66,10 +65,7 @@ def inner(args) -> None:
 
     class Peak(Callback):
         def on_train_start(self, trainer, module):
-            held = 0
-            for p in module.parameters():
-                local = p.to_local() if isinstance(p, DTensor) else p
-                held += 0 if local.is_meta else local.numel() * local.element_size()
+            held = held_bytes(module)
             peak = torch.cuda.max_memory_allocated() if cuda else peak_resident()
             with open(os.path.join(args.run_dir, f"rank{trainer.global_rank}.json"), "w") as f:
                 json.dump({"rank": trainer.global_rank, "peak": peak, "held": held,

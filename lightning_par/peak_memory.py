@@ -50,6 +50,15 @@ def resident() -> int:
     return _status("VmRSS") or 0
 
 
+def held_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters this rank holds: DTensors' local shards, tied ones once, meta ones (owned by other
+    ranks) not at all."""
+    from lightning_par.comm import local_nbytes
+    from lightning_par.materialize.meta import is_meta
+
+    return sum(local_nbytes(p) for p in module.parameters() if not is_meta(p))
+
+
 class PeakMemory:
     """The peak memory of this process (CPU) or of one CUDA device from :meth:`start` on."""
 

@@ -35,7 +35,7 @@ from typing import Callable
 import lightning.pytorch as pl
 import torch
 
-from lightning_par.peak_memory import PeakMemory
+from lightning_par.peak_memory import PeakMemory, held_bytes
 
 
 class RankPeak(pl.Callback):
@@ -49,14 +49,8 @@ class RankPeak(pl.Callback):
             self.meter = start_meter(trainer.strategy.root_device, self.limit)
 
     def on_train_end(self, trainer, pl_module):
-        from torch.distributed.tensor import DTensor
-
-        held = 0
-        for p in {id(p): p for p in pl_module.parameters()}.values():
-            local = p.to_local() if isinstance(p, DTensor) else p
-            held += 0 if local.is_meta else local.numel() * local.element_size()
         rec = {"rank": trainer.global_rank, "net": self.meter.net(), "peak": self.meter.peak(),
-               "base": self.meter.base, "held": held}
+               "base": self.meter.base, "held": held_bytes(pl_module)}
         Path(self.run_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(rec))
 
 

@@ -138,11 +138,13 @@ def _report(cfg, command: str, out_dir: Path, data: dict) -> Report:
                      "none" if best is None else f"{best} ({v['largest_measured_params'] / 1e6:.2f} M)",
                      "none" if pred is None else f"{pred} ({v['predicted_largest_params'] / 1e6:.2f} M)",
                      "-" if best is None else f"{v['peak_at_largest'] / MiB:.1f} / {budget / MiB:.0f}",
+                     "-" if best is None else f"{v['peak_at_largest'] / v['predicted_bytes'][best]:.2f}",
                      "-" if best is None or not one else f"{v['largest_measured_params'] / one:.2f}", tried])
     report.tables.append((f"Largest GPT (n_layer at width {m.n_embd}, parameters) within the budget, measured and "
                           "predicted",
                           ["layout", "devices", "largest measured", "advisor's largest",
-                           "busiest rank's model peak / budget (MiB)", "params vs one device",
+                           "busiest rank's model peak / budget (MiB)", "measured / advisor there",
+                           "params vs one device",
                            "rungs measured (✗: over budget)"], rows))
     report.figures.append(("Largest model within the budget per layout: measured and predicted",
                            savefig(_bars(layouts), out_dir, "capacity.png")))
