@@ -165,8 +165,10 @@ def _report(cfg, command: str, out_dir: Path, data: dict) -> Report:
                         f"per replica ({cfg.precision}), vocabulary {m.vocab_size}, {m.n_head} heads, tied "
                         "embedding; layouts built on the meta device, each rank materializing its share.")
     report.notes.append("Measured above predicted: allocator slack, the optimizer's and the collectives' "
-                        "temporaries, and (TP) the setup check's transient region are not in the advisor's model; "
-                        "so the measured largest may be a rung below the advisor's.")
+                        "temporaries and (TP) the setup check's transient region are not in the advisor's model; "
+                        "under a pipeline the previous step's gradients also stay alive through the next step's "
+                        "schedule (it runs inside training_step; Lightning zeroes them after it): one gradient copy "
+                        "more than the advisor counts (recipes/capacity/README.md).")
     return report
 
 
