@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 
@@ -52,31 +51,13 @@ def strategy(variant: str, weights: str):
             "zero3": lambda: DataParallelStrategy(zero_stage=3, weights=weights)}[variant]()
 
 
-def reset_peak() -> None:
-    """Start the peak resident memory (VmHWM) over from now (Linux ``clear_refs``), so that what the interpreter,
-    torch and Lightning touched before does not hide the model's peak; elsewhere the lifetime peak is kept."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def inner(args) -> None:
     import torch
     from lightning.pytorch import Callback, Trainer
-    from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader
 
     from lightning_par.data import SyntheticCorpus
+    from lightning_par.peak_memory import held_bytes, peak_resident, reset_peak
 
     cfg = json.loads(args.cfg)
     torch.set_num_threads(args.threads)
@@ -84,11 +65,8 @@ def inner(args) -> None:
 
     class Peak(Callback):
         def on_train_start(self, trainer, module):
-            held = 0
-            for p in module.parameters():
-                local = p.to_local() if isinstance(p, DTensor) else p
-                held += 0 if local.is_meta else local.numel() * local.element_size()
-            peak = torch.cuda.max_memory_allocated() if cuda else peak_rss()
+            held = held_bytes(module)
+            peak = torch.cuda.max_memory_allocated() if cuda else peak_resident()
             with open(os.path.join(args.run_dir, f"rank{trainer.global_rank}.json"), "w") as f:
                 json.dump({"rank": trainer.global_rank, "peak": peak, "held": held,
                            "read": getattr(trainer.strategy, "weights_bytes_read", 0)}, f)

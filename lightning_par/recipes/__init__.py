@@ -5,4 +5,4 @@ top of the repository holding its ``config.yaml`` (a ``quick:`` section override
 and a README that opens with the exact command. ``lightning-par-recipe <name>`` runs it.
 """
 RECIPES = ("parity", "pipeline_bubble", "memory", "communication", "scaling", "decision", "network",
-           "fault_tolerance")
+           "fault_tolerance", "capacity")

@@ -8,18 +8,23 @@ from lightning_par.recipe import run_recipe as recipe
 from lightning_par.recipes import RECIPES
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("name", RECIPES)
-def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
-    path = recipe([name, "--quick", "--out", str(tmp_path)])
+def run_quick(name, tmp_path, capsys, overrides=()) -> dict:
+    """Run a recipe's --quick mode, check its report and plots, return its results.json."""
+    path = recipe([name, *overrides, "--quick", "--out", str(tmp_path)])
     assert capsys.readouterr().out.strip().endswith("report.md")
     text = path.read_text()
     assert text.startswith("# ") and f"lightning-par-recipe {name}" in text and "Published result" in text
     for line in text.splitlines():
         if line.startswith("!["):
             assert (tmp_path / line.split("(")[-1].rstrip(")")).stat().st_size > 1000
-    results = json.loads((tmp_path / "results.json").read_text())
+    return json.loads((tmp_path / "results.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "capacity"])  # capacity: its own test below
+def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
+    results = run_quick(name, tmp_path, capsys)
     if name == "decision":
         # model states of mixed-precision Adam: 16 bytes per parameter (the ZeRO paper's 16Ψ)
         assert all(row[-1] == "1.000" for row in results["model_states"])
@@ -77,6 +82,33 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
         for strategy in ("lightning_par", "lightning_ddp"):
             assert rows[(2, strategy)][2] > 0
             assert rows[(2, strategy)][6] > 0  # gradients were communicated
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * TIMEOUT_S)  # ~20 fits of 1-4 ranks, each a fresh process; ~1.5 min on 2 idle cores
+def test_capacity_model_parallel_layouts_train_a_larger_gpt_within_the_budget(tmp_path, capsys):
+    # --quick with a 48 MiB budget: the same ladder, smaller answers (fewer blocks to build and run)
+    results = run_quick("capacity", tmp_path, capsys, overrides=["budget_gb=0.046875"])
+    budget, layouts = results["budget_bytes"], results["layouts"]
+    assert budget == 48 * 2**20 and set(layouts) == {"single", "DP2-ZeRO-3", "PP2", "TP2", "PP2xTP2"}
+    one = layouts["single"]["largest_measured"]
+    assert one is not None
+    for name, res in layouts.items():
+        best = res["largest_measured"]
+        assert best is not None and res["largest_measured_params"] == results["params"][str(best)], (name, res)
+        fit = res["measured"][str(best)]
+        # measured on every rank of its own fit, net of the layout's tiny-model fit, within the budget
+        assert len(fit["ranks"]) == res["devices"] and fit["fits"] and 0 < fit["model_net"] <= budget, (name, fit)
+        assert all(r["held"] > 0 for r in fit["ranks"]), (name, fit)
+        # the search bracketed it: the next rung was measured over budget (or it is the top of the ladder)
+        rungs = results["ladder"]
+        above = res["measured"].get(str(rungs[rungs.index(best) + 1])) if best != rungs[-1] else None
+        assert best == rungs[-1] or (above is not None and not above["fits"]), (name, res["measured"])
+        assert res["predicted_largest"] in results["ladder"] and res["predicted_largest_params"] > 0, (name, res)
+        if name != "single":  # the seeds' claim in numbers: model parallelism trains a larger model
+            assert best > one and res["largest_measured_params"] > layouts["single"]["largest_measured_params"]
+    # two-way sharding holds less than one device's model per rank: PP2xTP2 the most of all
+    assert layouts["PP2xTP2"]["largest_measured"] > max(layouts[n]["largest_measured"] for n in ("PP2", "TP2"))
 
 
 def test_unknown_recipe_setting_fails_naming_it(tmp_path):
