@@ -80,7 +80,9 @@ class ScheduleRunner:
         mbs = split_batch(batch, self.microbatches)
         sizes = [batch_size(mb) for mb in mbs]
         coefs = [n / sum(sizes) / accumulate for n in sizes]
-        stash = [p.grad for p in params]
+        # the gradients accumulated before stay aside; without accumulation Lightning zeroes them right after this
+        # step anyway, so they are freed now instead of being held beside the new ones through the schedule
+        stash = [p.grad if accumulate > 1 else None for p in params]
         for p in params:
             p.grad = None
         rt.seeded = module.training
