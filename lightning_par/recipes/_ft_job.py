@@ -38,12 +38,29 @@ def attempt() -> int:
     return int(os.environ.get(ATTEMPT_ENV, 0)) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
+class Stack(nn.Module):
+    """An input layer, ``depth`` residual-free Linear+Tanh blocks (the stack a pipeline splits) and a head."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
 class Regressor(pl.LightningModule):
-    def __init__(self, width: int = 32, lr: float = 1e-2):
+    def __init__(self, width: int = 32, lr: float = 1e-2, depth: int = 0):
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
-                                 nn.Linear(width, 1))
+        self.net = Stack(width, depth) if depth else nn.Sequential(nn.Linear(16, width), nn.Tanh(),
+                                                                     nn.Linear(width, width), nn.Tanh(),
+                                                                     nn.Linear(width, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -66,11 +83,15 @@ def dataset(n: int = 1024, seed: int = 0) -> TensorDataset:
 
 def state_digest(module: nn.Module, optimizer) -> str:
     """sha256 over every parameter's and optimizer-state tensor's bytes and the groups' hyper-parameters."""
+    from lightning_par.dp.ft import local_module_state, local_optimizer_state  # DTensors as this rank's shards
+
     h = hashlib.sha256()
-    for name, p in module.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    sd = optimizer.state_dict()
+    params = dict(module.named_parameters())
+    for name, p in local_module_state(module).items():
+        if name in params:
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    sd = local_optimizer_state(optimizer)
     for idx in sorted(sd["state"]):
         for key in sorted(sd["state"][idx]):
             v = sd["state"][idx][key]
@@ -117,36 +138,48 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ft-timeout", type=float, default=30.0)
     p.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="ft mode: resume from last.ckpt (a whole-job restart)")
+    p.add_argument("--pp", type=int, default=0, help="HybridParallelStrategy with this many stages (0: DDP)")
+    p.add_argument("--tp", type=int, default=1, help="with --pp: tensor-parallel ranks per stage")
     args = p.parse_args(argv)
-    from lightning_par import DataParallelStrategy
+    from lightning_par import DataParallelStrategy, HybridParallelStrategy
 
-    ident = os.environ.get("REPLICA_GROUP_ID", "0") if args.mode == "ft" else os.environ.get("RANK", "0")
+    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    ident = (rank_ident(int(os.environ.get("REPLICA_GROUP_ID", "0")), int(os.environ.get("RANK", "0")), nproc)
+             if args.mode == "ft" else os.environ.get("RANK", "0"))
     restart = str(attempt())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"pid{ident}-{restart}").write_text(str(os.getpid()))
     if args.mode == "ft" and restart == "0":  # all groups start together (imports take seconds under load)
-        _wait_for(lambda: all((args.out / f"pid{g}-0").exists()
-                              for g in range(int(os.environ["NUM_REPLICA_GROUPS"]))), timeout_s=300)
+        _wait_for(lambda: all((args.out / f"pid{rank_ident(g, r, nproc)}-0").exists()
+                              for g in range(int(os.environ["NUM_REPLICA_GROUPS"])) for r in range(nproc)),
+                  timeout_s=300)
     torch.manual_seed(int(restart))  # a restarted process starts from other weights: a peer's must replace them
-    ckpt_dir = args.out / (f"ckpt-g{ident}" if args.mode == "ft" else "ckpt")
-    if args.mode == "ft":
-        strategy = DataParallelStrategy(fault_tolerance="torchft", min_replicas=args.min_replicas,
-                                        ft_timeout=args.ft_timeout)
-        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
-                                                  every_n_train_steps=args.ckpt_every)
-        devices, resume = 1, ("last" if args.resume else None)
+    group = os.environ.get("REPLICA_GROUP_ID", "0")
+    ckpt_dir = args.out / (f"ckpt-g{group}" if args.mode == "ft" else "ckpt")
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
+                                              every_n_train_steps=args.ckpt_every)
+    ft_args = dict(fault_tolerance="torchft", min_replicas=args.min_replicas, ft_timeout=args.ft_timeout) \
+        if args.mode == "ft" else dict(timeout=300)  # a restarted rank may wait for its peer's imports
+    if args.pp:
+        strategy = HybridParallelStrategy(pipeline_parallel_size=args.pp, tensor_parallel_size=args.tp, **ft_args)
     else:
-        strategy = DataParallelStrategy(timeout=300)  # a restarted rank may wait for its peer's imports
-        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
-                                                  every_n_train_steps=args.ckpt_every)
-        devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        strategy = DataParallelStrategy(**ft_args)
+    devices = nproc
+    if args.mode == "ft":
+        resume = "last" if args.resume else None
+    else:
         resume = "last" if (ckpt_dir / "last.ckpt").exists() else None
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps,
                          callbacks=[StepRecord(args.out / f"rec{ident}.jsonl", args.sleep), checkpoint],
                          logger=pl.loggers.CSVLogger(args.out, name=f"logs{ident}"), enable_progress_bar=False,
                          enable_model_summary=False, log_every_n_steps=1)
     loader = DataLoader(dataset(), batch_size=args.batch, shuffle=True)
-    trainer.fit(Regressor(width=args.width), loader, ckpt_path=resume)
+    trainer.fit(Regressor(width=args.width, depth=4 if args.pp else 0), loader, ckpt_path=resume)
+
+
+def rank_ident(group: int, rank: int, nproc: int) -> str:
+    """How a fault-tolerant process names its files: its replica group, and with several ranks per group its rank."""
+    return str(group) if nproc == 1 else f"{group}_{rank}"
 
 
 def _wait_for(condition, timeout_s: float) -> None:

@@ -141,7 +141,7 @@ class TensorPath:
             result = closure()
             params = list(s.lightning_module.parameters())
             reduce_partial_grads(params, s._mesh["tp"].get_group())
-            average_grads(params, s._dp_group, dp)
+            average_grads(params, s._dp_group, dp, average=s.replica_average)  # torchft's, under fault tolerance
             return result
 
         return closure_then_average

@@ -1,0 +1,99 @@
+"""HybridParallelStrategy(fault_tolerance="torchft"): the replica (dp) axis of the hybrid core under torchft. A
+lighthouse and two replica groups, each one torchrun job of a two-stage pipeline (2 CPU ranks each); one rank of one
+group is SIGKILLed mid-run, torchrun restarts that group and each of its ranks rejoins with the state of its stage
+from the survivor.
+
+The jobs are :mod:`lightning_par.recipes._ft_job` (a plain LightningModule: input layer, 4 Linear+Tanh blocks, head;
+AdamW, per-step StepLR); each rank records its steps and digests of its stage's parameters and optimizer state.
+"""
+import pytest
+import torch
+
+from harness import TIMEOUT_S
+from lightning_par.recipes import _ft_job as job
+
+RUN_S = 200
+PP = ["--pp", "2", "--width", "16"]
+
+
+def _logs(tmp_path, name):
+    return (tmp_path / f"torchrun-{name}.log").read_text(errors="replace")[-3000:]
+
+
+def _stop(procs, lighthouse):
+    job.wait_all(procs, timeout_s=1)
+    lighthouse.kill()
+    lighthouse.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_killed_stage_rejoins_with_its_coordinates_state(tmp_path):
+    steps = 60
+    args = ["--steps", str(steps), "--sleep", "0.25", *PP]
+    lighthouse, address = job.start_lighthouse(min_replicas=1)
+    groups = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, nproc=2,
+                              max_restarts=1 if g == 1 else 0) for g in range(2)]
+    try:  # the second stage of group 1 dies; torchrun restarts both of its ranks
+        kill_time, kill_step = job.kill_after(tmp_path, "1_1", 3, timeout_s=RUN_S, procs=groups)
+        codes = job.wait_all(groups, timeout_s=RUN_S)
+    finally:
+        _stop(groups, lighthouse)
+    assert codes == [0, 0], (_logs(tmp_path, "g0"), _logs(tmp_path, "g1"))
+    for rank in range(2):  # each stage of the restarted group against the same stage of the survivor
+        res = job.summarize_kill(tmp_path, survivor=f"0_{rank}", killed=f"1_{rank}", kill_time=kill_time,
+                                 kill_step=kill_step)
+        assert res["killed"] and res["recovered"], (rank, res)
+        assert res["steps_alone"] >= 1 and res["final_step"] == steps, (rank, res)
+        # started from other random weights (seed 1), received its stage's parameters, AdamW moments and step from
+        # the survivor's rank of the same stage, bit for bit, and stayed bit-equal at every step after
+        assert res["weights_equal_after_recovery"] and res["steps_agree"], (rank, res)
+        alive = job.read_records(tmp_path, f"0_{rank}")
+        back = [r for r in job.read_records(tmp_path, f"1_{rank}") if r["restart"] == 1]
+        assert [r["step"] for r in alive] == list(range(alive[0]["step"], steps + 1)) and alive[0]["step"] <= 3
+        assert back[0]["step"] == res["heal_step"] + 1 and back[-1]["step"] == steps
+        assert all(r["participants"] == 2 for r in back) and any(r["participants"] == 1 for r in alive)
+    # both groups end on the same consolidated checkpoint (every stage), step and learning rate
+    ckpts = [torch.load(tmp_path / f"ckpt-g{g}" / "last.ckpt", weights_only=False) for g in range(2)]
+    assert all(c["global_step"] == steps for c in ckpts)
+    assert ckpts[0]["lr_schedulers"] == ckpts[1]["lr_schedulers"]
+    assert sorted(ckpts[0]["state_dict"]) == sorted(ckpts[1]["state_dict"]) and len(ckpts[0]["state_dict"]) == 12
+    for name, value in ckpts[0]["state_dict"].items():
+        assert torch.equal(value, ckpts[1]["state_dict"][name]), name
+    text = "\n".join(p.read_text() for p in (tmp_path / "logs1_0").rglob("metrics.csv"))
+    assert "train_loss" in text and f",{steps - 1}," in text  # Lightning kept logging in the rejoined group
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_two_pipeline_groups_train_as_dp2_pp2(tmp_path):
+    """No kill: two pp2 replica groups under a lighthouse that waits for both train as one dp2 × pp2 run."""
+    steps = 12
+    args = ["--steps", str(steps), "--sleep", "0", "--ckpt-every", str(steps), *PP]
+    ft, ref = tmp_path / "ft", tmp_path / "ref"
+    lighthouse, address = job.start_lighthouse(min_replicas=2)  # the first quorum holds both groups
+    procs = []
+    try:
+        for path in (ft, ref):
+            path.mkdir()
+        procs = [job.start_group(ft, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0, nproc=2)
+                 for g in range(2)]
+        procs.append(job.start_group(ref, ["--mode", "ckpt", *args], group_id=None, num_groups=1, lighthouse=None,
+                                     max_restarts=0, nproc=4))
+        codes = job.wait_all(procs, timeout_s=RUN_S)
+    finally:
+        _stop(procs, lighthouse)
+    assert codes == [0, 0, 0], (codes, _logs(ft, "g0"), _logs(ref, "ckpt"))
+    want = job.read_records(ref, 0)  # rank 0 of dp2 x pp2 reports the mean over its two replicas
+    assert [r["step"] for r in want] == list(range(1, steps + 1))
+    got = [job.read_records(ft, f"{g}_0") for g in range(2)]  # each group reports its own batch's loss
+    for rows in got:
+        assert [r["step"] for r in rows] == list(range(1, steps + 1)) and all(r["participants"] == 2 for r in rows)
+        assert all(r["step"] == r["ft_step"] for r in rows)
+    worst = max(abs((a["loss"] + b["loss"]) / 2 - w["loss"]) for a, b, w in zip(*got, want))
+    assert worst <= 1e-5, worst
+    ref_state = torch.load(ref / "ckpt" / "last.ckpt", weights_only=False)
+    for g in range(2):
+        state = torch.load(ft / f"ckpt-g{g}" / "last.ckpt", weights_only=False)
+        assert state["global_step"] == ref_state["global_step"] == steps
+        torch.testing.assert_close(state["state_dict"], ref_state["state_dict"], atol=1e-5, rtol=1e-5)
