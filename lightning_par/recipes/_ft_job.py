@@ -101,8 +101,12 @@ def state_digest(module: nn.Module, optimizer) -> str:
     return h.hexdigest()
 
 
+STOP_FILE = "stop_at"  # DIR/stop_at: a step every process stops after (written by a launcher while they run)
+
+
 class StepRecord(pl.Callback):
-    """One JSON line per optimizer step (see the module's doc); ``sleep_s`` after each makes steps last."""
+    """One JSON line per optimizer step (see the module's doc); ``sleep_s`` after each makes steps last. Training
+    stops after the step named in ``DIR/stop_at`` once that file exists (all groups end on the same step)."""
 
     def __init__(self, path: Path, sleep_s: float):
         self.path, self.sleep_s = path, sleep_s
@@ -124,6 +128,9 @@ class StepRecord(pl.Callback):
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         time.sleep(self.sleep_s)
+        stop = self.path.parent / STOP_FILE
+        if stop.exists() and trainer.global_step >= int(stop.read_text() or 10**9):
+            trainer.should_stop = True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,12 +219,13 @@ def start_group(out: Path, job_args: list[str], *, group_id: int | None, num_gro
                 max_restarts: int, nproc: int = 1, attempt: int = 0) -> subprocess.Popen:
     """One torchrun (its own store) running :func:`main`; ``group_id=None``: plain DDP over ``nproc`` ranks;
     ``attempt``: the how-manyth launch of the same run (a whole-job relaunch that resumes from its checkpoint)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)},
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # restarted ranks reconnect (README: torch issue 135712)
     if group_id is not None:
         env.update(REPLICA_GROUP_ID=str(group_id), NUM_REPLICA_GROUPS=str(num_groups), TORCHFT_LIGHTHOUSE=lighthouse)
     name = f"g{group_id}" if group_id is not None else "ckpt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(max_restarts), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            "--monitor-interval", "0.2", "-m", "lightning_par.recipes._ft_job", "--out", str(out), *job_args]
     log = (out / f"torchrun-{name}.log").open("ab")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -275,6 +283,24 @@ def summarize_kill(out: Path, *, survivor: int, killed: int, kill_time: float, k
         "recovery_s": first["time"] - kill_time if first else None,
         "kill_step": kill_step,
     }
+
+
+def stop_after_rejoin(out: Path, ident, steps_after: int, every: int, timeout_s: float, procs=()) -> int:
+    """Once restarted process ``ident`` has recorded a step, have every process stop ``steps_after`` or more steps
+    later, on a multiple of ``every`` (a checkpoint step): returns that step."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        back = [r for r in read_records(out, ident) if r["restart"] >= 1]
+        if back:
+            stop = -(-(back[0]["step"] + steps_after) // every) * every
+            tmp = out / f".{STOP_FILE}"
+            tmp.write_text(str(stop))
+            tmp.rename(out / STOP_FILE)
+            return stop
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"process {ident} did not come back within {timeout_s:.0f} s (logs in {out})")
 
 
 def wait_all(procs, timeout_s: float) -> list[int]:

@@ -29,13 +29,15 @@ def _stop(procs, lighthouse):
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_killed_stage_rejoins_with_its_coordinates_state(tmp_path):
-    steps = 60
-    args = ["--steps", str(steps), "--sleep", "0.25", *PP]
+    # steps of >= 0.2 s until the restarted group is back, then 10-20 more together (the stop step written to a file
+    # the jobs read); the surviving rank of the killed group exits within ft_timeout of torchrun's SIGTERM
+    args = ["--steps", "2000", "--sleep", "0.2", "--ft-timeout", "10", "--ckpt-every", "10", *PP]
     lighthouse, address = job.start_lighthouse(min_replicas=1)
     groups = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, nproc=2,
                               max_restarts=1 if g == 1 else 0) for g in range(2)]
     try:  # the second stage of group 1 dies; torchrun restarts both of its ranks
         kill_time, kill_step = job.kill_after(tmp_path, "1_1", 3, timeout_s=RUN_S, procs=groups)
+        steps = job.stop_after_rejoin(tmp_path, "1_0", 10, every=10, timeout_s=RUN_S, procs=groups)
         codes = job.wait_all(groups, timeout_s=RUN_S)
     finally:
         _stop(groups, lighthouse)
