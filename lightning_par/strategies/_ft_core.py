@@ -122,7 +122,8 @@ class FaultTolerantCore(FaultTolerantReplicas):
         return super().optimizer_state(optimizer)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        received = _compat.pending_checkpoint(self.lightning_module.trainer)
+        healed = self._replica is not None and self._replica.healed_at is not None
+        received = _compat.pending_checkpoint(self.lightning_module.trainer) if healed else None
         if ft.SHARE_KEY in (received or {}):  # healed at the first quorum: the peer's state is newer than the file
             rank_zero_info(f"Replica group {self._replica_group.group_id} resumes from the live peer's state, not "
                            f"{checkpoint_path}.")
