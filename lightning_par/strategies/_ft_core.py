@@ -32,7 +32,7 @@ from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
 
 
 def check_core_fault_tolerance(fault_tolerance: Optional[str], min_replicas: int, ft_timeout: float, *,
-                               zero_stage: int, data_parallel_size) -> None:
+                               zero_stage: int, data_parallel_size, nonfinite: str) -> None:
     """The core's arguments checked at construction, before any process."""
     ft.validate_fault_tolerance(fault_tolerance, min_replicas, ft_timeout, zero_stage=0, comm_hook=None,
                                 static_graph=False, lr_scaling="none")
@@ -45,6 +45,10 @@ def check_core_fault_tolerance(fault_tolerance: Optional[str], min_replicas: int
                          f"whole state from one peer. Use zero_stage=0.")
     if data_parallel_size not in ("auto", 1):
         raise ValueError(_one_replica_per_job(data_parallel_size))
+    if nonfinite == "skip":
+        raise ValueError("`fault_tolerance='torchft'` does not support `nonfinite='skip'` on the hybrid core: a group "
+                         "decides a skip on its own batch's loss, and the other groups would step without it (their "
+                         "weights would part silently). Use nonfinite='error' (a group that stops rejoins from a peer).")
 
 
 def _one_replica_per_job(size) -> str:

@@ -103,7 +103,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         check_options(microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank, blocks=blocks,
                       balance=balance)
         check_core_fault_tolerance(fault_tolerance, min_replicas, ft_timeout, zero_stage=zero_stage,
-                                   data_parallel_size=data_parallel_size)
+                                   data_parallel_size=data_parallel_size, nonfinite=nonfinite)
         check_zero_stage(zero_stage, built=(0,), strategy=type(self).__name__)
         check_flags(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         if mesh_order not in ORDERS:

@@ -6,8 +6,15 @@ from the survivor.
 The jobs are :mod:`lightning_par.recipes._ft_job` (a plain LightningModule: input layer, 4 Linear+Tanh blocks, head;
 AdamW, per-step StepLR); each rank records its steps and digests of its stage's parameters and optimizer state.
 """
+import copy
+import io
+import json
+
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S
 from lightning_par.recipes import _ft_job as job
@@ -99,3 +106,63 @@ def test_two_pipeline_groups_train_as_dp2_pp2(tmp_path):
         state = torch.load(ft / f"ckpt-g{g}" / "last.ckpt", weights_only=False)
         assert state["global_step"] == ref_state["global_step"] == steps
         torch.testing.assert_close(state["state_dict"], ref_state["state_dict"], atol=1e-5, rtol=1e-5)
+
+
+class _ShareRoundTrip(pl.Callback):
+    """At the end of a tensor-parallel fit: what this rank would send a recovering peer, through bytes (as torchft's
+    transport), loaded back into the module and optimizer after both were spoilt."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_end(self, trainer, module):
+        from lightning_par.dp import ft
+
+        strategy, optimizer = trainer.strategy, trainer.optimizers[0]
+        buffer = io.BytesIO()
+        torch.save(strategy._own_state(trainer), buffer)
+        sent = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+        want = {k: v.clone() for k, v in ft.local_module_state(module).items()}
+        want_opt = copy.deepcopy(ft.local_optimizer_state(optimizer))
+        kinds = {i: {k: type(v) for k, v in e.items()} for i, e in optimizer.state_dict()["state"].items()}
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)
+            for entry in optimizer.state.values():
+                for v in entry.values():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        v.zero_()
+        strategy.load_model_state_dict(sent)
+        strategy.load_optimizer_state_dict(sent)
+        got, got_opt = ft.local_module_state(module), ft.local_optimizer_state(optimizer)
+        result = {
+            "dtensors": sum(isinstance(p, DTensor) for p in module.parameters()),
+            "module": sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want),
+            "optimizer": sorted(want_opt["state"]) == sorted(got_opt["state"]) and all(
+                torch.equal(torch.as_tensor(v), torch.as_tensor(got_opt["state"][i][k]))
+                for i, e in want_opt["state"].items() for k, v in e.items()),
+            "kinds": kinds == {i: {k: type(v) for k, v in e.items()} for i, e in optimizer.state_dict()["state"].items()},
+            "entries": len(want_opt["state"]),
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_tensor_parallel_rank_takes_its_peers_shard_state(tmp_path):
+    """tp2 (no torchft processes): the state a rank sends a recovering peer of its coordinate holds its DTensor
+    shards as local tensors, and loading it restores parameters and AdamW state exactly, DTensors as DTensors."""
+    from lightning_par import TensorParallelStrategy
+    from lightning_par.data import SyntheticCorpus
+    from lightning_par.models import GPT
+
+    torch.manual_seed(0)
+    module = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=16, warmup_steps=1, lr_decay_steps=10)
+    data = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=32, val_sequences=8)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[_ShareRoundTrip(tmp_path)],
+                         strategy=TensorParallelStrategy(tensor_parallel_size=2, start_method="fork", timeout=120))
+    trainer.fit(module, DataLoader(data.train_set, batch_size=4))
+    for rank in range(2):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["dtensors"] > 0 and res["entries"] > 0, res
+        assert res["module"] and res["optimizer"] and res["kinds"], res

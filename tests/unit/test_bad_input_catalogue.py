@@ -131,6 +131,9 @@ CASES = {
         lambda: PipelineParallelStrategy(fault_tolerance="torchft", data_parallel_size=2),
         r"`fault_tolerance='torchft'` makes each torchrun job one replica group holding the whole pipeline x "
         r"tensor-parallel model, so `data_parallel_size` inside a job must be 1 \(got 2\)"),
+    "fault tolerance with skipped steps on the core": (
+        lambda: HybridParallelStrategy(fault_tolerance="torchft", nonfinite="skip"),
+        r"`fault_tolerance='torchft'` does not support `nonfinite='skip'` on the hybrid core"),
     "fault tolerance timeout on the core": (lambda: TensorParallelStrategy(fault_tolerance="torchft", ft_timeout=0),
                                             r"`ft_timeout=0` must be a finite positive number of seconds"),
     # checkpoint flags
