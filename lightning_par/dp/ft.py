@@ -309,8 +309,9 @@ class Replica:
         self.manager.allreduce(flat).wait()  # AVG over the participants
 
     def resume_at(self, step: int) -> None:
-        """Continue counting committed steps from ``step`` (a run resumed from a checkpoint after the first quorum)."""
-        if self.healed_at is None and step != self.step:
+        """Continue counting committed steps from ``step`` (a run resumed from a checkpoint after the first quorum;
+        a replica that received a peer's state at step 0 only took the initial weights, and resumes as the others)."""
+        if not self.healed_at and step != self.step:
             self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
     def _receive(self, state: Any) -> None:

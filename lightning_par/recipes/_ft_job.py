@@ -303,6 +303,36 @@ def stop_after_rejoin(out: Path, ident, steps_after: int, every: int, timeout_s:
     raise RuntimeError(f"process {ident} did not come back within {timeout_s:.0f} s (logs in {out})")
 
 
+def log_tail(out: Path, name: str, chars: int = 3000) -> str:
+    """The end of torchrun's log of group ``name`` (``g0``, ``g1``, ``ckpt``)."""
+    return (out / f"torchrun-{name}.log").read_text(errors="replace")[-chars:]
+
+
+def stop(procs, lighthouse) -> None:
+    """End the launch: what still runs of ``procs`` (with its session), then the lighthouse."""
+    wait_all(procs, timeout_s=1)
+    lighthouse.kill()
+    lighthouse.wait()
+
+
+def checkpoint_differences(out: Path, steps: int, groups: int = 2) -> list[str]:
+    """How the groups' ``last.ckpt`` differ from group 0's and from a checkpoint of step ``steps`` ([]: not at all,
+    bit for bit: step, LR schedulers, every module entry)."""
+    ckpts = [torch.load(out / f"ckpt-g{g}" / "last.ckpt", weights_only=False) for g in range(groups)]
+    first, problems = ckpts[0], []
+    for g, c in enumerate(ckpts):
+        if c["global_step"] != steps:
+            problems.append(f"group {g} saved step {c['global_step']}, not {steps}")
+        if c["lr_schedulers"] != first["lr_schedulers"]:
+            problems.append(f"group {g}'s LR schedulers differ")
+        if sorted(c["state_dict"]) != sorted(first["state_dict"]):
+            problems.append(f"group {g} saved other entries")
+            continue
+        problems += [f"group {g}: {k}" for k, v in c["state_dict"].items()
+                     if not torch.equal(v, first["state_dict"][k])]
+    return problems
+
+
 def wait_all(procs, timeout_s: float) -> list[int]:
     """Exit codes of ``procs`` (each killed with its session if still running after ``timeout_s``)."""
     deadline, codes = time.time() + timeout_s, []

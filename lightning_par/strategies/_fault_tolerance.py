@@ -62,8 +62,8 @@ class FaultTolerantReplicas:
         if self.world_size != 1:
             raise ValueError(f"`fault_tolerance='torchft'` runs one rank per replica group (this group has "
                              f"{self.world_size}: devices x num_nodes): launch one torchrun per replica group with "
-                             f"`--nproc-per-node 1` and `trainer.devices=1`; for groups of several ranks that hold one model "
-                             f"between them use HybridParallelStrategy(fault_tolerance='torchft').")
+                             f"`--nproc-per-node 1` and `trainer.devices=1`; for groups of several ranks that "
+                             f"hold one model between them use HybridParallelStrategy(fault_tolerance='torchft').")
         resumed = _compat.pending_checkpoint(trainer)
         self._replica = ft.Replica(
             self._replica_group, min_replicas=self._min_replicas, timeout_s=self._ft_timeout,

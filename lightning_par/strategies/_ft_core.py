@@ -48,7 +48,8 @@ def check_core_fault_tolerance(fault_tolerance: Optional[str], min_replicas: int
     if nonfinite == "skip":
         raise ValueError("`fault_tolerance='torchft'` does not support `nonfinite='skip'` on the hybrid core: a group "
                          "decides a skip on its own batch's loss, and the other groups would step without it (their "
-                         "weights would part silently). Use nonfinite='error' (a group that stops rejoins from a peer).")
+                         "weights would part silently). Use nonfinite='error' (a group that stops rejoins from a "
+                         "peer).")
 
 
 def _one_replica_per_job(size) -> str:
@@ -126,9 +127,11 @@ class FaultTolerantCore(FaultTolerantReplicas):
         return super().optimizer_state(optimizer)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        healed = self._replica is not None and self._replica.healed_at is not None
+        # healed at the first quorum from a peer past step 0: its state is newer than the file (at step 0 it was only
+        # the initial weights: every group of a whole-job restart then resumes from its own file)
+        healed = self._replica is not None and bool(self._replica.healed_at)
         received = _compat.pending_checkpoint(self.lightning_module.trainer) if healed else None
-        if ft.SHARE_KEY in (received or {}):  # healed at the first quorum: the peer's state is newer than the file
+        if ft.SHARE_KEY in (received or {}):
             rank_zero_info(f"Replica group {self._replica_group.group_id} resumes from the live peer's state, not "
                            f"{checkpoint_path}.")
             return received
