@@ -15,24 +15,27 @@ RUN_S = 200  # the whole launch; the tests' own timeout is above it
 
 
 def _launch(tmp_path, *, steps: int, sleep: float, max_restarts: int, kill_after: int = 3):
+    """``steps`` steps, or with a restart: until the restarted group is back, then 10-20 more (returns the last)."""
     lighthouse, address = job.start_lighthouse(min_replicas=1)
     args = ["--steps", str(steps), "--sleep", str(sleep), "--width", "16"]
     groups = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address,
                               max_restarts=max_restarts if g == 1 else 0) for g in range(2)]
     try:
         kill_time, kill_step = job.kill_after(tmp_path, 1, kill_after, timeout_s=RUN_S, procs=groups)
+        if max_restarts:
+            steps = job.stop_after_rejoin(tmp_path, 1, 10, every=10, timeout_s=RUN_S, procs=groups)
         codes = job.wait_all(groups, timeout_s=RUN_S)
     finally:
         job.stop(groups, lighthouse)
-    return codes, job.summarize_kill(tmp_path, survivor=0, killed=1, kill_time=kill_time, kill_step=kill_step)
+    return codes, job.summarize_kill(tmp_path, survivor=0, killed=1, kill_time=kill_time, kill_step=kill_step), steps
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_killed_replica_rejoins_with_the_survivors_exact_state(tmp_path):
-    # 160 steps of >= 0.2 s: the survivor is still training when torchrun has restarted the killed process
-    steps = 160
-    codes, res = _launch(tmp_path, steps=steps, sleep=0.2, max_restarts=1)
+    # steps of >= 0.2 s: the survivor is still training when torchrun has restarted the killed process (the jobs
+    # stop 10-20 steps after it is back, on a checkpoint step)
+    codes, res, steps = _launch(tmp_path, steps=2000, sleep=0.2, max_restarts=1)
     assert codes == [0, 0], (job.log_tail(tmp_path, "g0"), job.log_tail(tmp_path, "g1"))
     assert res["killed"] and res["recovered"], res
     # the survivor trained alone while the other group was away, then both trained together to the end
@@ -62,7 +65,7 @@ def test_killed_replica_rejoins_with_the_survivors_exact_state(tmp_path):
 @pytest.mark.timeout(TIMEOUT_S)
 def test_survivor_trains_to_the_end_when_the_lost_replica_never_returns(tmp_path):
     steps = 40
-    codes, res = _launch(tmp_path, steps=steps, sleep=0.1, max_restarts=0)
+    codes, res, _ = _launch(tmp_path, steps=steps, sleep=0.1, max_restarts=0)
     assert codes[0] == 0 and codes[1] != 0, (job.log_tail(tmp_path, "g0"), codes)
     assert res["killed"] and not res["recovered"] and res["recovery_s"] is None
     alive = job.read_records(tmp_path, 0)
