@@ -16,7 +16,9 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     """Split the model's repeated blocks into ``pipeline_parallel_size`` stages, ``data_parallel_size``
     replicas of the pipeline; micro-batches flow through the stages in a ``gpipe``, ``1f1b``,
     ``interleaved_1f1b`` (``stages_per_rank`` ≥ 2 chunks per rank) or ``zero_bubble`` order.
-    ``pipeline_parallel_size="auto"`` takes every device not given to ``data_parallel_size``."""
+    ``pipeline_parallel_size="auto"`` takes every device not given to ``data_parallel_size``.
+    ``fault_tolerance="torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one replica group holding
+    the whole pipeline, the replicas are the live groups (see the core, HybridParallelStrategy)."""
 
     strategy_name = "pipeline_parallel"
     strategy_description = "lightning_par pipeline parallel (unchanged module; GPipe, 1F1B, interleaved, zero bubble)"

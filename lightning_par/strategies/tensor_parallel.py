@@ -42,6 +42,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
             ``weights_prefix``: what the module's names have before the file's (``"net."``).
         nonfinite: ``"error"`` (stop at a NaN / inf loss or gradient, naming it) or ``"skip"`` (skip that step
             on every rank); see [Note: non-finite values] in :mod:`lightning_par.nonfinite`.
+        fault_tolerance: ``None`` or ``"torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one
+            replica group of ``tensor_parallel_size`` ranks, the replicas are the live groups (see the core).
         save_distributed_checkpoint: write ``torch.distributed.checkpoint`` directories instead of one file.
         async_save: write checkpoints in the background (see :mod:`lightning_par.strategies._checkpoint`).
         start_method: ``"popen"`` (as DDPStrategy), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
