@@ -88,6 +88,9 @@ class PipelineStrategyConfig:
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
     nonfinite: str = "error"  # error | skip: a NaN / inf loss or gradient stops training or skips the step
+    fault_tolerance: Optional[str] = None  # null | torchft: each torchrun job one replica group (see README)
+    min_replicas: int = 1  # torchft: the fewest live replica groups a step commits with
+    ft_timeout: float = 60.0  # torchft: seconds to wait for a quorum, a peer's all-reduce or its state
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
 
 
@@ -109,6 +112,9 @@ class TensorStrategyConfig:
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective
     nonfinite: str = "error"  # error | skip: a NaN / inf loss or gradient stops training or skips the step
+    fault_tolerance: Optional[str] = None  # null | torchft: each torchrun job one replica group (see README)
+    min_replicas: int = 1  # torchft: the fewest live replica groups a step commits with
+    ft_timeout: float = 60.0  # torchft: seconds to wait for a quorum, a peer's all-reduce or its state
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
 
 
@@ -137,6 +143,9 @@ class HybridStrategyConfig:
     async_save: bool = False  # true: checkpoints written in the background
     start_method: str = "popen"  # popen | spawn | fork | forkserver
     timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
+    fault_tolerance: Optional[str] = None  # null | torchft: each torchrun job one replica group (see README)
+    min_replicas: int = 1  # torchft: the fewest live replica groups a step commits with
+    ft_timeout: float = 60.0  # torchft: seconds to wait for a quorum, a peer's all-reduce or its state
     process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
 
 

@@ -19,6 +19,22 @@ and runs the same batch's forward and backward again, until the step commits: ev
 is exactly one committed torchft step, on every replica, so ``trainer.global_step == manager.current_step()``
 always. The price: a retried batch runs ``training_step`` twice, and what it logs ``on_epoch`` counts twice.
 
+[Note: the manager's address, once per attempt]
+With several ranks per replica group, group rank 0 starts torchft's ``ManagerServer`` and publishes its address
+in the group's store (torchrun's, ``MASTER_ADDR:MASTER_PORT``); the other ranks read it there. torchrun keeps that
+store across its restarts, so after a restart the other ranks could read the address of the dead attempt's
+server. They read it only after a barrier over the group (this attempt's process group) that rank 0 reaches once
+its new server is published.
+
+[Note: a rank's own state for its peer]
+Under a layout strategy (pipeline and tensor parallel inside a replica group) a rank holds one stage's share of
+the module, and a checkpoint would gather the shares over the group, a collective that a replica serving its
+state on torchft's quorum thread cannot run. Each rank therefore sends only what it holds itself: its module
+state and optimizer state as they are in memory (DTensors as local shards, in the optimizer's own numbering),
+with Lightning's loops, callbacks, schedulers and precision state around them, under ``SHARE_KEY``. torchft
+sends a recovering rank the state of the rank with the same group rank in a live group, and group ranks lay out
+the same (pp, tp) coordinates in every group, so each rank receives exactly the share it holds.
+
 [Note: forcing DDP's unused-parameter search]
 The cross-replica all-reduce is a DDP communication hook, called per gradient bucket: the buckets of every
 replica must hold the same parameters in the same order. DDP rebuilds its buckets after the first step (in
@@ -142,6 +158,59 @@ class ReplicaGroup:
                 "rank": self.group_id * group_world_size + group_rank}
 
 
+SHARE_KEY = "lightning_par_ft_share"  # marks a peer's rank-local state: [Note: a rank's own state for its peer]
+
+
+def _local(t: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def local_module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with each DTensor as this rank's local shard; what is on the meta device (another
+    rank's share) left out. The tensors are the module's own (no copy)."""
+    return {k: _local(v) for k, v in module.state_dict().items()
+            if not (isinstance(v, torch.Tensor) and v.is_meta)}
+
+
+def load_local_module_state(module: torch.nn.Module, saved: Mapping[str, Any], *, where: str) -> None:
+    """Copy a peer's :func:`local_module_state` into ``module``'s own tensors, in place."""
+    mine = local_module_state(module)
+    if sorted(mine) != sorted(saved) or any(tuple(mine[k].shape) != tuple(saved[k].shape) for k in mine):
+        differ = sorted(set(mine) ^ set(saved)) or [k for k in mine if tuple(mine[k].shape) != tuple(saved[k].shape)]
+        raise RuntimeError(f"The state {where} sent does not fit this rank's share of {type(module).__name__}: "
+                           f"{differ[:5]} differ. Every replica group must run the same module and layout.")
+    with torch.no_grad():
+        for k, t in mine.items():
+            t.copy_(saved[k])
+
+
+def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (its own numbering) with DTensor state as local shards."""
+    sd = optimizer.state_dict()
+    return {"state": {i: {k: _local(v) for k, v in entry.items()} for i, entry in sd["state"].items()},
+            "param_groups": sd["param_groups"]}
+
+
+def load_local_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    """Load a peer's :func:`local_optimizer_state`: a local shard becomes a DTensor laid out as its parameter."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for i, entry in saved["state"].items():
+        p = params[int(i)]
+        state[i] = {k: (DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+                        if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                    for k, v in entry.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
 class FellBehind(RuntimeError):
     """This replica missed a step its peers committed while it kept running; a restart heals it."""
 
@@ -151,7 +220,7 @@ def all_reduce_hook(replica: "Replica", bucket):  # no return annotation: DDP ch
     per group). A lost peer does not raise here: the Manager records the error and the step is retried
     ([Note: one step, committed exactly once])."""
     buffer = bucket.buffer()
-    replica.manager.allreduce(buffer).wait()  # AVG over the participants, in place
+    replica.average(buffer)
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(buffer)
     return future
@@ -167,7 +236,7 @@ class Replica:
 
     def __init__(self, group: ReplicaGroup, *, min_replicas: int, timeout_s: float, group_rank: int,
                  group_world_size: int, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
-                 step: int = 0, max_retries: int = 10) -> None:
+                 step: int = 0, max_retries: int = 10, group_barrier: Optional[Callable[[], None]] = None) -> None:
         torchft = import_torchft()
         from torchft.manager import Manager
 
@@ -175,14 +244,23 @@ class Replica:
         self._load_state_dict, self._received, self._joining = load_state_dict, False, False
         self.group, self.group_rank, self.group_world_size = group, group_rank, group_world_size
         self._pg = torchft.ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=self._pg, min_replica_size=min_replicas,
-            load_state_dict=self._receive, state_dict=state_dict,
-            use_async_quorum=False,  # a recovering replica takes the peer's state before its forward pass
-            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-            rank=group_rank, world_size=group_world_size, lighthouse_addr=group.lighthouse,
-            replica_id=group.replica_id, max_retries=max_retries,
-        )
+
+        def manager():
+            return Manager(
+                pg=self._pg, min_replica_size=min_replicas,
+                load_state_dict=self._receive, state_dict=state_dict,
+                use_async_quorum=False,  # a recovering replica takes the peer's state before its forward pass
+                timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                rank=group_rank, world_size=group_world_size, lighthouse_addr=group.lighthouse,
+                replica_id=group.replica_id, max_retries=max_retries,
+            )
+        # [Note: the manager's address, once per attempt]
+        if group_rank == 0:
+            self.manager = manager()
+        if group_barrier is not None:
+            group_barrier()
+        if group_rank != 0:
+            self.manager = manager()
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self._open = False
         self.healed_at: Optional[int] = None  # the step this replica received from a peer, if it did
@@ -224,6 +302,17 @@ class Replica:
             before = self.step
             self._start_quorum()
             self._check_not_behind(before)
+
+    def average(self, flat: torch.Tensor) -> None:
+        """``flat`` averaged in place over the live replica groups: this rank's ring, the ranks of the same group
+        rank in every group of the quorum. A lost peer does not raise ([Note: one step, committed exactly once])."""
+        self.manager.allreduce(flat).wait()  # AVG over the participants
+
+    def resume_at(self, step: int) -> None:
+        """Continue counting committed steps from ``step`` (a run resumed from a checkpoint after the first quorum;
+        a replica that received a peer's state at step 0 only took the initial weights, and resumes as the others)."""
+        if not self.healed_at and step != self.step:
+            self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
     def _receive(self, state: Any) -> None:
         self._received = True

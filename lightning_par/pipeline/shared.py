@@ -12,7 +12,7 @@ decided at setup, the lowest stage that holds it ([Note: the ends a stage needs]
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ class SharedParameters:
         self.owner_stage: Optional[dict[str, int]] = None  # non-block parameter name -> owning stage
         self.groups: dict[str, Any] = {}  # non-block parameter name -> group of the stages that use it
         self._order: Optional[list] = None  # (index into params, group), in name order: the same on every rank
+        # averages a flat gradient over the replicas in place, instead of the dp group (torchft's live replica
+        # groups: lightning_par.strategies._ft_core); None: the dp group
+        self.replica_average: Optional[Callable[[torch.Tensor], None]] = None
 
     @property
     def stage(self) -> int:
@@ -101,12 +104,15 @@ class SharedParameters:
             if grads[p_idx] is None:
                 grads[p_idx] = torch.zeros_like(self.params[p_idx])
             dist.all_reduce(_local(grads[p_idx]), group=group)  # a DTensor's shard: the same on every stage
-        if self.dp_group is None:
+        if self.dp_group is None and self.replica_average is None:
             return
         present = [_local(g) for g in grads if g is not None]  # replicas hold the same shards
         flat = torch.cat([g.reshape(-1) for g in present])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.topology.data_parallel_size
+        if self.replica_average is not None:
+            self.replica_average(flat)
+        else:
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.topology.data_parallel_size
         offset = 0
         for g in present:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))

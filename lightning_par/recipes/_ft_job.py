@@ -38,12 +38,29 @@ def attempt() -> int:
     return int(os.environ.get(ATTEMPT_ENV, 0)) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
+class Stack(nn.Module):
+    """An input layer, ``depth`` residual-free Linear+Tanh blocks (the stack a pipeline splits) and a head."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
 class Regressor(pl.LightningModule):
-    def __init__(self, width: int = 32, lr: float = 1e-2):
+    def __init__(self, width: int = 32, lr: float = 1e-2, depth: int = 0):
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
-                                 nn.Linear(width, 1))
+        self.net = Stack(width, depth) if depth else nn.Sequential(nn.Linear(16, width), nn.Tanh(),
+                                                                     nn.Linear(width, width), nn.Tanh(),
+                                                                     nn.Linear(width, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -66,11 +83,15 @@ def dataset(n: int = 1024, seed: int = 0) -> TensorDataset:
 
 def state_digest(module: nn.Module, optimizer) -> str:
     """sha256 over every parameter's and optimizer-state tensor's bytes and the groups' hyper-parameters."""
+    from lightning_par.dp.ft import local_module_state, local_optimizer_state  # DTensors as this rank's shards
+
     h = hashlib.sha256()
-    for name, p in module.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    sd = optimizer.state_dict()
+    params = dict(module.named_parameters())
+    for name, p in local_module_state(module).items():
+        if name in params:
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    sd = local_optimizer_state(optimizer)
     for idx in sorted(sd["state"]):
         for key in sorted(sd["state"][idx]):
             v = sd["state"][idx][key]
@@ -80,8 +101,12 @@ def state_digest(module: nn.Module, optimizer) -> str:
     return h.hexdigest()
 
 
+STOP_FILE = "stop_at"  # DIR/stop_at: a step every process stops after (written by a launcher while they run)
+
+
 class StepRecord(pl.Callback):
-    """One JSON line per optimizer step (see the module's doc); ``sleep_s`` after each makes steps last."""
+    """One JSON line per optimizer step (see the module's doc); ``sleep_s`` after each makes steps last. Training
+    stops after the step named in ``DIR/stop_at`` once that file exists (all groups end on the same step)."""
 
     def __init__(self, path: Path, sleep_s: float):
         self.path, self.sleep_s = path, sleep_s
@@ -103,6 +128,9 @@ class StepRecord(pl.Callback):
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         time.sleep(self.sleep_s)
+        stop = self.path.parent / STOP_FILE
+        if stop.exists() and trainer.global_step >= int(stop.read_text() or 10**9):
+            trainer.should_stop = True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,36 +145,48 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ft-timeout", type=float, default=30.0)
     p.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="ft mode: resume from last.ckpt (a whole-job restart)")
+    p.add_argument("--pp", type=int, default=0, help="HybridParallelStrategy with this many stages (0: DDP)")
+    p.add_argument("--tp", type=int, default=1, help="with --pp: tensor-parallel ranks per stage")
     args = p.parse_args(argv)
-    from lightning_par import DataParallelStrategy
+    from lightning_par import DataParallelStrategy, HybridParallelStrategy
 
-    ident = os.environ.get("REPLICA_GROUP_ID", "0") if args.mode == "ft" else os.environ.get("RANK", "0")
+    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    ident = (rank_ident(int(os.environ.get("REPLICA_GROUP_ID", "0")), int(os.environ.get("RANK", "0")), nproc)
+             if args.mode == "ft" else os.environ.get("RANK", "0"))
     restart = str(attempt())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"pid{ident}-{restart}").write_text(str(os.getpid()))
     if args.mode == "ft" and restart == "0":  # all groups start together (imports take seconds under load)
-        _wait_for(lambda: all((args.out / f"pid{g}-0").exists()
-                              for g in range(int(os.environ["NUM_REPLICA_GROUPS"]))), timeout_s=300)
+        _wait_for(lambda: all((args.out / f"pid{rank_ident(g, r, nproc)}-0").exists()
+                              for g in range(int(os.environ["NUM_REPLICA_GROUPS"])) for r in range(nproc)),
+                  timeout_s=300)
     torch.manual_seed(int(restart))  # a restarted process starts from other weights: a peer's must replace them
-    ckpt_dir = args.out / (f"ckpt-g{ident}" if args.mode == "ft" else "ckpt")
-    if args.mode == "ft":
-        strategy = DataParallelStrategy(fault_tolerance="torchft", min_replicas=args.min_replicas,
-                                        ft_timeout=args.ft_timeout)
-        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
-                                                  every_n_train_steps=args.ckpt_every)
-        devices, resume = 1, ("last" if args.resume else None)
+    group = os.environ.get("REPLICA_GROUP_ID", "0")
+    ckpt_dir = args.out / (f"ckpt-g{group}" if args.mode == "ft" else "ckpt")
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
+                                              every_n_train_steps=args.ckpt_every)
+    ft_args = dict(fault_tolerance="torchft", min_replicas=args.min_replicas, ft_timeout=args.ft_timeout) \
+        if args.mode == "ft" else dict(timeout=300)  # a restarted rank may wait for its peer's imports
+    if args.pp:
+        strategy = HybridParallelStrategy(pipeline_parallel_size=args.pp, tensor_parallel_size=args.tp, **ft_args)
     else:
-        strategy = DataParallelStrategy(timeout=300)  # a restarted rank may wait for its peer's imports
-        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
-                                                  every_n_train_steps=args.ckpt_every)
-        devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        strategy = DataParallelStrategy(**ft_args)
+    devices = nproc
+    if args.mode == "ft":
+        resume = "last" if args.resume else None
+    else:
         resume = "last" if (ckpt_dir / "last.ckpt").exists() else None
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps,
                          callbacks=[StepRecord(args.out / f"rec{ident}.jsonl", args.sleep), checkpoint],
                          logger=pl.loggers.CSVLogger(args.out, name=f"logs{ident}"), enable_progress_bar=False,
                          enable_model_summary=False, log_every_n_steps=1)
     loader = DataLoader(dataset(), batch_size=args.batch, shuffle=True)
-    trainer.fit(Regressor(width=args.width), loader, ckpt_path=resume)
+    trainer.fit(Regressor(width=args.width, depth=4 if args.pp else 0), loader, ckpt_path=resume)
+
+
+def rank_ident(group: int, rank: int, nproc: int) -> str:
+    """How a fault-tolerant process names its files: its replica group, and with several ranks per group its rank."""
+    return str(group) if nproc == 1 else f"{group}_{rank}"
 
 
 def _wait_for(condition, timeout_s: float) -> None:
@@ -179,12 +219,13 @@ def start_group(out: Path, job_args: list[str], *, group_id: int | None, num_gro
                 max_restarts: int, nproc: int = 1, attempt: int = 0) -> subprocess.Popen:
     """One torchrun (its own store) running :func:`main`; ``group_id=None``: plain DDP over ``nproc`` ranks;
     ``attempt``: the how-manyth launch of the same run (a whole-job relaunch that resumes from its checkpoint)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)},
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # restarted ranks reconnect (README: torch issue 135712)
     if group_id is not None:
         env.update(REPLICA_GROUP_ID=str(group_id), NUM_REPLICA_GROUPS=str(num_groups), TORCHFT_LIGHTHOUSE=lighthouse)
     name = f"g{group_id}" if group_id is not None else "ckpt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(max_restarts), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            "--monitor-interval", "0.2", "-m", "lightning_par.recipes._ft_job", "--out", str(out), *job_args]
     log = (out / f"torchrun-{name}.log").open("ab")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -242,6 +283,54 @@ def summarize_kill(out: Path, *, survivor: int, killed: int, kill_time: float, k
         "recovery_s": first["time"] - kill_time if first else None,
         "kill_step": kill_step,
     }
+
+
+def stop_after_rejoin(out: Path, ident, steps_after: int, every: int, timeout_s: float, procs=()) -> int:
+    """Once restarted process ``ident`` has recorded a step, have every process stop ``steps_after`` or more steps
+    later, on a multiple of ``every`` (a checkpoint step): returns that step."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        back = [r for r in read_records(out, ident) if r["restart"] >= 1]
+        if back:
+            stop = -(-(back[0]["step"] + steps_after) // every) * every
+            tmp = out / f".{STOP_FILE}"
+            tmp.write_text(str(stop))
+            tmp.rename(out / STOP_FILE)
+            return stop
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"process {ident} did not come back within {timeout_s:.0f} s (logs in {out})")
+
+
+def log_tail(out: Path, name: str, chars: int = 3000) -> str:
+    """The end of torchrun's log of group ``name`` (``g0``, ``g1``, ``ckpt``)."""
+    return (out / f"torchrun-{name}.log").read_text(errors="replace")[-chars:]
+
+
+def stop(procs, lighthouse) -> None:
+    """End the launch: what still runs of ``procs`` (with its session), then the lighthouse."""
+    wait_all(procs, timeout_s=1)
+    lighthouse.kill()
+    lighthouse.wait()
+
+
+def checkpoint_differences(out: Path, steps: int, groups: int = 2) -> list[str]:
+    """How the groups' ``last.ckpt`` differ from group 0's and from a checkpoint of step ``steps`` ([]: not at all,
+    bit for bit: step, LR schedulers, every module entry)."""
+    ckpts = [torch.load(out / f"ckpt-g{g}" / "last.ckpt", weights_only=False) for g in range(groups)]
+    first, problems = ckpts[0], []
+    for g, c in enumerate(ckpts):
+        if c["global_step"] != steps:
+            problems.append(f"group {g} saved step {c['global_step']}, not {steps}")
+        if c["lr_schedulers"] != first["lr_schedulers"]:
+            problems.append(f"group {g}'s LR schedulers differ")
+        if sorted(c["state_dict"]) != sorted(first["state_dict"]):
+            problems.append(f"group {g} saved other entries")
+            continue
+        problems += [f"group {g}: {k}" for k, v in c["state_dict"].items()
+                     if not torch.equal(v, first["state_dict"][k])]
+    return problems
 
 
 def wait_all(procs, timeout_s: float) -> list[int]:

@@ -58,6 +58,24 @@ class FaultTolerantReplicas:
         ``_register_ddp_hooks``); False without fault tolerance."""
         if self._fault_tolerance is None:
             return False
+        self._check_retryable(trainer)
+        if self.world_size != 1:
+            raise ValueError(f"`fault_tolerance='torchft'` runs one rank per replica group (this group has "
+                             f"{self.world_size}: devices x num_nodes): launch one torchrun per replica group with "
+                             f"`--nproc-per-node 1` and `trainer.devices=1`; for groups of several ranks that "
+                             f"hold one model between them use HybridParallelStrategy(fault_tolerance='torchft').")
+        resumed = _compat.pending_checkpoint(trainer)
+        self._replica = ft.Replica(
+            self._replica_group, min_replicas=self._min_replicas, timeout_s=self._ft_timeout,
+            group_rank=self.global_rank, group_world_size=self.world_size,
+            state_dict=lambda: _compat.pending_checkpoint(trainer) or _compat.dump_checkpoint(trainer),
+            load_state_dict=lambda checkpoint: _compat.restore_module_and_callbacks(trainer, checkpoint),
+            step=resumed.get("global_step", 0) if resumed else 0)
+        self.model.register_comm_hook(self._replica, ft.all_reduce_hook)
+        return True
+
+    def _check_retryable(self, trainer) -> None:
+        """Refuse what a step retried by running its batch again cannot reproduce."""
         module = trainer.lightning_module
         if not module.automatic_optimization:
             raise ValueError(f"`fault_tolerance='torchft'` supports automatic optimization only: "
@@ -69,19 +87,6 @@ class FaultTolerantReplicas:
                              f"{trainer.accumulate_grad_batches}`: a step that loses a peer is retried by running its "
                              f"last batch again, and the earlier batches' gradients are gone by then. Use 1 (and a "
                              f"larger batch).")
-        if self.world_size != 1:
-            raise ValueError(f"`fault_tolerance='torchft'` runs one rank per replica group (this group has "
-                             f"{self.world_size}: devices x num_nodes): launch one torchrun per replica group with "
-                             f"`--nproc-per-node 1` and `trainer.devices=1`. Groups of several ranks are not tested yet.")
-        resumed = _compat.pending_checkpoint(trainer)
-        self._replica = ft.Replica(
-            self._replica_group, min_replicas=self._min_replicas, timeout_s=self._ft_timeout,
-            group_rank=self.global_rank, group_world_size=self.world_size,
-            state_dict=lambda: _compat.pending_checkpoint(trainer) or _compat.dump_checkpoint(trainer),
-            load_state_dict=lambda checkpoint: _compat.restore_module_and_callbacks(trainer, checkpoint),
-            step=resumed.get("global_step", 0) if resumed else 0)
-        self.model.register_comm_hook(self._replica, ft.all_reduce_hook)
-        return True
 
     def _join_replicas(self) -> None:
         """The first quorum, at the end of ``setup`` ([Note: a recovering replica resumes from a peer ...])."""

@@ -163,7 +163,7 @@ class TensorPath:
             params = list(s.lightning_module.parameters())
             reduce_partial_grads(params, s._mesh["tp"].get_group())
             if not fsdp.is_sharded(s.lightning_module):  # FSDP reduce-scattered the replicas' average already
-                average_grads(params, s._dp_group, dp)
+                average_grads(params, s._dp_group, dp, average=s.replica_average)  # torchft's, under fault tolerance
             return result
 
         return closure_then_average

@@ -36,6 +36,7 @@ from lightning_par.dp import fsdp, zero
 from lightning_par.pipeline.options import check_layout, check_options
 from lightning_par.pipeline.stage import StageRuntime
 from lightning_par.strategies._base import LayoutStrategy, check_flags, check_zero_stage
+from lightning_par.strategies._ft_core import FaultTolerantCore, check_core_fault_tolerance
 from lightning_par.strategies._pipeline_path import PipelinePath
 from lightning_par.strategies._tensor_path import TensorPath
 from lightning_par.tensor.mixed import split_step_by_kind
@@ -44,7 +45,7 @@ from lightning_par.tensor.rules import restore_rules
 from lightning_par.topology import ORDERS, Topology, check_sizes, keep_loader_on_one_process
 
 
-class HybridParallelStrategy(LayoutStrategy):
+class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
     """``pipeline_parallel_size`` stages × ``tensor_parallel_size`` ranks per stage × ``data_parallel_size``
     replicas on one ``DeviceMesh`` (axes ``pp``, ``dp``, ``tp``; tp innermost, pp outermost by default,
     ``mesh_order="dp_pp_tp"`` for replicas across nodes).
@@ -56,7 +57,10 @@ class HybridParallelStrategy(LayoutStrategy):
     logs the mean over the replicas. ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in
     :mod:`lightning_par.nonfinite`). ``weights`` / ``weights_prefix``: a weights file or directory read into each
     rank's share at setup; with ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is
-    built on the meta device and each rank materializes only its share (:mod:`lightning_par.materialize`)."""
+    built on the meta device and each rank materializes only its share (:mod:`lightning_par.materialize`).
+    ``fault_tolerance="torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one replica group holding
+    the whole pp × tp model, and the replicas are the live groups ([Note: the replica axis under torchft] in
+    :mod:`lightning_par.strategies._ft_core`)."""
 
     strategy_name = "hybrid_parallel"
     strategy_description = "lightning_par data × pipeline × tensor parallel (unchanged module)"
@@ -81,6 +85,9 @@ class HybridParallelStrategy(LayoutStrategy):
         weights: Optional[str] = None,
         weights_prefix: str = "",
         nonfinite: str = "error",
+        fault_tolerance: Optional[str] = None,
+        min_replicas: int = 1,
+        ft_timeout: float = 60.0,
         save_distributed_checkpoint: bool = False,
         async_save: bool = False,
         start_method: str = "popen",
@@ -96,6 +103,8 @@ class HybridParallelStrategy(LayoutStrategy):
                     tensor_parallel_size=tensor_parallel_size)
         check_options(microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank, blocks=blocks,
                       balance=balance)
+        check_core_fault_tolerance(fault_tolerance, min_replicas, ft_timeout, zero_stage=zero_stage,
+                                   data_parallel_size=data_parallel_size, nonfinite=nonfinite)
         check_zero_stage(zero_stage)
         check_flags(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         if mesh_order not in ORDERS:
@@ -119,6 +128,7 @@ class HybridParallelStrategy(LayoutStrategy):
         self._path: Union[PipelinePath, TensorPath, None] = None  # chosen with the layout (setup_environment)
         self._user_precision = None  # the precision plugin this run got, given back at teardown
         self._restore_loader = lambda: None
+        self._init_fault_tolerance(fault_tolerance, min_replicas, ft_timeout)
 
     # -- layout -----------------------------------------------------------------------------------
     @property
@@ -203,11 +213,12 @@ class HybridParallelStrategy(LayoutStrategy):
 
     # -- setup and teardown -------------------------------------------------------------------------
     def setup(self, trainer) -> None:
-        self._restore_loader = keep_loader_on_one_process(trainer, self.world_size)  # [Note: one process ...]
+        self._restore_loader = keep_loader_on_one_process(trainer, self._loader_processes())  # [Note: one process ...]
         if isinstance(self._path, PipelinePath):
             self._path.setup(trainer, super().setup)
         else:
             self._path.setup(trainer)
+        self._join_as_replica(trainer)  # fault_tolerance="torchft": the first quorum
 
     def model_to_device(self) -> None:
         if isinstance(self._path, PipelinePath):
@@ -235,6 +246,7 @@ class HybridParallelStrategy(LayoutStrategy):
         self.precision_plugin = layout_precision(self._user_precision, hooks)
 
     def teardown(self) -> None:
+        self._stop_replica()
         self._close_checkpointing()  # a background save finishes first
         self._restore_loader()
         if self._mesh is not None:

@@ -16,7 +16,9 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     """Split the model's repeated blocks into ``pipeline_parallel_size`` stages, ``data_parallel_size``
     replicas of the pipeline; micro-batches flow through the stages in a ``gpipe``, ``1f1b``,
     ``interleaved_1f1b`` (``stages_per_rank`` ≥ 2 chunks per rank) or ``zero_bubble`` order.
-    ``pipeline_parallel_size="auto"`` takes every device not given to ``data_parallel_size``."""
+    ``pipeline_parallel_size="auto"`` takes every device not given to ``data_parallel_size``.
+    ``fault_tolerance="torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one replica group holding
+    the whole pipeline, the replicas are the live groups (see the core, HybridParallelStrategy)."""
 
     strategy_name = "pipeline_parallel"
     strategy_description = "lightning_par pipeline parallel (unchanged module; GPipe, 1F1B, interleaved, zero bubble)"
@@ -36,6 +38,9 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         weights: Optional[str] = None,
         weights_prefix: str = "",
         nonfinite: str = "error",
+        fault_tolerance: Optional[str] = None,
+        min_replicas: int = 1,
+        ft_timeout: float = 60.0,
         save_distributed_checkpoint: bool = False,
         async_save: bool = False,
         start_method: str = "popen",
@@ -51,7 +56,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             data_parallel_size=data_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             tensor_parallel_size=1, zero_stage=zero_stage, microbatches=microbatches, schedule=schedule,
             stages_per_rank=stages_per_rank, blocks=blocks, balance=balance,
-            nonfinite=nonfinite, weights=weights, weights_prefix=weights_prefix, async_save=async_save,
+            nonfinite=nonfinite, fault_tolerance=fault_tolerance, min_replicas=min_replicas, ft_timeout=ft_timeout,
+            weights=weights, weights_prefix=weights_prefix, async_save=async_save,
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
             timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

@@ -42,6 +42,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
             ``weights_prefix``: what the module's names have before the file's (``"net."``).
         nonfinite: ``"error"`` (stop at a NaN / inf loss or gradient, naming it) or ``"skip"`` (skip that step
             on every rank); see [Note: non-finite values] in :mod:`lightning_par.nonfinite`.
+        fault_tolerance: ``None`` or ``"torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one
+            replica group of ``tensor_parallel_size`` ranks, the replicas are the live groups (see the core).
         save_distributed_checkpoint: write ``torch.distributed.checkpoint`` directories instead of one file.
         async_save: write checkpoints in the background (see :mod:`lightning_par.strategies._checkpoint`).
         start_method: ``"popen"`` (as DDPStrategy), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -64,6 +66,9 @@ class TensorParallelStrategy(HybridParallelStrategy):
         weights: Optional[str] = None,
         weights_prefix: str = "",
         nonfinite: str = "error",
+        fault_tolerance: Optional[str] = None,
+        min_replicas: int = 1,
+        ft_timeout: float = 60.0,
         save_distributed_checkpoint: bool = False,
         async_save: bool = False,
         start_method: str = "popen",
@@ -78,7 +83,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
         super().__init__(
             data_parallel_size=data_parallel_size, pipeline_parallel_size=1, tensor_parallel_size=tensor_parallel_size,
             zero_stage=zero_stage, plan=plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-            nonfinite=nonfinite, weights=weights, weights_prefix=weights_prefix, async_save=async_save,
+            nonfinite=nonfinite, fault_tolerance=fault_tolerance, min_replicas=min_replicas, ft_timeout=ft_timeout,
+            weights=weights, weights_prefix=weights_prefix, async_save=async_save,
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
             timeout=timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import types
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -159,12 +159,14 @@ def settle_grads(parameters: list[torch.Tensor], grads: list, group) -> list:
     return out
 
 
-def average_grads(parameters: Iterable[torch.Tensor], group, size: int) -> None:
-    """Average gradients over a data-parallel ``group`` of ``size`` replicas, one all-reduce per dtype.
+def average_grads(parameters: Iterable[torch.Tensor], group, size: int, *,
+                  average: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+    """Average gradients over a data-parallel ``group`` of ``size`` replicas, one all-reduce per dtype; or, given
+    ``average`` (a flat tensor averaged in place, e.g. over torchft's live replica groups), with it.
 
     A DTensor gradient is averaged through its local shard: data-parallel peers hold the same shard.
     """
-    if size == 1:
+    if size == 1 and average is None:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
@@ -174,8 +176,11 @@ def average_grads(parameters: Iterable[torch.Tensor], group, size: int) -> None:
         by_dtype.setdefault(g.dtype, []).append(g)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= size
+        if average is not None:
+            average(flat)
+        else:
+            dist.all_reduce(flat, group=group)
+            flat /= size
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

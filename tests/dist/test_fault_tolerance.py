@@ -15,31 +15,28 @@ RUN_S = 200  # the whole launch; the tests' own timeout is above it
 
 
 def _launch(tmp_path, *, steps: int, sleep: float, max_restarts: int, kill_after: int = 3):
+    """``steps`` steps, or with a restart: until the restarted group is back, then 10-20 more (returns the last)."""
     lighthouse, address = job.start_lighthouse(min_replicas=1)
     args = ["--steps", str(steps), "--sleep", str(sleep), "--width", "16"]
     groups = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address,
                               max_restarts=max_restarts if g == 1 else 0) for g in range(2)]
     try:
         kill_time, kill_step = job.kill_after(tmp_path, 1, kill_after, timeout_s=RUN_S, procs=groups)
+        if max_restarts:
+            steps = job.stop_after_rejoin(tmp_path, 1, 10, every=10, timeout_s=RUN_S, procs=groups)
         codes = job.wait_all(groups, timeout_s=RUN_S)
     finally:
-        job.wait_all(groups, timeout_s=1)
-        lighthouse.kill()
-        lighthouse.wait()
-    return codes, job.summarize_kill(tmp_path, survivor=0, killed=1, kill_time=kill_time, kill_step=kill_step)
-
-
-def _logs(tmp_path, name):
-    return (tmp_path / f"torchrun-{name}.log").read_text(errors="replace")[-3000:]
+        job.stop(groups, lighthouse)
+    return codes, job.summarize_kill(tmp_path, survivor=0, killed=1, kill_time=kill_time, kill_step=kill_step), steps
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_killed_replica_rejoins_with_the_survivors_exact_state(tmp_path):
-    # 160 steps of >= 0.2 s: the survivor is still training when torchrun has restarted the killed process
-    steps = 160
-    codes, res = _launch(tmp_path, steps=steps, sleep=0.2, max_restarts=1)
-    assert codes == [0, 0], (_logs(tmp_path, "g0"), _logs(tmp_path, "g1"))
+    # steps of >= 0.2 s: the survivor is still training when torchrun has restarted the killed process (the jobs
+    # stop 10-20 steps after it is back, on a checkpoint step)
+    codes, res, steps = _launch(tmp_path, steps=2000, sleep=0.2, max_restarts=1)
+    assert codes == [0, 0], (job.log_tail(tmp_path, "g0"), job.log_tail(tmp_path, "g1"))
     assert res["killed"] and res["recovered"], res
     # the survivor trained alone while the other group was away, then both trained together to the end
     assert res["steps_alone"] >= 1 and res["final_step"] == steps, res
@@ -57,11 +54,7 @@ def test_killed_replica_rejoins_with_the_survivors_exact_state(tmp_path):
     assert all(r["participants"] == 2 for r in back)
     assert any(r["participants"] == 1 for r in alive) and alive[-1]["participants"] == 2
     # the LR schedule came along: both groups end on the same learning rate and the same checkpoint
-    ckpts = [torch.load(tmp_path / f"ckpt-g{g}" / "last.ckpt", weights_only=False) for g in range(2)]
-    assert all(c["global_step"] == steps for c in ckpts)
-    assert ckpts[0]["lr_schedulers"] == ckpts[1]["lr_schedulers"]
-    for name, value in ckpts[0]["state_dict"].items():
-        assert torch.equal(value, ckpts[1]["state_dict"][name]), name
+    assert job.checkpoint_differences(tmp_path, steps) == []
     # Lightning's logger kept logging in the rejoined process, at the steps it continued from
     logged = (tmp_path / "logs1").rglob("metrics.csv")
     text = "\n".join(p.read_text() for p in logged)
@@ -72,8 +65,8 @@ def test_killed_replica_rejoins_with_the_survivors_exact_state(tmp_path):
 @pytest.mark.timeout(TIMEOUT_S)
 def test_survivor_trains_to_the_end_when_the_lost_replica_never_returns(tmp_path):
     steps = 40
-    codes, res = _launch(tmp_path, steps=steps, sleep=0.1, max_restarts=0)
-    assert codes[0] == 0 and codes[1] != 0, (_logs(tmp_path, "g0"), codes)
+    codes, res, _ = _launch(tmp_path, steps=steps, sleep=0.1, max_restarts=0)
+    assert codes[0] == 0 and codes[1] != 0, (job.log_tail(tmp_path, "g0"), codes)
     assert res["killed"] and not res["recovered"] and res["recovery_s"] is None
     alive = job.read_records(tmp_path, 0)
     assert [r["step"] for r in alive] == list(range(alive[0]["step"], steps + 1)) and res["steps_agree"]
@@ -100,9 +93,7 @@ def test_replica_groups_average_gradients_as_ddp(tmp_path):
                                      max_restarts=0, nproc=2))
         codes = job.wait_all(procs, timeout_s=RUN_S)
     finally:
-        job.wait_all(procs, timeout_s=1)
-        lighthouse.kill()
-        lighthouse.wait()
+        job.stop(procs, lighthouse)
     assert codes == [0, 0, 0], codes
     for rank in range(2):
         got, want = job.read_records(ft, rank), job.read_records(ddp, rank)
@@ -128,11 +119,9 @@ def test_whole_job_restart_resumes_every_group_from_its_checkpoint(tmp_path):
             args = ["--steps", str(steps), "--sleep", "0", "--width", "16", "--ckpt-every", "5", "--resume"]
             procs = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0,
                                      attempt=attempt) for g in range(2)]
-            assert job.wait_all(procs, timeout_s=RUN_S) == [0, 0], _logs(tmp_path, "g1")
+            assert job.wait_all(procs, timeout_s=RUN_S) == [0, 0], job.log_tail(tmp_path, "g1")
     finally:
-        job.wait_all(procs, timeout_s=1)
-        lighthouse.kill()
-        lighthouse.wait()
+        job.stop(procs, lighthouse)
     records = [job.read_records(tmp_path, g) for g in range(2)]
     for rows in records:
         assert [r["step"] for r in rows] == list(range(1, 17)) and [r["restart"] for r in rows] == [0] * 10 + [1] * 6

@@ -128,6 +128,19 @@ CASES = {
                     r"`min_replicas=0` must be an integer >= 1"),
     "fault tolerance with zero": (lambda: DataParallelStrategy(fault_tolerance="torchft", zero_stage=1),
                                   r"`fault_tolerance='torchft'` does not support `zero_stage=1`"),
+    "fault tolerance on the core with zero": (
+        lambda: HybridParallelStrategy(fault_tolerance="torchft", pipeline_parallel_size=2, zero_stage=1),
+        r"`fault_tolerance='torchft'` does not support `zero_stage=1` on the hybrid core: ZeRO shards over the "
+        r"data-parallel axis, which under torchft is the set of live replica groups"),
+    "fault tolerance with replicas inside a job": (
+        lambda: PipelineParallelStrategy(fault_tolerance="torchft", data_parallel_size=2),
+        r"`fault_tolerance='torchft'` makes each torchrun job one replica group holding the whole pipeline x "
+        r"tensor-parallel model, so `data_parallel_size` inside a job must be 1 \(got 2\)"),
+    "fault tolerance with skipped steps on the core": (
+        lambda: HybridParallelStrategy(fault_tolerance="torchft", nonfinite="skip"),
+        r"`fault_tolerance='torchft'` does not support `nonfinite='skip'` on the hybrid core"),
+    "fault tolerance timeout on the core": (lambda: TensorParallelStrategy(fault_tolerance="torchft", ft_timeout=0),
+                                            r"`ft_timeout=0` must be a finite positive number of seconds"),
     # checkpoint flags
     "distributed checkpoint not a flag": (lambda: TensorParallelStrategy(save_distributed_checkpoint="no"),
                                           r"`save_distributed_checkpoint='no'` must be True or False"),

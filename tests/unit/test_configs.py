@@ -325,3 +325,7 @@ def test_fault_tolerance_from_the_command_line():
 
     with pytest.raises(InstantiationException, match="`fault_tolerance='torchft'` does not support `zero_stage=1`"):
         train.build_strategy(_compose("strategy.fault_tolerance=torchft", "strategy.zero_stage=1").strategy)
+    for group in ("hybrid", "pipeline", "tensor"):  # the replica axis of the core (one whole model per torchrun job)
+        strategy = train.build_strategy(_compose(f"strategy={group}", "strategy.fault_tolerance=torchft",
+                                                 "strategy.ft_timeout=5").strategy)
+        assert strategy.fault_tolerance == "torchft" and strategy._ft_timeout == 5
