@@ -176,9 +176,6 @@ class HybridParallelStrategy(LayoutStrategy):
         pipelined = pp > 1 or self._model_axis == "pp"
         if pp == 1:  # one stage: nothing to interleave (the pipeline preset still splits its micro-batches)
             self._stages_per_rank = 1
-        if pp > 1 and (self._sequence_parallel or self._loss_parallel):
-            raise ValueError(f"`sequence_parallel` and `loss_parallel` run with one pipeline stage only for now "
-                             f"(got pipeline_parallel_size={pp}); set them to False, or pipeline_parallel_size=1.")
         check_layout(schedule=self._schedule, microbatches=self._microbatches, pipeline_parallel_size=pp)
         super().setup_environment()
         if self._path is None:  # a later fit / validate / test of the same Trainer keeps the installed stage

@@ -147,6 +147,11 @@ def settle_grads(parameters: list[torch.Tensor], grads: list, group) -> list:
     for i, (p, g) in enumerate(zip(parameters, grads)):
         if isinstance(g, DTensor) and not isinstance(p, DTensor):
             out[i] = g.full_tensor()
+        elif (isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements
+              and not any(pl.is_partial() for pl in g.placements)):
+            # a replicated gradient of a sharded weight (a vocabulary-parallel embedding's lookup on a stage
+            # without the tied head): this rank's shard of it, no communication
+            out[i] = g.redistribute(p.device_mesh, p.placements)
     pending = [i for i, g in enumerate(out) if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements)]
     if not pending:
         return out
