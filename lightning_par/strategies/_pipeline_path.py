@@ -7,7 +7,11 @@ A region (the smallest module holding both sides of a Megatron pair, see [Note: 
 takes plain tensors and hands back plain tensors, so a stage boundary, which is always between two blocks,
 carries a plain tensor that every rank of the tensor-parallel group holds whole (replicated). Each
 tensor-parallel rank of stage s sends to the rank of stage s + 1 with the same tp (and dp) coordinate, so
-the p2p groups are the ``pp`` groups of the mesh and nothing crosses tensor-parallel groups.
+the p2p groups are the ``pp`` groups of the mesh and nothing crosses tensor-parallel groups. Under
+``sequence_parallel`` the boundary carries each rank's sequence chunk instead ([Note: sequence-sharded stage
+boundaries] in tensor/boundary.py); under ``loss_parallel`` the schedule (every forward and backward) runs
+inside ``loss_parallel()`` and the step's result and logs are made plain ([Note: loss parallel] in
+_tensor_path.py).
 """
 from __future__ import annotations
 

@@ -50,9 +50,11 @@ class HybridParallelStrategy(LayoutStrategy):
 
     Every pipeline option (``microbatches``, ``schedule``, ``stages_per_rank``, ``blocks``, ``balance``) and
     tensor option (``plan``, ``sequence_parallel``, ``loss_parallel``) of the two presets; with one stage the
-    pipeline options are accepted and ignored, so one config spans layouts. ``sequence_parallel`` and
-    ``loss_parallel`` run with one stage only, for now. With data-parallel replicas every rank returns and
-    logs the mean over the replicas. ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in
+    pipeline options are accepted and ignored, so one config spans layouts. With several stages under
+    ``sequence_parallel`` each tensor-parallel rank sends only its sequence chunk to the next stage
+    ([Note: sequence-sharded stage boundaries] in :mod:`lightning_par.tensor.boundary`), and under
+    ``loss_parallel`` the last stage computes the loss on vocabulary shards. With data-parallel replicas every
+    rank returns and logs the mean over the replicas. ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in
     :mod:`lightning_par.nonfinite`). ``weights`` / ``weights_prefix``: a weights file or directory read into each
     rank's share at setup; with ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is
     built on the meta device and each rank materializes only its share (:mod:`lightning_par.materialize`)."""

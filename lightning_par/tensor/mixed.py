@@ -136,7 +136,9 @@ def reduce_partial_grads(parameters: Iterable[torch.Tensor], group) -> int:
 
 def settle_grads(parameters: list[torch.Tensor], grads: list, group) -> list:
     """``grads`` (of ``parameters``, ``None`` where absent) with ``Partial(sum)`` DTensor gradients turned into
-    their parameter's placement by one all-reduce for all over the tensor-parallel ``group``.
+    their parameter's placement by one all-reduce for all over the tensor-parallel ``group``, and other DTensor
+    gradients whose placement is not their parameter's redistributed to it (replicated to sharded: no
+    communication).
 
     Under sequence parallelism a replicated norm weight sees only this rank's part of the sequence, so its
     gradient comes out of backward as a partial sum over the tensor-parallel ranks. A plain parameter that a

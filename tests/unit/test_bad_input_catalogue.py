@@ -23,6 +23,7 @@ from lightning_par.models import GPT
 from lightning_par.pipeline.microbatch import check_microbatches
 from lightning_par.pipeline.options import check_layout
 from lightning_par.pipeline.partition import partition_blocks
+from lightning_par.tensor.boundary import check_sequence_stack
 from lightning_par.tensor.plan import build_plan
 from lightning_par.topology import Topology
 
@@ -123,6 +124,13 @@ CASES = {
                     r"`min_replicas=0` must be an integer >= 1"),
     "fault tolerance with zero": (lambda: DataParallelStrategy(fault_tolerance="torchft", zero_stage=1),
                                   r"`fault_tolerance='torchft'` does not support `zero_stage=1`"),
+    # sequence parallelism over a pipelined stack whose blocks hold no attention / MLP pair (blocks="norms")
+    "sequence parallel stages without pairs": (
+        lambda: check_sequence_stack(build_plan(torch.nn.ModuleDict(
+            {"lm": gpt(), "norms": torch.nn.ModuleList(torch.nn.LayerNorm(16) for _ in range(2))}), 2,
+            sequence_parallel=True), "norms", 2),
+        r"sequence_parallel=True with several pipeline stages: the pipelined blocks 'norms.0', 'norms.1' hold no "
+        r"attention / MLP pair.*Pass `blocks=`.*or use sequence_parallel=False"),
     # checkpoint flags
     "distributed checkpoint not a flag": (lambda: TensorParallelStrategy(save_distributed_checkpoint="no"),
                                           r"`save_distributed_checkpoint='no'` must be True or False"),

@@ -1,0 +1,145 @@
+"""sequence_parallel and loss_parallel with several pipeline stages (the hybrid core), on real gloo ranks (fork)
+against one process on the same global batches (fp32, 1e-5): the reference GPT (lm head tied to the token
+embedding, so the tie spans the first and the last stage, both vocabulary-sharded under loss_parallel) and a
+tiny Hugging Face Llama built from a config; and the bytes that cross a stage boundary under sequence
+parallelism (1/tp of the replicated case, counted by lightning_par.comm)."""
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded
+from lightning_par.comm import CommCounter, count_comm
+from lightning_par.pipeline.p2p import _HEADER_BYTES
+from test_hybrid import DATA, assert_matches, hybrid, tiny_gpt
+
+FLAGS = {"sp": dict(sequence_parallel=True), "lp": dict(loss_parallel=True),
+         "sp+lp": dict(sequence_parallel=True, loss_parallel=True)}
+SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2}  # schedule -> stages_per_rank
+
+
+class LitLlama(pl.LightningModule):
+    """A user's wrapper of a Hugging Face Llama built from a config (grouped-query attention, rotary tables
+    passed to every layer, untied head); nothing in it knows about parallelism."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+
+        config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                          tie_word_embeddings=False, attn_implementation="sdpa")
+        self.model = transformers.LlamaForCausalLM(config)
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        logits = self.model(input_ids=idx, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        idx, targets = batch
+        logits = self.model(input_ids=idx, use_cache=False).logits
+        self.log("val_loss", F.cross_entropy(logits.flatten(0, 1), targets.flatten()), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+MODELS = {"gpt": tiny_gpt, "llama": LitLlama}
+
+
+def _largest_loss_gap(ref: dict, got: list[dict]) -> float:
+    return max(abs(a - b) for rec in got for a, b in zip(rec["losses"], ref["losses"]))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("flags", list(FLAGS))
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_pp2_tp2_matches_one_process(tmp_path, model, schedule, flags):
+    """Ranks (pp, dp, tp): 0=(0,0,0) 1=(0,0,1) 2=(1,0,0) 3=(1,0,1); 3 AdamW steps of 4 micro-batches, then
+    a validation pass (its loss computed on vocabulary shards under loss_parallel)."""
+    if model == "llama":
+        pytest.importorskip("transformers")
+    factory = MODELS[model]
+    val = DataLoader(DATA.val_set, batch_size=8)
+    settings = dict(limit_val_batches=2, check_val_every_n_epoch=None, val_check_interval=3)
+    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"),
+                         val_loader=val, **settings)[0]
+    got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
+                         strategy=hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
+                                         microbatches=4, schedule=schedule, stages_per_rank=SCHEDULES[schedule],
+                                         **FLAGS[flags]),
+                         devices=4, val_loader=val, **settings)
+    assert len(got) == 4
+    assert_matches(ref, got)
+    for rec in got:  # every rank returns and logs plain values equal to one device's
+        for key in ("train_loss", "val_loss"):
+            assert rec["metrics"][key] == pytest.approx(ref["metrics"][key], abs=1e-5), key
+    print(f"{model} pp2×tp2 {schedule} {flags}: largest loss gap {_largest_loss_gap(ref, got):.2e}")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_dp2_pp2_tp2_sequence_and_loss_parallel_match_one_process(tmp_path):
+    """8 ranks, each replica half of the global batch of 16, gradients clipped at the global norm."""
+    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "ref"),
+                         max_steps=3, gradient_clip_val=0.05)[0]
+    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
+                         strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
+                                         microbatches=2, sequence_parallel=True, loss_parallel=True),
+                         devices=8, max_steps=3, gradient_clip_val=0.05)
+    assert len(got) == 8
+    assert_matches(ref, got)
+    for rec in got:
+        assert rec["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=1e-6)
+    print(f"gpt dp2×pp2×tp2 1f1b sp+lp (clipped): largest loss gap {_largest_loss_gap(ref, got):.2e}")
+
+
+class StageSends(pl.Callback):
+    """Counts each rank's point-to-point sends over one training step (lightning_par.comm)."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir, self.counter, self.mode = out_dir, CommCounter(), None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:  # the second step: the receives are posted as whole frames (see p2p.py)
+            self.mode = count_comm(self.counter)
+            self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+            torch.save({"calls": self.counter.calls["send"], "bytes": self.counter.payload["send"]},
+                       os.path.join(self.out_dir, f"sends{trainer.global_rank}.pt"))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_sequence_parallel_sends_one_tp_th_of_the_activation_bytes(tmp_path):
+    """pp2 × tp2, 4 micro-batches of 2 × 16 tokens × 16 features (fp32): stage 0 sends each micro-batch's
+    activation (a header, then the data), stage 1 its gradient back and the step's result (the mailbox, the
+    same either way). Under sequence_parallel each tp rank sends its half of the sequence: half the bytes."""
+    microbatches, per_mb = 4, 2 * 16 * 16 * 4
+    sent = {}
+    for sp in (False, True):
+        out = tmp_path / f"sp{int(sp)}"
+        out.mkdir()
+        strategy = hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
+                          microbatches=microbatches, sequence_parallel=sp)
+        fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(out / "rec"),
+                       strategy=strategy, devices=4, max_steps=2, callbacks=[StageSends(str(out))])
+        sent[sp] = [torch.load(out / f"sends{r}.pt") for r in range(4)]
+    for r in (0, 1):  # stage 0: activations only, one frame (header + data) per micro-batch
+        assert sent[False][r]["bytes"] == microbatches * (_HEADER_BYTES + per_mb)
+        assert sent[True][r]["bytes"] == microbatches * (_HEADER_BYTES + per_mb // 2)
+    for r in (2, 3):  # stage 1: gradients (no header) and the mailbox's message, equal in both runs
+        mailbox = sent[False][r]["bytes"] - microbatches * per_mb
+        assert 0 < mailbox < per_mb
+        assert sent[True][r]["bytes"] == microbatches * per_mb // 2 + mailbox
+    for r in range(4):
+        assert sent[True][r]["calls"] == sent[False][r]["calls"]
