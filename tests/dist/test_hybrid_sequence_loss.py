@@ -85,6 +85,66 @@ def test_pp2_tp2_matches_one_process(tmp_path, model, schedule, flags):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+def test_other_schedules_match_one_process(tmp_path, schedule):
+    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"))[0]
+    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
+                         strategy=hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
+                                         microbatches=4, schedule=schedule, **FLAGS["sp+lp"]), devices=4)
+    assert_matches(ref, got)
+    print(f"gpt pp2×tp2 {schedule} sp+lp: largest loss gap {_largest_loss_gap(ref, got):.2e}")
+
+
+class SavePredictions(pl.Callback):
+    def __init__(self, out_dir):
+        self.out_dir, self.preds = out_dir, []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.preds.append(outputs)
+
+    def on_predict_end(self, trainer, pl_module):
+        torch.save(torch.cat(self.preds), os.path.join(self.out_dir, f"pred{trainer.global_rank}.pt"))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_checkpoint_validate_and_predict_under_sequence_and_loss_parallel(tmp_path):
+    """pp2 × tp2 with both flags writes one consolidated file (the vocabulary-sharded tied weight gathered) that
+    loads strictly on one device with the trained weights; validate and predict of that checkpoint under the
+    same layout give one device's loss and predictions on every rank."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from harness import trainer_kwargs
+    from lightning_par.models import GPT
+
+    def strategy():
+        return hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1, microbatches=2,
+                      **FLAGS["sp+lp"])
+
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
+    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=16), str(tmp_path / "fit"),
+                         strategy=strategy(), devices=4, max_steps=-1, max_epochs=1, callbacks=[ckpt],
+                         enable_checkpointing=True)
+    path = str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
+    loaded = dict(GPT.load_from_checkpoint(path, strict=True, map_location="cpu").named_parameters())
+    for rec in got:
+        for name in rec["grads"][-1]:
+            torch.testing.assert_close(loaded[name].detach(), rec["params"][name], atol=0, rtol=0)
+    assert set(loaded) == {n for rec in got for n in rec["grads"][-1]}
+
+    loader = DataLoader(DATA.val_set, batch_size=8)
+    one = pl.Trainer(**trainer_kwargs(limit_val_batches=None))
+    expected_val = one.validate(GPT.load_from_checkpoint(path), loader, verbose=False)[0]
+    expected_pred = torch.cat(one.predict(GPT.load_from_checkpoint(path), loader))
+    trainer = pl.Trainer(**trainer_kwargs(strategy=strategy(), devices=4, limit_val_batches=None))
+    assert trainer.validate(GPT.load_from_checkpoint(path), loader, verbose=False)[0] == pytest.approx(
+        expected_val, abs=1e-5)
+    trainer = pl.Trainer(**trainer_kwargs(strategy=strategy(), devices=4, callbacks=[SavePredictions(str(tmp_path))]))
+    trainer.predict(GPT.load_from_checkpoint(path), loader, return_predictions=False)
+    for rank in range(4):
+        assert torch.equal(torch.load(tmp_path / f"pred{rank}.pt"), expected_pred), rank
+
+
+@pytest.mark.timeout(TIMEOUT_S)
 def test_dp2_pp2_tp2_sequence_and_loss_parallel_match_one_process(tmp_path):
     """8 ranks, each replica half of the global batch of 16, gradients clipped at the global norm."""
     ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "ref"),
