@@ -4,16 +4,21 @@ embedding, so the tie spans the first and the last stage, both vocabulary-sharde
 tiny Hugging Face Llama built from a config; and the bytes that cross a stage boundary under sequence
 parallelism (1/tp of the replicated case, counted by lightning_par.comm)."""
 import os
+import socket
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.pipeline.p2p import _HEADER_BYTES
+from lightning_par.tensor.boundary import StageBoundary
 from test_hybrid import DATA, assert_matches, hybrid, tiny_gpt
 
 FLAGS = {"sp": dict(sequence_parallel=True), "lp": dict(loss_parallel=True),
@@ -203,3 +208,67 @@ def test_sequence_parallel_sends_one_tp_th_of_the_activation_bytes(tmp_path):
         assert sent[True][r]["bytes"] == microbatches * per_mb // 2 + mailbox
     for r in range(4):
         assert sent[True][r]["calls"] == sent[False][r]["calls"]
+
+
+def _boundary_worker(rank, port, out_dir):
+    """Two ranks of one tensor-parallel group: what each would send and what it rebuilds from a received chunk."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)  # batch, sequence, features
+    weight = torch.linspace(-1, 1, full.numel()).reshape(full.shape)  # d(loss)/d(hidden) of the next stage
+    chunk = slice(2 * rank, 2 * rank + 2)
+    sp, plain = StageBoundary(mesh, sequence_parallel=True), StageBoundary(mesh, sequence_parallel=False)
+    out = {}
+    # outgoing: a sequence-sharded hidden state (what a block hands on), a plain one and a replicated one
+    for kind in ("shard", "plain", "replicate"):
+        x = full.clone().requires_grad_(True)
+        d = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        hidden = {"shard": d.redistribute(mesh, (Shard(1),)), "plain": x, "replicate": d}[kind]
+        sent, carried = sp.outgoing([hidden, DTensor.from_local(x * 2, mesh, (Replicate(),), run_check=False)])
+        sent.backward(weight[:, chunk])  # the gradient the next stage sends back: this rank's chunk
+        out[kind] = (sent.detach(), type(carried).__name__, carried.detach(), x.grad.clone())
+    # incoming: the received chunk (a leaf) rebuilt as the sequence-sharded DTensor the first block takes
+    leaf = full[:, chunk].clone().requires_grad_(True)
+    (rebuilt,) = sp.incoming([leaf])
+    (rebuilt.full_tensor() * weight).sum().backward()
+    out["incoming"] = (type(rebuilt).__name__, rebuilt.placements, rebuilt.full_tensor().detach(), leaf.grad.clone())
+    out["no sp"] = [type(t).__name__ for t in plain.outgoing([DTensor.from_local(full, mesh, (Replicate(),))])]
+    torch.save(out, os.path.join(out_dir, f"boundary{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_stage_boundary_sends_the_sequence_chunk_and_rebuilds_the_shard(tmp_path):
+    """[Note: sequence-sharded stage boundaries]: each rank sends its chunk of the sequence, whatever layout the
+    hidden state leaves in; the chunks' gradients sent back make the whole output's gradient, as on one device;
+    a received chunk becomes the Shard(1) DTensor of the whole, its gradient the chunk's; other entries travel
+    plain and whole."""
+    from torch.distributed.tensor import Shard
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_boundary_worker, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
+    full = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
+    weight = torch.linspace(-1, 1, full.numel()).reshape(full.shape)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"boundary{rank}.pt", weights_only=False)
+        chunk = slice(2 * rank, 2 * rank + 2)
+        for kind in ("shard", "plain", "replicate"):
+            sent, carried_kind, carried, grad = got[kind]
+            assert torch.equal(sent, full[:, chunk]), kind
+            assert carried_kind == "Tensor" and torch.equal(carried, full * 2), kind
+            # each rank got back its chunk's gradient; the chunks are all-gathered into the whole (replicated)
+            # output's gradient, what one device computes
+            torch.testing.assert_close(grad, weight, atol=0, rtol=0, msg=lambda m: f"{kind}: {m}")
+        kind, placements, rebuilt, leaf_grad = got["incoming"]
+        assert kind == "DTensor" and placements == (Shard(1),)
+        assert torch.equal(rebuilt, full)
+        assert torch.equal(leaf_grad, weight[:, chunk])
+        assert got["no sp"] == ["Tensor"]
