@@ -139,7 +139,7 @@ class PipelinePath:
         plan = build_plan(lm, tp, s._plan_arg, sequence_parallel=s._sequence_parallel,
                           loss_parallel=s._loss_parallel) if tp > 1 else None
         if plan is not None and s._sequence_parallel:  # [Note: sequence-sharded stage boundaries]
-            check_sequence_stack(plan, path, len(container))
+            check_sequence_stack(plan, path, len(container), tp, flow.hidden_shape if flow is not None else None)
         self.full_keys = list(lm.state_dict().keys())
         self.block_prefix = f"{path}."
         if lm.trainer.state.fn == TrainerFn.FITTING:

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_par.tensor.parallelize import split_sequence, to_plain
+from lightning_par.tensor.parallelize import check_sequence_length, split_sequence, to_plain
 from lightning_par.tensor.plan import BLOCK, LAST_BLOCK, TensorPlan
 
 SEQUENCE_DIM = 1  # the residual stream's sequence dimension under sequence parallelism (torch_styles' Shard(1))
@@ -71,9 +71,14 @@ class StageBoundary:
         return [DTensor.from_local(hidden, self.mesh, self.placements, run_check=False), *bundle[1:]]
 
 
-def check_sequence_stack(plan: TensorPlan, path: str, count: int) -> None:
+def check_sequence_stack(plan: TensorPlan, path: str, count: int, tp_size: int,
+                         hidden_shape: tuple[int, ...] | None = None) -> None:
     """``ValueError`` unless every block ``path.i`` (``i < count``) of the pipelined stack is a sequence block of
-    ``plan`` (see [Note: sequence-sharded stage boundaries]); pure, so every rank raises it before any collective."""
+    ``plan`` (see [Note: sequence-sharded stage boundaries]) and the traced step's hidden state (``hidden_shape``)
+    splits over ``tp_size`` ranks; pure, so every rank raises it before any collective (at a step, only the
+    first stage would raise, while the others wait for its activation)."""
+    if hidden_shape is not None and len(hidden_shape) > SEQUENCE_DIM:
+        check_sequence_length(hidden_shape[SEQUENCE_DIM], tp_size, f"`{path}.0` (in the step traced at setup)")
     missing = [f"{path}.{i}" for i in range(count) if plan.styles.get(f"{path}.{i}") not in (BLOCK, LAST_BLOCK)]
     if missing:
         shown = ", ".join(repr(m) for m in missing[:4]) + (f" (and {len(missing) - 4} more)" if len(missing) > 4 else "")

@@ -174,15 +174,17 @@ class SequenceBlock(ParallelStyle):
         return module
 
 
+def check_sequence_length(length: int, t: int, what: str) -> None:
+    if length % t:
+        raise ValueError(f"sequence_parallel=True: {what} got a sequence of length {length}, not divisible by "
+                         f"tensor_parallel_size={t}. Use a sequence length divisible by {t}, or sequence_parallel=False.")
+
+
 def split_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int, what: str) -> DTensor:
     """A plain full ``x`` (the same on every rank of ``mesh``) as a DTensor sharded on ``dim``: each rank keeps
     its chunk, no communication (its backward all-gathers the gradient). ``what`` names the module for the
     error on a length that ``mesh`` does not divide."""
-    t = mesh.size()
-    if x.shape[dim] % t:
-        raise ValueError(f"sequence_parallel=True: {what} got a sequence of length {x.shape[dim]}, not divisible "
-                         f"by tensor_parallel_size={t}. Use a sequence length divisible by {t}, or "
-                         f"sequence_parallel=False.")
+    check_sequence_length(x.shape[dim], mesh.size(), what)
     full = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
     return full.redistribute(mesh, (Shard(dim),))
 

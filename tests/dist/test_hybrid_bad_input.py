@@ -82,3 +82,17 @@ def test_sequence_parallel_over_stages_of_blocks_without_pairs_is_refused_at_set
                                       start_method="fork", timeout=60)
     with pytest.raises(Exception, match=r"the pipelined blocks 'norms.0', 'norms.1' hold no attention / MLP pair"):
         _fit(strategy, 4, NormsFirst())
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_sequence_parallel_over_stages_with_an_odd_sequence_is_refused_at_setup():
+    """A sequence of 15 tokens cannot be split over 2 tensor-parallel ranks: refused at setup on every rank (at a
+    step only the first stage would raise, the second waiting for its activation)."""
+    odd = SyntheticCorpus(vocab_size=32, seq_len=15, train_sequences=16, val_sequences=4)
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
+                                      sequence_parallel=True, microbatches=2, start_method="fork", timeout=60)
+    trainer = pl.Trainer(**trainer_kwargs(devices=4, strategy=strategy, max_steps=1))
+    with pytest.raises(Exception, match=r"`blocks.0` \(in the step traced at setup\) got a sequence of length 15, "
+                                        r"not divisible by tensor_parallel_size=2"):
+        trainer.fit(GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16),
+                    DataLoader(odd.train_set, batch_size=4))

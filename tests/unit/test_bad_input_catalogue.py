@@ -128,9 +128,13 @@ CASES = {
     "sequence parallel stages without pairs": (
         lambda: check_sequence_stack(build_plan(torch.nn.ModuleDict(
             {"lm": gpt(), "norms": torch.nn.ModuleList(torch.nn.LayerNorm(16) for _ in range(2))}), 2,
-            sequence_parallel=True), "norms", 2),
+            sequence_parallel=True), "norms", 2, 2),
         r"sequence_parallel=True with several pipeline stages: the pipelined blocks 'norms.0', 'norms.1' hold no "
         r"attention / MLP pair.*Pass `blocks=`.*or use sequence_parallel=False"),
+    "sequence parallel stages, odd sequence": (
+        lambda: check_sequence_stack(build_plan(gpt(), 2, sequence_parallel=True), "blocks", 2, 2, (4, 15, 16)),
+        r"sequence_parallel=True: `blocks.0` \(in the step traced at setup\) got a sequence of length 15, not "
+        r"divisible by tensor_parallel_size=2. Use a sequence length divisible by 2, or sequence_parallel=False"),
     # checkpoint flags
     "distributed checkpoint not a flag": (lambda: TensorParallelStrategy(save_distributed_checkpoint="no"),
                                           r"`save_distributed_checkpoint='no'` must be True or False"),
