@@ -21,8 +21,8 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.tensor.parallel import loss_parallel
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par._compat import optimizers_to_device
 from lightning_par.pipeline.consolidate import owned_state
@@ -153,7 +153,7 @@ class PipelinePath:
         self.runtime = rt = StageRuntime(
             container=container, chunks=[(k, *bounds[k]) for k in virtual], ranks=[ring[k % pp] for k in range(pp * v)],
             device=s.root_device, seed=base_seed(), groups=s._p2p_groups, flow=flow,
-            boundary=StageBoundary(s._mesh["tp"], sequence_parallel=s._sequence_parallel) if plan else None,
+            boundary=StageBoundary(s._mesh["tp"], sequence_parallel=s._sequence_parallel) if plan is not None else None,
         )
         if s.world_size > 1:  # after every check that can refuse: every rank starts from rank 0's weights
             broadcast_state(lm, src=0)
