@@ -134,8 +134,8 @@ class HybridStrategyConfig:
     blocks: Optional[str] = None
     balance: Any = "params"  # uniform | params | time | [blocks per stage]
     plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
-    sequence_parallel: bool = False  # one stage only, for now
-    loss_parallel: bool = False  # one stage only, for now
+    sequence_parallel: bool = False  # several stages too: each tp rank sends its sequence chunk
+    loss_parallel: bool = False  # several stages too: the last stage shards the vocabulary
     weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
     weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
     nonfinite: str = "error"  # error | skip

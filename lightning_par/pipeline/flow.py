@@ -41,12 +41,14 @@ class BlockFlow:
 
     ``arity[i]``: 0 if block ``i`` returns a tensor, else the length of the tuple it returns; ``carried``:
     the output slots (≥ 1) that travel with the hidden state across stage boundaries; ``warnings``: what
-    the strategy should tell the user (a second stack that stays whole).
+    the strategy should tell the user (a second stack that stays whole); ``hidden_shape``: the shape of block
+    0's hidden state in the traced step (``None`` if not a tensor).
     """
 
     arity: tuple[int, ...]
     carried: tuple[int, ...] = ()
     warnings: tuple[str, ...] = field(default=())
+    hidden_shape: tuple[int, ...] | None = None
 
     def check_stages(self, path: str, bounds: list[tuple[int, int]]) -> None:
         """``ValueError`` unless every stage but the last ends with a block the step calls (a step that runs
@@ -175,7 +177,9 @@ def _analyse(path: str, n: int, calls: list[_Call], stacks: list, events: list) 
             f"`{name}` ({count} × {cls}) is a second block stack: pipeline parallelism splits only `{path}`, and "
             f"`{name}` is not split: it {where}. Pass `blocks='{name}'` to pipeline that stack instead."
         )
-    return BlockFlow(arity=arity, carried=tuple(sorted(carried)), warnings=tuple(warnings))
+    hidden = calls[0].hidden
+    return BlockFlow(arity=arity, carried=tuple(sorted(carried)), warnings=tuple(warnings),
+                     hidden_shape=tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else None)
 
 
 def _route(path: str, obj: Any, p: int, e: int, j: int, label: str, outputs: list) -> set[int]:

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_par.pipeline.mailbox import ResultMailbox
 from lightning_par.pipeline.microbatch import weighted_mean
@@ -72,6 +73,8 @@ def _as_tensor(value: Any) -> torch.Tensor:
                 "A torchmetrics Metric logged under pipeline parallelism must have been called on the batch "
                 "(`metric(preds, target)`) in the same step."
             )
+    if isinstance(value, DTensor):  # a loss computed on vocabulary shards (loss_parallel): replicated
+        value = value.full_tensor()
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"self.log needs a scalar, got a tensor of shape {tuple(value.shape)}.")

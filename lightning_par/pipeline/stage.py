@@ -116,8 +116,11 @@ class StageRuntime:
 
     def __init__(self, *, container: nn.Module, chunks: list[tuple[int, int, int]], ranks: list[int],
                  device: torch.device, seed: int = 0, groups: tuple = (None, None, None, None),
-                 flow: BlockFlow | None = None):
+                 flow: BlockFlow | None = None, boundary: Any = None):
         self.container, self.chunks, self.ranks = container, list(chunks), list(ranks)
+        # a tensor-parallel stage's codec of what crosses a boundary (``outgoing`` / ``incoming``: see
+        # [Note: sequence-sharded stage boundaries] in tensor/boundary.py); None: tensors travel as they are
+        self.boundary = boundary
         # what blocks return and which outputs travel with the hidden state ([Note: block flow]); without a
         # traced step, a probe learns the arity at the first ghost and only the hidden state travels
         self.flow = flow
@@ -239,7 +242,7 @@ class StageRuntime:
             for t in floating:
                 t.requires_grad_(True)
             self.inputs[(chunk, self.current)] = floating
-        return bundle
+        return self.boundary.incoming(bundle) if self.boundary is not None else bundle
 
     def _post_last_block(self, chunk: int, output: Any):
         if chunk != self.active:
@@ -249,6 +252,8 @@ class StageRuntime:
             bundle = [output[0]] + [output[e] if e < len(output) else None for e in self.carried]
         else:
             bundle = [output] + [None] * len(self.carried)
+        if self.boundary is not None:
+            bundle = self.boundary.outgoing(bundle)
         floating = [t for t in bundle if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if torch.is_grad_enabled() and floating:  # the next stage sends a gradient for each of them
             self.outputs[(chunk, self.current)] = floating

@@ -7,7 +7,11 @@ A region (the smallest module holding both sides of a Megatron pair, see [Note: 
 takes plain tensors and hands back plain tensors, so a stage boundary, which is always between two blocks,
 carries a plain tensor that every rank of the tensor-parallel group holds whole (replicated). Each
 tensor-parallel rank of stage s sends to the rank of stage s + 1 with the same tp (and dp) coordinate, so
-the p2p groups are the ``pp`` groups of the mesh and nothing crosses tensor-parallel groups.
+the p2p groups are the ``pp`` groups of the mesh and nothing crosses tensor-parallel groups. Under
+``sequence_parallel`` the boundary carries each rank's sequence chunk instead ([Note: sequence-sharded stage
+boundaries] in tensor/boundary.py); under ``loss_parallel`` the schedule (every forward and backward) runs
+inside ``loss_parallel()`` and the step's result and logs are made plain ([Note: loss parallel] in
+_tensor_path.py).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par._compat import optimizers_to_device
 from lightning_par.dp import fsdp
@@ -35,8 +40,9 @@ from lightning_par.pipeline.shared import SharedParameters, sync_found_inf
 from lightning_par.pipeline.stage import Ghost, StageRuntime
 from lightning_par.strategies._pipeline_sample import profile_blocks, sample_step
 from lightning_par.strategies._precision import PrecisionHooks
+from lightning_par.tensor.boundary import StageBoundary, check_sequence_stack
 from lightning_par.tensor.mixed import clip_grad_value_, settle_grads
-from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules
+from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules, to_plain
 from lightning_par.tensor.plan import build_plan
 
 
@@ -131,7 +137,10 @@ class PipelinePath:
             flow.check_stages(path, bounds)
         # 3. the tensor plan, found on the whole module (pure: the same ValueError on every rank)
         tp = topo.tensor_parallel_size
-        plan = build_plan(lm, tp, s._plan_arg) if tp > 1 else None
+        plan = build_plan(lm, tp, s._plan_arg, sequence_parallel=s._sequence_parallel,
+                          loss_parallel=s._loss_parallel) if tp > 1 else None
+        if plan is not None and s._sequence_parallel:  # [Note: sequence-sharded stage boundaries]
+            check_sequence_stack(plan, path, len(container), tp, flow.hidden_shape if flow is not None else None)
         self.full_keys = list(lm.state_dict().keys())
         self.block_prefix = f"{path}."
         if lm.trainer.state.fn == TrainerFn.FITTING:
@@ -145,6 +154,7 @@ class PipelinePath:
         self.runtime = rt = StageRuntime(
             container=container, chunks=[(k, *bounds[k]) for k in virtual], ranks=[ring[k % pp] for k in range(pp * v)],
             device=s.root_device, seed=base_seed(), groups=s._p2p_groups, flow=flow,
+            boundary=StageBoundary(s._mesh["tp"], sequence_parallel=s._sequence_parallel) if plan is not None else None,
         )
         if s.world_size > 1:  # after every check that can refuse: every rank starts from rank 0's weights
             broadcast_state(lm, src=0)
@@ -152,7 +162,7 @@ class PipelinePath:
         if plan is not None:  # a meta-built stage is parallelized as meta tensors: each rank then makes its shards
             ghosts = [f"{path}.{i}" for i, block in enumerate(container) if isinstance(block, Ghost)]
             self.plan = plan.without(ghosts)
-            parallelize(lm, self.plan, s._mesh["tp"])
+            parallelize(lm, self.plan, s._mesh["tp"], sequence_parallel=s._sequence_parallel)
             rank_zero_info(f"{topo}\n{self.plan.describe(lm)}")
         needs = stage_needs(uses, rt.chunks, pp * v)  # this stage's blocks and the ends it needs: placed, weights=
         owned = lambda n: n.startswith(self.block_prefix) or needs(n)  # noqa: E731
@@ -198,9 +208,10 @@ class PipelinePath:
     def training_step(self, args: tuple, kwargs: dict) -> Any:
         s = self.s
         lm, (batch, *rest) = s.lightning_module, args
-        with backward_context() if s._mesh is not None else contextlib.nullcontext():  # [Note: one layout per region]
+        tensor = s._mesh is not None  # [Note: one layout per region]; [Note: loss parallel] in _tensor_path.py
+        with backward_context(loss_parallel=s._loss_parallel) if tensor else contextlib.nullcontext():
             result, self.new_grads = self.runner.train(
-                lm, batch, lambda mb: lm.training_step(mb, *rest, **kwargs),
+                lm, batch, self._plain(lambda mb: lm.training_step(mb, *rest, **kwargs)),
                 context=s.precision_plugin.train_step_context,
                 params=self.shared.params, accumulate=lm.trainer.accumulate_grad_batches,
                 seed_step=lm.trainer.global_step * 65_537 + int(rest[0] if rest else 0),
@@ -235,8 +246,13 @@ class PipelinePath:
 
     def eval_step(self, hook: str, context, args: tuple, kwargs: dict) -> Any:
         lm, (batch, *rest) = self.s.lightning_module, args
-        return self.runner.evaluate(lm, batch, lambda mb: getattr(lm, hook)(mb, *rest, **kwargs), context=context,
-                                    predict=hook == "predict_step")
+        with loss_parallel() if self.s._loss_parallel and self.s._mesh is not None else contextlib.nullcontext():
+            return self.runner.evaluate(lm, batch, self._plain(lambda mb: getattr(lm, hook)(mb, *rest, **kwargs)),
+                                        context=context, predict=hook == "predict_step")
+
+    def _plain(self, step):
+        """``step`` with its result made plain under loss_parallel (a DTensor loss; its logs: pipeline/routing.py)."""
+        return (lambda mb: to_plain(step(mb))) if self.s._loss_parallel and self.s._mesh is not None else step
 
     # -- checkpoints (the core implements lightning_par.strategies._checkpoint's interface with these) --------
     def owned_state(self) -> dict[str, torch.Tensor]:

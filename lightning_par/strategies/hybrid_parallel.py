@@ -52,9 +52,11 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
 
     Every pipeline option (``microbatches``, ``schedule``, ``stages_per_rank``, ``blocks``, ``balance``) and
     tensor option (``plan``, ``sequence_parallel``, ``loss_parallel``) of the two presets; with one stage the
-    pipeline options are accepted and ignored, so one config spans layouts. ``sequence_parallel`` and
-    ``loss_parallel`` run with one stage only, for now. With data-parallel replicas every rank returns and
-    logs the mean over the replicas. ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in
+    pipeline options are accepted and ignored, so one config spans layouts. With several stages under
+    ``sequence_parallel`` each tensor-parallel rank sends only its sequence chunk to the next stage
+    ([Note: sequence-sharded stage boundaries] in :mod:`lightning_par.tensor.boundary`), and under
+    ``loss_parallel`` the last stage computes the loss on vocabulary shards. With data-parallel replicas every
+    rank returns and logs the mean over the replicas. ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in
     :mod:`lightning_par.nonfinite`). ``weights`` / ``weights_prefix``: a weights file or directory read into each
     rank's share at setup; with ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is
     built on the meta device and each rank materializes only its share (:mod:`lightning_par.materialize`).
@@ -193,9 +195,6 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         pipelined = pp > 1 or self._model_axis == "pp"
         if pp == 1:  # one stage: nothing to interleave (the pipeline preset still splits its micro-batches)
             self._stages_per_rank = 1
-        if pp > 1 and (self._sequence_parallel or self._loss_parallel):
-            raise ValueError(f"`sequence_parallel` and `loss_parallel` run with one pipeline stage only for now "
-                             f"(got pipeline_parallel_size={pp}); set them to False, or pipeline_parallel_size=1.")
         check_layout(schedule=self._schedule, microbatches=self._microbatches, pipeline_parallel_size=pp)
         super().setup_environment()
         if self._path is None:  # a later fit / validate / test of the same Trainer keeps the installed stage

@@ -130,7 +130,9 @@ def reduce_partial_grads(parameters: Iterable[torch.Tensor], group) -> int:
 
 def settle_grads(parameters: list[torch.Tensor], grads: list, group) -> list:
     """``grads`` (of ``parameters``, ``None`` where absent) with ``Partial(sum)`` DTensor gradients turned into
-    their parameter's placement by one all-reduce for all over the tensor-parallel ``group``.
+    their parameter's placement by one all-reduce for all over the tensor-parallel ``group``, and other DTensor
+    gradients whose placement is not their parameter's redistributed to it (replicated to sharded: no
+    communication).
 
     Under sequence parallelism a replicated norm weight sees only this rank's part of the sequence, so its
     gradient comes out of backward as a partial sum over the tensor-parallel ranks. A plain parameter that a
@@ -141,6 +143,11 @@ def settle_grads(parameters: list[torch.Tensor], grads: list, group) -> list:
     for i, (p, g) in enumerate(zip(parameters, grads)):
         if isinstance(g, DTensor) and not isinstance(p, DTensor):
             out[i] = g.full_tensor()
+        elif (isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements
+              and not any(pl.is_partial() for pl in g.placements)):
+            # a replicated gradient of a sharded weight (a vocabulary-parallel embedding's lookup on a stage
+            # without the tied head): this rank's shard of it, no communication
+            out[i] = g.redistribute(p.device_mesh, p.placements)
     pending = [i for i, g in enumerate(out) if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements)]
     if not pending:
         return out

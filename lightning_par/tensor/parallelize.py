@@ -154,17 +154,12 @@ class SequenceBlock(ParallelStyle):
         self.last, self.dim = last, sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        dim, t = self.dim, device_mesh.size()
+        dim, what = self.dim, type(module).__name__
 
         def split(x):
             if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
                 return x
-            if x.shape[dim] % t:
-                raise ValueError(f"sequence_parallel=True: {type(module).__name__} got a sequence of length "
-                                 f"{x.shape[dim]}, not divisible by tensor_parallel_size={t}. Use a sequence "
-                                 f"length divisible by {t}, or sequence_parallel=False.")
-            full = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
-            return full.redistribute(device_mesh, (Shard(dim),))
+            return split_sequence(x, device_mesh, dim, what)
 
         def pre(mod, args, kwargs):
             if args:
@@ -177,6 +172,21 @@ class SequenceBlock(ParallelStyle):
         if self.last:
             module.register_forward_hook(lambda mod, args, out: to_plain(out))
         return module
+
+
+def check_sequence_length(length: int, t: int, what: str) -> None:
+    if length % t:
+        raise ValueError(f"sequence_parallel=True: {what} got a sequence of length {length}, not divisible by "
+                         f"tensor_parallel_size={t}. Use a sequence length divisible by {t}, or sequence_parallel=False.")
+
+
+def split_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int, what: str) -> DTensor:
+    """A plain full ``x`` (the same on every rank of ``mesh``) as a DTensor sharded on ``dim``: each rank keeps
+    its chunk, no communication (its backward all-gathers the gradient). ``what`` names the module for the
+    error on a length that ``mesh`` does not divide."""
+    check_sequence_length(x.shape[dim], mesh.size(), what)
+    full = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+    return full.redistribute(mesh, (Shard(dim),))
 
 
 def _replicate(obj, mesh):

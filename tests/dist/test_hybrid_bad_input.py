@@ -1,6 +1,7 @@
 """HybridParallelStrategy refuses bad layouts before any collective, with a message naming the values and the fix."""
 import lightning.pytorch as pl
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, trainer_kwargs
@@ -53,3 +54,44 @@ def test_more_stages_than_blocks_is_refused_at_setup():
                                       start_method="fork", timeout=60)
     with pytest.raises(Exception, match=r"4 pipeline stages need at least 4 blocks, but the block stack has 2"):
         _fit(strategy, 2, model)
+
+
+class NormsFirst(GPT):
+    """A GPT whose embeddings first pass a stack of norms (blocks without an attention / MLP pair)."""
+
+    def __init__(self):
+        super().__init__(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(16) for _ in range(2))
+
+    def forward(self, idx):
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+        for norm in self.norms:
+            x = norm(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_sequence_parallel_over_stages_of_blocks_without_pairs_is_refused_at_setup():
+    """pp2 × tp2 pipelining `norms` under sequence_parallel: a stage would start at a norm that receives a
+    sequence shard; every rank refuses before any collective of the run."""
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
+                                      blocks="norms", sequence_parallel=True, microbatches=2,
+                                      start_method="fork", timeout=60)
+    with pytest.raises(Exception, match=r"the pipelined blocks 'norms.0', 'norms.1' hold no attention / MLP pair"):
+        _fit(strategy, 4, NormsFirst())
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_sequence_parallel_over_stages_with_an_odd_sequence_is_refused_at_setup():
+    """A sequence of 15 tokens cannot be split over 2 tensor-parallel ranks: refused at setup on every rank (at a
+    step only the first stage would raise, the second waiting for its activation)."""
+    odd = SyntheticCorpus(vocab_size=32, seq_len=15, train_sequences=16, val_sequences=4)
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
+                                      sequence_parallel=True, microbatches=2, start_method="fork", timeout=60)
+    trainer = pl.Trainer(**trainer_kwargs(devices=4, strategy=strategy, max_steps=1))
+    with pytest.raises(Exception, match=r"`blocks.0` \(in the step traced at setup\) got a sequence of length 15, "
+                                        r"not divisible by tensor_parallel_size=2"):
+        trainer.fit(GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16),
+                    DataLoader(odd.train_set, batch_size=4))

@@ -289,10 +289,12 @@ def test_weights_with_missing_extra_and_misshaped_names_are_refused_before_train
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("model", ["gpt", "llama"])
-def test_meta_build_with_weights_under_pp2_tp2_matches_one_device(tmp_path, model):
+@pytest.mark.parametrize("model,flags", [("gpt", False), ("llama", False), ("gpt", True)])
+def test_meta_build_with_weights_under_pp2_tp2_matches_one_device(tmp_path, model, flags):
     """The hybrid core: ranks (pp, tp) hold their stage's blocks as tensor shards, the ends their stage uses,
-    nothing whole of another stage; each reads only that from the file; training equals one device's."""
+    nothing whole of another stage; each reads only that from the file; training equals one device's.
+    ``flags``: under sequence_parallel and loss_parallel too (the GPT's tied embedding / head then sharded by
+    vocabulary on both the first and the last stage)."""
     pytest.importorskip("transformers")
     from lightning_par import HybridParallelStrategy
 
@@ -308,7 +310,7 @@ def test_meta_build_with_weights_under_pp2_tp2_matches_one_device(tmp_path, mode
     ref = fit_and_record_one(ref_module, str(tmp_path / "ref"))
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
                                       microbatches=2, start_method="fork", timeout=120, weights=path,
-                                      weights_prefix=prefix)
+                                      weights_prefix=prefix, sequence_parallel=flags, loss_parallel=flags)
     got, shares = fit_meta(factory, strategy, str(tmp_path / "par"), devices=4)
     assert_pipeline_matches(ref, got)
     for rank, share in enumerate(shares):  # ranks 0, 1: stage 0 (blocks 0-1); 2, 3: stage 1 (blocks 2-3)

@@ -26,6 +26,7 @@ from lightning_par.models import GPT
 from lightning_par.pipeline.microbatch import check_microbatches
 from lightning_par.pipeline.options import check_layout
 from lightning_par.pipeline.partition import partition_blocks
+from lightning_par.tensor.boundary import check_sequence_stack
 from lightning_par.tensor.plan import build_plan
 from lightning_par.topology import Topology
 
@@ -141,6 +142,17 @@ CASES = {
         r"`fault_tolerance='torchft'` does not support `nonfinite='skip'` on the hybrid core"),
     "fault tolerance timeout on the core": (lambda: TensorParallelStrategy(fault_tolerance="torchft", ft_timeout=0),
                                             r"`ft_timeout=0` must be a finite positive number of seconds"),
+    # sequence parallelism over a pipelined stack whose blocks hold no attention / MLP pair (blocks="norms")
+    "sequence parallel stages without pairs": (
+        lambda: check_sequence_stack(build_plan(torch.nn.ModuleDict(
+            {"lm": gpt(), "norms": torch.nn.ModuleList(torch.nn.LayerNorm(16) for _ in range(2))}), 2,
+            sequence_parallel=True), "norms", 2, 2),
+        r"sequence_parallel=True with several pipeline stages: the pipelined blocks 'norms.0', 'norms.1' hold no "
+        r"attention / MLP pair.*Pass `blocks=`.*or use sequence_parallel=False"),
+    "sequence parallel stages, odd sequence": (
+        lambda: check_sequence_stack(build_plan(gpt(), 2, sequence_parallel=True), "blocks", 2, 2, (4, 15, 16)),
+        r"sequence_parallel=True: `blocks.0` \(in the step traced at setup\) got a sequence of length 15, not "
+        r"divisible by tensor_parallel_size=2. Use a sequence length divisible by 2, or sequence_parallel=False"),
     # checkpoint flags
     "distributed checkpoint not a flag": (lambda: TensorParallelStrategy(save_distributed_checkpoint="no"),
                                           r"`save_distributed_checkpoint='no'` must be True or False"),
