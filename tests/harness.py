@@ -79,6 +79,18 @@ class Recorder(pl.Callback):
         )
 
 
+class SavePredictions(pl.Callback):
+    """Each rank's predictions of ``trainer.predict``, concatenated, to ``<out_dir>/pred<rank>.pt``."""
+    def __init__(self, out_dir):
+        self.out_dir, self.preds = out_dir, []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.preds.append(outputs)
+
+    def on_predict_end(self, trainer, pl_module):
+        torch.save(torch.cat(self.preds), os.path.join(self.out_dir, f"pred{trainer.global_rank}.pt"))
+
+
 def trainer_kwargs(**overrides) -> dict:
     """Quiet, deterministic CPU trainer settings for tests (override any)."""
     kw = dict(accelerator="cpu", deterministic=True, logger=False, enable_checkpointing=False,

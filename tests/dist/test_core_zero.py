@@ -121,8 +121,7 @@ def test_zero_stage_matches_stage0_and_one_process(tmp_path, one_process, stage0
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("schedule,pp,stages_per_rank", [("interleaved_1f1b", 2, 2), ("zero_bubble", 3, 1),
-                                                          ("gpipe", 2, 1)])
+@pytest.mark.parametrize("schedule,pp,stages_per_rank", [("interleaved_1f1b", 2, 2), ("zero_bubble", 3, 1)])
 def test_zero3_under_every_schedule(tmp_path, one_process, schedule, pp, stages_per_rank):
     """Zero bubble at 3 stages: the middle stage splits its backward (input gradients, then the weights'),
     through the whole parameters FSDP gathered for the step."""
@@ -134,7 +133,7 @@ def test_zero3_under_every_schedule(tmp_path, one_process, schedule, pp, stages_
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("zero", [3])
 def test_3d_zero_matches_one_process(tmp_path, one_process, zero):
     """dp2 × pp2 × tp2 (8 ranks): FSDP over tensor-parallel shards (2-D) on each stage."""
     strategy = HybridParallelStrategy(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,

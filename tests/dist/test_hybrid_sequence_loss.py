@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded
+from harness import SavePredictions, TIMEOUT_S, fit_and_record, reference_loader, seeded
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.pipeline.p2p import _HEADER_BYTES
 from lightning_par.tensor.boundary import StageBoundary
@@ -98,17 +98,6 @@ def test_other_schedules_match_one_process(tmp_path, schedule):
                                          microbatches=4, schedule=schedule, **FLAGS["sp+lp"]), devices=4)
     assert_matches(ref, got)
     print(f"gpt pp2×tp2 {schedule} sp+lp: largest loss gap {_largest_loss_gap(ref, got):.2e}")
-
-
-class SavePredictions(pl.Callback):
-    def __init__(self, out_dir):
-        self.out_dir, self.preds = out_dir, []
-
-    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-        self.preds.append(outputs)
-
-    def on_predict_end(self, trainer, pl_module):
-        torch.save(torch.cat(self.preds), os.path.join(self.out_dir, f"pred{trainer.global_rank}.pt"))
 
 
 @pytest.mark.timeout(TIMEOUT_S)

@@ -238,10 +238,25 @@ def assert_matches_one_device(strategy: str, ref: dict, got: list) -> None:
         torch.testing.assert_close(mean, torch.tensor(ref["losses"]), atol=1e-5, rtol=1e-5)
 
 
-def fit_and_record_one(module, out_dir: str) -> dict:
+def fit_and_record_one(module, out_dir: str, batch: int = 8) -> dict:
     trainer = pl.Trainer(**trainer_kwargs(devices=1, max_steps=2, callbacks=[Recorder(out_dir)]))
-    trainer.fit(module, reference_loader(DATA.train_set, 8))
+    trainer.fit(module, reference_loader(DATA.train_set, batch))
     return torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+
+
+def file_and_reference(tmp_path, model: str, batch: int = 8) -> tuple[str, int, dict]:
+    """A weights file of ``model`` (under the file's names), its tensor bytes, and one device's record after it
+    loaded that file and trained on global batches of ``batch``."""
+    _, plain, prefix, _, drop = MODELS[model]
+    torch.manual_seed(1)
+    path = str(tmp_path / "weights.safetensors")
+    file_bytes = save_weights(plain(), path, strip=prefix, drop=drop)
+    torch.manual_seed(2)
+    ref_module = plain()
+    from safetensors.torch import load_file
+
+    ref_module.load_state_dict({prefix + k: v for k, v in load_file(path).items()}, strict=False)
+    return path, file_bytes, fit_and_record_one(ref_module, str(tmp_path / "ref"), batch)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -299,15 +314,7 @@ def test_meta_build_with_weights_under_pp2_tp2_matches_one_device(tmp_path, mode
     from lightning_par import HybridParallelStrategy
 
     factory, plain, prefix, sharded, drop = MODELS[model]
-    torch.manual_seed(1)
-    path = str(tmp_path / "weights.safetensors")
-    file_bytes = save_weights(plain(), path, strip=prefix, drop=drop)
-    torch.manual_seed(2)
-    ref_module = plain()
-    from safetensors.torch import load_file
-
-    ref_module.load_state_dict({prefix + k: v for k, v in load_file(path).items()}, strict=False)
-    ref = fit_and_record_one(ref_module, str(tmp_path / "ref"))
+    path, file_bytes, ref = file_and_reference(tmp_path, model)
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
                                       microbatches=2, start_method="fork", timeout=120, weights=path,
                                       weights_prefix=prefix, sequence_parallel=flags, loss_parallel=flags)
@@ -334,18 +341,8 @@ def test_meta_build_with_weights_under_zero3_replicas_matches_one_device(tmp_pat
     device that loaded the file (losses and gradients at 1e-5)."""
     from lightning_par import HybridParallelStrategy
 
-    factory, plain, prefix, sharded, drop = MODELS["gpt"]
-    torch.manual_seed(1)
-    path = str(tmp_path / "weights.safetensors")
-    file_bytes = save_weights(plain(), path, strip=prefix, drop=drop)
-    torch.manual_seed(2)
-    ref_module = plain()
-    from safetensors.torch import load_file
-
-    ref_module.load_state_dict({prefix + k: v for k, v in load_file(path).items()}, strict=False)
-    trainer = pl.Trainer(**trainer_kwargs(devices=1, max_steps=2, callbacks=[Recorder(str(tmp_path / "ref"))]))
-    trainer.fit(ref_module, reference_loader(DATA.train_set, 16))
-    ref = torch.load(os.path.join(str(tmp_path / "ref"), "rank0.pt"), weights_only=False)
+    factory = MODELS["gpt"][0]
+    path, file_bytes, ref = file_and_reference(tmp_path, "gpt", batch=16)  # 2 replicas of 8
     pp, tp = (2, 1) if layout == "pp2_dp2" else (1, 2)
     strategy = HybridParallelStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=2,
                                       zero_stage=3, microbatches=2, start_method="fork", timeout=120, weights=path)

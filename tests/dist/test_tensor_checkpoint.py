@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded, trainer_kwargs
+from harness import (SavePredictions, TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded,
+                     trainer_kwargs)
 from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
@@ -130,12 +131,3 @@ def test_validate_test_predict(tmp_path, loss_parallel):
         assert torch.equal(torch.load(tmp_path / f"pred{rank}.pt"), expected_pred)
 
 
-class SavePredictions(pl.Callback):
-    def __init__(self, out_dir):
-        self.out_dir, self.preds = out_dir, []
-
-    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-        self.preds.append(outputs)
-
-    def on_predict_end(self, trainer, pl_module):
-        torch.save(torch.cat(self.preds), os.path.join(self.out_dir, f"pred{trainer.global_rank}.pt"))
