@@ -234,9 +234,7 @@ class StageShards:
     def begin_step(self) -> None:
         """Every unit gathered once; its whole gradients accumulate over the micro-batches, unreduced."""
         self._set(False)
-        for unit in self.units:
-            unit.set_reshard_after_forward(False, recurse=False)
-            unit.unshard()
+        self.gather()
 
     def trainable(self) -> list[nn.Parameter]:
         """The trainable parameters the module holds now: the whole ones while gathered."""
@@ -252,7 +250,7 @@ class StageShards:
         reshard(self.module)
 
     def gather(self) -> None:
-        """Before a forward-only step (validation): every unit gathered, kept until :meth:`reshard`."""
+        """Every unit gathered, kept until :meth:`reshard` (a training step, or a forward-only one)."""
         for unit in self.units:
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()

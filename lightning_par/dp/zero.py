@@ -125,7 +125,9 @@ def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
 
 def local_optimizer(optimizer: Optimizer) -> Optimizer:
     """The optimizer that holds this rank's state: ZeRO's local shard optimizer, else the optimizer."""
-    return getattr(optimizer, "optim", optimizer)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:

@@ -137,10 +137,12 @@ class SharedParameters:
         for p in params:
             if self.owns(p, names.get(id(p), "")):
                 sums[_sharded_axes(p.grad)] += _local(p.grad.detach()).float().pow(2).sum()
-        for axes, value in sums.items():
-            for axis, axis_group in (("tp", tp_group), ("dp", dp_group)):
-                if axis in axes and axis_group is not None:
-                    dist.all_reduce(value, group=axis_group)
+        for axis, axis_group in (("tp", tp_group), ("dp", dp_group)):  # one all-reduce per axis, of its buckets
+            if axis_group is not None:
+                keys = [axes for axes in sums if axis in axes]
+                both = torch.stack([sums[k] for k in keys])
+                dist.all_reduce(both, group=axis_group)
+                sums.update(zip(keys, both.unbind()))
         sq = sum(sums.values())
         if group is not None:
             dist.all_reduce(sq, group=group)

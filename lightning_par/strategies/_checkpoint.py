@@ -44,6 +44,7 @@ from lightning_par.checkpoint.gather import gather_share
 from lightning_par.checkpoint.optim import (flat_params, from_positional, live_order, load_named, named_groups,
                                             named_state, to_positional)
 from lightning_par.checkpoint.tensors import local_shard_like
+from lightning_par.dp.zero import local_optimizer
 
 INFO_KEY = sharded.INFO_KEY
 FORMAT_VERSION = 1
@@ -51,13 +52,6 @@ FORMAT_VERSION = 1
 
 def _unwrap(optimizer):
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _holder(optimizer):
-    """The optimizer that keeps this rank's state: ZeRO-1's local shard optimizer, else the optimizer."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def _cloned(obj: Any) -> Any:
@@ -195,7 +189,7 @@ class CheckpointMixin:
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
-        state = named_state(_holder(optimizer), self._param_names(), self._checkpoint_writes_param)
+        state = named_state(local_optimizer(optimizer), self._param_names(), self._checkpoint_writes_param)
         groups = named_groups(optimizer, self._one_device_order(self._optimizer_index(optimizer), optimizer))
         if self._save_distributed_checkpoint:
             return {"state": state, "param_groups": groups}
@@ -336,7 +330,7 @@ class CheckpointMixin:
         for i, wrapped in enumerate(self.optimizers):
             optimizer = _unwrap(wrapped)
             if self._ckpt_source is not None:  # only the state this rank keeps (ZeRO-1: its partition)
-                params = {names[id(p)]: p for p in flat_params(_holder(optimizer))}
+                params = {names[id(p)]: p for p in flat_params(local_optimizer(optimizer))}
                 state, groups = sharded.load_optimizer(self._ckpt_source, i, params)
             else:
                 state, groups = from_positional(saved[i], self._one_device_order(i, optimizer), where=self._ckpt_where)
