@@ -46,6 +46,16 @@ def checkpoint_offset(storage: torch.UntypedStorage) -> Optional[int]:
     return offset if isinstance(offset, int) else None
 
 
+def fake_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor without memory: a ``torch._subclasses.fake_tensor.FakeTensor``, which
+    ``torch.save`` under ``torch.serialization.skip_data(materialize_fake_tensors=True)`` writes as a CPU
+    tensor's record without its bytes (the converter's ``.ckpt`` writer fills them in)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(tuple(shape), dtype=dtype)
+
+
 def broadcast_coalesced(group, tensors: Sequence[torch.Tensor], src: int, bucket_bytes: int = 1 << 24) -> None:
     """Broadcast ``tensors`` in place from global rank ``src`` over ``group``, packed into buckets of
     ``bucket_bytes`` (few collectives for many small tensors). Wraps ``torch.distributed._broadcast_coalesced``,

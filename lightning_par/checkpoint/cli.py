@@ -7,13 +7,17 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional, Sequence
 
+from lightning_par.cli_errors import ArgumentParser, UsageError, run_cli
+
+PROG = "lightning-par-checkpoint"
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-par-checkpoint", description=__doc__.split("\n\n")[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     conv = sub.add_parser("convert", help="convert SRC to DST; DST's suffix picks the form (.ckpt, .safetensors, "
                                           "anything else: a DCP directory)")
@@ -26,18 +30,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ins.add_argument("src")
     args = parser.parse_args(argv)
 
-    from lightning_par.checkpoint.convert import convert, describe
+    def body() -> None:
+        from lightning_par.checkpoint.convert import convert, describe
 
-    try:
         if args.command == "convert":
             form = convert(args.src, args.dst, strip_prefix=args.strip_prefix, weights_only=args.weights_only)
             print(f"wrote {args.dst} ({form})")
         else:
-            print(describe(args.src))
-    except ValueError as err:
-        print(f"lightning-par-checkpoint: {err}", file=sys.stderr)
-        return 2
-    return 0
+            for line in describe(args.src).splitlines():
+                print(line)
+            sys.stdout.flush()  # a closed pipe (`| head`) raises here, inside run_cli, not at the exit
+
+    # the library's errors name the path, the value and the fix; OSError covers a full disk or a denied write
+    return run_cli(PROG, body, argv, user_errors=(UsageError, ValueError, OSError))
 
 
 if __name__ == "__main__":

@@ -7,48 +7,30 @@
 [Note: streaming conversion]
 A source lists its tensors without reading them (DCP's ``.metadata``; a ``.ckpt``'s pickle, loaded with every
 storage on the meta device; a safetensors header) and reads one whole tensor at a time through the weights
-reader (:mod:`lightning_par.weights`), chunk by chunk. A writer takes the list first and then the tensors in
-order: safetensors and the ``.ckpt`` zip archive (the layout ``torch.save`` writes: ``data.pkl`` naming one
-storage record per tensor, then the records) have their headers written from the list, and a DCP directory
-is written by DCP's ``FileSystemWriter`` with a planner that reads each tensor when DCP asks for its bytes,
-one data file per entry (the writer holds a file's tensors until the file is complete).
+reader (:mod:`lightning_par.weights`), chunk by chunk. A writer (:mod:`lightning_par.checkpoint.writers`)
+takes the list first and then the tensors in order: a safetensors header is written from the list; the
+``.ckpt`` archive is written by ``torch.save`` itself with tensors that hold no bytes, which are then written
+at the offsets torch gave them ([Note: torch's own archive, bytes filled in]); and a DCP directory is written
+by DCP's ``FileSystemWriter`` with a planner that reads each tensor when DCP asks for its bytes, one data file
+per entry (the writer holds a file's tensors until the file is complete).
 So a conversion holds at most one tensor (plus the reader's bounded buffer) besides the small metadata.
 """
 from __future__ import annotations
 
-import io
-import json
 import os
-import pickle
-import struct
-import zipfile
-from collections import OrderedDict
-from typing import Any, Callable, Optional
+from collections import Counter
+from typing import Callable
 
 import torch
 
-from lightning_par.atomic import clear_temporary, write_file
+from lightning_par.atomic import write_file
 from lightning_par.checkpoint import sharded
 from lightning_par.checkpoint.optim import to_positional
+from lightning_par.checkpoint.writers import (Lazy, map_leaves, read_all, tensor_leaves, write_dcp, write_safetensors,
+                                              write_torch)
 from lightning_par.weights import torchzip
 from lightning_par.weights.regions import full_region
 from lightning_par.weights.sources import DCPSource, SafetensorsSource, TensorInfo
-
-
-class Lazy:
-    """A tensor of a source, read when asked (:meth:`read`)."""
-
-    def __init__(self, info: TensorInfo, read: Callable[[], torch.Tensor]):
-        self.shape, self.dtype, self._read = tuple(info.shape), info.dtype, read
-
-    def read(self) -> torch.Tensor:
-        t = self._read()
-        if tuple(t.shape) != self.shape or t.dtype != self.dtype:
-            raise ValueError(f"read a tensor of {tuple(t.shape)} {t.dtype}, listed as {self.shape} {self.dtype}")
-        return t
-
-    def __repr__(self) -> str:
-        return f"Lazy({list(self.shape)}, {self.dtype})"
 
 
 class Checkpoint:
@@ -73,6 +55,8 @@ class Checkpoint:
 
 def open_checkpoint(path) -> Checkpoint:
     path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: give the path of a checkpoint file or directory.")
     if sharded.is_sharded(path):
         return _open_dcp(path)
     if not os.path.isfile(path):
@@ -140,10 +124,11 @@ def _open_torch(path: str) -> Checkpoint:
     except BaseException:
         os.close(fd)
         raise
+    kind = "ckpt"
     if not isinstance(obj, dict) or not isinstance(obj.get("state_dict"), dict):
         keys = sorted(map(str, obj))[:10] if isinstance(obj, dict) else type(obj).__name__
-        obj = {"state_dict": obj} if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()) \
-            else None
+        obj, kind = ({"state_dict": obj}, "state_dict") if isinstance(obj, dict) and obj and \
+            all(isinstance(v, torch.Tensor) for v in obj.values()) else (None, kind)
         if obj is None:
             os.close(fd)
             raise ValueError(f"{path} is neither a Lightning checkpoint nor a state dict (found: {keys}).")
@@ -155,18 +140,11 @@ def _open_torch(path: str) -> Checkpoint:
             raise ValueError(f"{path}: torch did not report where a tensor's storage lies; re-save it with torch.save")
         return Lazy(info, lambda: torchzip.read_region(fd, path, where, full_region(info.shape), counter))
 
-    def lazies(x):
-        if isinstance(x, torch.Tensor):
-            return lazy(x)
-        if isinstance(x, dict):
-            return {k: lazies(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(lazies(v) for v in x)
-        return x
-
-    meta = {k: v for k, v in obj.items() if k not in ("state_dict", "optimizer_states")}
+    # tensors outside the module's state (RNG states, ModelCheckpoint's scores) are lazy too: on the meta device
+    # they hold no values
+    meta = {k: map_leaves(v, lazy) for k, v in obj.items() if k not in ("state_dict", "optimizer_states")}
     model = {k: lazy(v) for k, v in obj["state_dict"].items() if isinstance(v, torch.Tensor)}
-    positional = [lazies(o) for o in obj.get("optimizer_states", [])]
+    positional = [map_leaves(o, lazy) for o in obj.get("optimizer_states", [])]
     orders = (meta.get(sharded.INFO_KEY) or {}).get("param_names")
     optimizers = []
     for i, opt in enumerate(positional):
@@ -179,140 +157,10 @@ def _open_torch(path: str) -> Checkpoint:
         optimizers.append({"state": {name_of[int(p)]: dict(s) for p, s in opt["state"].items()},
                            "param_groups": [{**g, "params": list(names)} for g, names in
                                             zip(opt["param_groups"], orders[i])]})
-    return Checkpoint(path, "ckpt", meta, model, optimizers, positional, lambda: os.close(fd))
+    return Checkpoint(path, kind, meta, model, optimizers, positional, lambda: os.close(fd))
 
 
-# -- writers -------------------------------------------------------------------------------------------------
-
-def _lazies_in(obj: Any) -> list[Lazy]:
-    if isinstance(obj, Lazy):
-        return [obj]
-    if isinstance(obj, dict):
-        return [x for v in obj.values() for x in _lazies_in(v)]
-    if isinstance(obj, (list, tuple)):
-        return [x for v in obj for x in _lazies_in(v)]
-    return []
-
-
-class _Storage:
-    def __init__(self, key: str, lazy: Lazy):
-        self.key, self.lazy = key, lazy
-
-
-class _TensorRecord:
-    """Pickles as ``torch._utils._rebuild_tensor_v2`` over a storage record, as ``torch.save`` writes a tensor."""
-
-    def __init__(self, storage: _Storage):
-        self.storage = storage
-
-    def __reduce_ex__(self, protocol):
-        shape = self.storage.lazy.shape
-        stride = tuple(int(torch.tensor(shape[i + 1:]).prod()) if i + 1 < len(shape) else 1 for i in range(len(shape)))
-        return torch._utils._rebuild_tensor_v2, (self.storage, 0, shape, stride, False, OrderedDict())
-
-
-_STORAGE_TYPES = {torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
-                  torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
-                  torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage",
-                  torch.bool: "BoolStorage", torch.complex64: "ComplexFloatStorage",
-                  torch.complex128: "ComplexDoubleStorage"}
-
-
-class _Pickler(pickle.Pickler):
-    """Names storages as ``torch.save``'s pickler does: ``("storage", <dtype>Storage, key, location, numel)``."""
-
-    def persistent_id(self, obj):
-        if isinstance(obj, _Storage):
-            lazy = obj.lazy
-            if lazy.dtype not in _STORAGE_TYPES:
-                raise ValueError(f"writing a {lazy.dtype} tensor into a .ckpt is not supported")
-            return ("storage", getattr(torch, _STORAGE_TYPES[lazy.dtype]), obj.key, "cpu",
-                    int(torch.Size(lazy.shape).numel()))
-        return None
-
-
-def write_torch(path: str, obj: Any) -> None:
-    """``torch.save(obj, path)`` with every :class:`Lazy` in ``obj`` read only when its record is written."""
-    storages: list[_Storage] = []
-
-    def placeholders(x):
-        if isinstance(x, torch.Tensor):  # a small tensor of the metadata (an RNG state)
-            x = Lazy(TensorInfo(tuple(x.shape), x.dtype), lambda t=x.detach().cpu(): t)
-        if isinstance(x, Lazy):
-            storages.append(_Storage(str(len(storages)), x))
-            return _TensorRecord(storages[-1])
-        if isinstance(x, dict):
-            return type(x)((k, placeholders(v)) for k, v in x.items()) if isinstance(x, OrderedDict) else \
-                {k: placeholders(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(placeholders(v) for v in x)
-        return x
-
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=2).dump(placeholders(obj))
-    root = "archive"
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-        archive.writestr(f"{root}/data.pkl", buffer.getvalue())
-        archive.writestr(f"{root}/byteorder", "little")
-        for storage in storages:
-            tensor = storage.lazy.read().contiguous()
-            with archive.open(f"{root}/data/{storage.key}", "w", force_zip64=True) as record:
-                record.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
-            del tensor
-        archive.writestr(f"{root}/version", "3\n")
-
-
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
-
-
-def write_safetensors(path: str, tensors: dict[str, Lazy], metadata: Optional[dict] = None) -> None:
-    """A safetensors file of ``tensors``, its header written first and each tensor read when its bytes are."""
-    header: dict[str, Any] = {"__metadata__": {k: str(v) for k, v in (metadata or {}).items()}}
-    offset = 0
-    for name, lazy in tensors.items():
-        if lazy.dtype not in _ST_DTYPES:
-            raise ValueError(f"safetensors has no dtype for {name!r} ({lazy.dtype})")
-        size = int(torch.Size(lazy.shape).numel()) * lazy.dtype.itemsize
-        header[name] = {"dtype": _ST_DTYPES[lazy.dtype], "shape": list(lazy.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for lazy in tensors.values():
-            tensor = lazy.read().contiguous()
-            if tensor.numel():
-                f.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
-            del tensor
-
-
-def write_dcp(path: str, flat: dict[str, Any]) -> None:
-    """A DCP directory of ``flat`` (keys as :func:`lightning_par.checkpoint.sharded.flatten` makes them), every
-    :class:`Lazy` read when DCP writes its bytes."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-
-    lazies = {k: v for k, v in flat.items() if isinstance(v, Lazy)}
-    state = {k: (torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, Lazy) else v)
-             for k, v in flat.items()}
-
-    class ReadingPlanner(DefaultSavePlanner):
-        def resolve_data(self, write_item):
-            key = write_item.index.fqn
-            if key in lazies:
-                return lazies[key].read()
-            return super().resolve_data(write_item)
-
-    tmp = clear_temporary(path)
-    # one data file per entry: torch's FileSystemWriter keeps every tensor of a file until the file is done
-    dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=1, single_file_per_rank=False),
-             planner=ReadingPlanner(), no_dist=True)
-    sharded.publish(tmp, path)
-
+# -- converting ----------------------------------------------------------------------------------------------
 
 def convert(src, dst, *, strip_prefix: str = "", weights_only: bool = False) -> str:
     """Convert ``src`` (DCP directory, ``.ckpt`` or ``.safetensors``) to ``dst``, whose form its suffix names:
@@ -320,9 +168,24 @@ def convert(src, dst, *, strip_prefix: str = "", weights_only: bool = False) -> 
     Lightning's one-device file), anything else a DCP directory. Returns the form written."""
     ckpt = open_checkpoint(src)
     try:
+        folder = os.path.dirname(os.path.abspath(os.fspath(dst)))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"The folder {folder} of {os.fspath(dst)} does not exist: create it first "
+                                    f"(mkdir -p {folder}) or write somewhere else.")
+        if strip_prefix and not any(k.startswith(strip_prefix) for k in ckpt.model):
+            raise ValueError(f"The prefix {strip_prefix!r} (--strip-prefix) starts none of the {len(ckpt.model)} "
+                             f"tensor names in {ckpt.path}; they start with {_prefixes(ckpt.model)}. Pass one of "
+                             f"those, or no prefix.")
         return _convert(ckpt, src, os.fspath(dst), strip_prefix=strip_prefix, weights_only=weights_only)
     finally:
         ckpt.close()
+
+
+def _prefixes(names, shown: int = 5) -> str:
+    """The most common first components of ``names`` with their counts: ``'net.' (10), 'head.' (2)``."""
+    counts = Counter(n.split(".", 1)[0] + "." if "." in n else n for n in names)
+    common = ", ".join(f"{p!r} ({c})" for p, c in counts.most_common(shown))
+    return common + (f" and {len(counts) - shown} more" if len(counts) > shown else "")
 
 
 def _convert(ckpt: Checkpoint, src, dst: str, *, strip_prefix: str, weights_only: bool) -> str:
@@ -331,7 +194,7 @@ def _convert(ckpt: Checkpoint, src, dst: str, *, strip_prefix: str, weights_only
     if dst.endswith(".safetensors"):
         write_safetensors(dst, model, {"source": os.path.basename(os.fspath(src).rstrip("/"))})
         return "safetensors"
-    if ckpt.kind == "safetensors" and not weights_only:
+    if ckpt.kind in ("safetensors", "state_dict") and not weights_only:
         raise ValueError(f"{src} holds weights only; pass --weights-only to write a {dst} without optimizer and "
                          f"loop state (it cannot resume a fit).")
     meta = dict(ckpt.meta)
@@ -344,7 +207,8 @@ def _convert(ckpt: Checkpoint, src, dst: str, *, strip_prefix: str, weights_only
             out["optimizer_states"] = [to_positional(o["state"], o["param_groups"]) for o in optimizers]
         write_file(dst, lambda tmp: write_torch(tmp, out))
         return "ckpt"
-    write_dcp(dst, sharded.flatten(model, optimizers, meta, tensor_type=(torch.Tensor, Lazy)))
+    # a DCP directory keeps Lightning's metadata as one pickled entry: its few tensors are read here
+    write_dcp(dst, sharded.flatten(model, optimizers, read_all(meta), tensor_type=(torch.Tensor, Lazy)))
     return "dcp"
 
 
@@ -355,10 +219,12 @@ def describe(path) -> str:
     info = ckpt.meta.get(sharded.INFO_KEY) or {}
     layout = info.get("layout")
     kinds = {"dcp": "torch.distributed.checkpoint directory", "ckpt": "Lightning checkpoint file",
-             "safetensors": "safetensors file"}
+             "safetensors": "safetensors file", "state_dict": f"a state dict of {len(ckpt.model)} tensors "
+                                                              f"(torch.save file, not a Lightning checkpoint)"}
+    weights = ckpt.kind in ("safetensors", "state_dict")
     lines = [f"{ckpt.path}: {kinds[ckpt.kind]}",
              "layout: " + (", ".join(f"{k}={v}" for k, v in layout.items()) if layout else
-                           ("weights only" if ckpt.kind == "safetensors" else "plain Lightning (one device)"))]
+                           ("weights only" if weights else "plain Lightning (one device)"))]
     if "global_step" in ckpt.meta:
         lines.append(f"epoch: {ckpt.meta.get('epoch')}  global_step: {ckpt.meta['global_step']}  "
                      f"lightning: {ckpt.meta.get('pytorch-lightning_version')}")
@@ -367,7 +233,7 @@ def describe(path) -> str:
     lines += [f"  {name}  {list(v.shape)}  {str(v.dtype).replace('torch.', '')}" for name, v in ckpt.model.items()]
     for i, (named, positional) in enumerate(zip(ckpt.optimizers, ckpt.positional)):
         source = named or positional
-        tensors = _lazies_in(source["state"])
+        tensors = tensor_leaves(source["state"])
         sizes = [len(g["params"]) for g in source["param_groups"]]
         nbytes = sum(int(torch.Size(t.shape).numel()) * t.dtype.itemsize for t in tensors)
         lines.append(f"optimizer {i}: groups of {sizes} parameters, state of {len(source['state'])} "

@@ -129,7 +129,7 @@ def read_region(fd: int, where: str, tensor: StoredTensor, region: Region, count
         return out
     item = out.element_size()
     if tensor.contiguous:
-        dst = _bytes_of(out)
+        dst = bytes_of(out)
         run = _run_length(region, tensor.shape)
         for i, start in enumerate(_run_starts(region, tensor.shape, tensor.stride, run)):
             _pread(fd, where, dst[i * run * item:(i + 1) * run * item],
@@ -137,11 +137,12 @@ def read_region(fd: int, where: str, tensor: StoredTensor, region: Region, count
         return out
     low, high = element_offsets(region, tensor.stride)
     span = torch.empty(high - low + 1, dtype=tensor.dtype)
-    _pread(fd, where, _bytes_of(span), tensor.offset + (tensor.storage_offset + low) * item, counter)
+    _pread(fd, where, bytes_of(span), tensor.offset + (tensor.storage_offset + low) * item, counter)
     return out.copy_(span.as_strided(region_shape(region), tensor.stride))
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor ``t`` (any dtype), without a copy."""
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
