@@ -211,6 +211,16 @@ def multiprocessing_launcher() -> tuple[type, type]:
     return _MultiProcessingLauncher, _WorkerOutput
 
 
+def compute_dtype(precision_plugin) -> torch.dtype:
+    """The dtype a Lightning precision plugin computes in (``bf16-mixed`` -> bfloat16, ``16-mixed`` -> float16,
+    ``64-true`` -> float64, ``32-true`` -> float32, ...): the dtype whose peak FLOP/s Lightning's
+    ``ThroughputMonitor`` measures MFU against. Wraps ``lightning.pytorch.callbacks.throughput_monitor.
+    _plugin_to_compute_dtype``; the plugins lightning_par wraps are subclasses, so they map as theirs."""
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
+    return _plugin_to_compute_dtype(precision_plugin)
+
+
 def rich_available() -> bool:
     from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 

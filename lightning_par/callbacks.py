@@ -9,7 +9,9 @@ end of ``fit`` (rank 0 prints it; per-rank rows are gathered from every rank).
   the wall time between the ends of consecutive optimizer steps. ``tokens`` counts the elements of the
   batch's first tensor when it holds integer token ids.
 - ``mfu``: 6 × parameters × tokens/s over the peak FLOP/s of all devices (``peak_flops_per_device``;
-  on CUDA Lightning's table of known GPUs fills it in); not logged when the peak is unknown (CPU).
+  on CUDA Lightning's table of known GPUs fills it in for the dtype the run's precision computes in, as
+  Lightning's ``ThroughputMonitor`` does: bf16 peak under ``bf16-mixed`` / ``bf16-true``, fp16 under
+  ``16-mixed``, fp32 (or tf32) under ``32-true``); not logged when the peak is unknown (CPU).
 - ``param/grad/optimizer_bytes``: what this rank holds (local shards of DTensors), after a step.
   ``activation_bytes``: the most bytes of tensors saved for backward alive at once during one training
   step on this rank (every storage once, parameters excluded; a tensor stops counting when autograd
@@ -31,11 +33,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning_par._compat import tree_flatten
 
-from lightning_par.saved import SavedTensorMeter
+from lightning_par import _compat
+from lightning_par._compat import tree_flatten
 from lightning_par.comm import CommCounter, count_comm, local_nbytes
 from lightning_par.dp.zero import optimizer_state_bytes
+from lightning_par.saved import SavedTensorMeter
 
 
 def state_bytes(module: torch.nn.Module, optimizers) -> dict[str, int]:
@@ -53,7 +56,8 @@ class ParallelMetrics(pl.Callback):
     Args:
         measure_step: the optimizer step (counted from 0) on which memory, activations and
             communication are measured (slow: every op passes through Python); later steps are timed.
-        peak_flops_per_device: peak FLOP/s of one device for MFU (None: Lightning's table on CUDA).
+        peak_flops_per_device: peak FLOP/s of one device for MFU, at the run's precision (None: Lightning's
+            table on CUDA, for the dtype the precision plugin computes in).
         summary: print the table at the end of fit on rank 0.
         save_path: write the gathered per-rank rows there as JSON at the end of fit (rank 0), for
             scripts that run the fit in child processes (fork/spawn launchers) and read the numbers back.
@@ -152,7 +156,7 @@ class ParallelMetrics(pl.Callback):
             return None
         from lightning.fabric.utilities.throughput import get_available_flops
 
-        return get_available_flops(device, torch.float32)
+        return get_available_flops(device, _compat.compute_dtype(trainer.precision_plugin))
 
     def on_fit_end(self, trainer, pl_module):
         row = dict(self.measured)

@@ -9,6 +9,15 @@ wait at once. What the backend then raises names neither the operation nor the p
 which re-raises such a failure as a :class:`CommunicationError` naming the operation, the peer where one
 is known, and the likely cause. Failures that are not communication failures pass through untouched.
 
+[Note: what counts as a lost peer]
+Only what a lost peer causes: a ``torch.distributed.DistBackendError`` (NCCL's and the c10d backends' report
+of a failed or timed-out operation, unless it reports an invalid usage or argument), or an error whose text
+is a transport's report of a wait that timed out or of a connection the peer closed (gloo raises a plain
+``RuntimeError`` for these in torch 2.13: "Timed out waiting 5000ms for recv operation", "Application
+timeout caused pair closure", "Connection reset by peer"; the TCP store "wait timeout after 5000ms"). The
+name of a backend in a message says nothing about a peer: an invalid use of a collective (a wrong dtype, a
+bad rank) mentions "ProcessGroupGloo" or "NCCL" too, and passes through as what it is.
+
 Example::
 
     >>> try:
@@ -24,9 +33,15 @@ import re
 from contextlib import contextmanager
 from typing import Optional
 
-# what gloo, NCCL and the TCP store say when a peer is gone; a user's own error inside a step rarely says it
-_FAILURES = re.compile(r"Timed out waiting|Connection (closed|reset) by peer|Broken pipe|ProcessGroupGloo|NCCL|"
-                       r"watchdog|Socket Timeout", re.IGNORECASE)
+import torch.distributed as dist
+
+# the transports' words for a wait that timed out or a peer that closed its connection ([Note: what counts as a
+# lost peer]); a user's own error inside a step does not say them
+_LOST_PEER = re.compile(r"Timed out waiting|Application timeout caused pair closure|wait timeout after|"
+                        r"Socket Timeout|collective operation timeout|Connection (closed|reset) by peer|"
+                        r"Write error .*Broken pipe", re.IGNORECASE)
+# NCCL's ncclInvalidUsage / ncclInvalidArgument arrive as DistBackendError too: a mistake, not a lost peer
+_MISUSE = re.compile(r"invalid (usage|argument)", re.IGNORECASE)
 
 
 class CommunicationError(RuntimeError):
@@ -34,12 +49,15 @@ class CommunicationError(RuntimeError):
 
 
 def is_communication_failure(error: BaseException) -> bool:
-    """Whether ``error`` is a backend's report of a timeout or a lost connection (gloo / NCCL / the store)."""
+    """Whether ``error`` is a lost peer's mark: a ``DistBackendError``, or a transport's report of a timeout or a
+    closed connection ([Note: what counts as a lost peer])."""
     if isinstance(error, CommunicationError):
         return False  # named already
-    name = type(error).__name__
-    return name in ("DistBackendError", "DistNetworkError", "DistStoreError") or (
-        isinstance(error, RuntimeError) and bool(_FAILURES.search(str(error))))
+    backend_error = getattr(dist, "DistBackendError", ())  # absent where torch has no distributed
+    text = str(error)
+    if not isinstance(error, RuntimeError) or _MISUSE.search(text):
+        return False
+    return isinstance(error, backend_error) or bool(_LOST_PEER.search(text))
 
 
 def _backend_text(error: BaseException) -> str:
