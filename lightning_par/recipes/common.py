@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_par.callbacks import ParallelMetrics
+from lightning_par.cli_errors import UsageError
 
 
 @dataclass
@@ -137,10 +138,25 @@ class LossLog(pl.Callback):
             Path(self.path).write_text(json.dumps({"mean": mean, "per_rank": per_rank}))
 
 
+class MatplotlibMissing(UsageError, ModuleNotFoundError):
+    """matplotlib, an optional dependency (the ``recipes`` extra), is not installed: a ``UsageError`` for the
+    CLI's one message, and the ``ModuleNotFoundError`` that code catching a missing import expects."""
+
+
+def require_matplotlib():
+    """The ``matplotlib`` module, or :class:`MatplotlibMissing` saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise MatplotlibMissing('The recipes draw their plots with matplotlib, which is not installed: '
+                                'pip install "lightning-par[recipes]" (or pip install matplotlib).',
+                                name="matplotlib") from err
+    return matplotlib
+
+
 def figure(width: float, height: float):
     """A new matplotlib figure and axes, drawn off-screen (recipes run on machines without a display)."""
-    import matplotlib
-
+    matplotlib = require_matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
