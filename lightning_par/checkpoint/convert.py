@@ -205,7 +205,7 @@ def _convert(ckpt: Checkpoint, src, dst: str, *, strip_prefix: str, weights_only
         out = {**meta, "state_dict": model}
         if not weights_only:
             out["optimizer_states"] = [to_positional(o["state"], o["param_groups"]) for o in optimizers]
-        write_file(dst, lambda tmp: write_torch(tmp, out))
+        write_file(dst, lambda tmp: write_torch(tmp, out, where=dst))
         return "ckpt"
     # a DCP directory keeps Lightning's metadata as one pickled entry: its few tensors are read here
     write_dcp(dst, sharded.flatten(model, optimizers, read_all(meta), tensor_type=(torch.Tensor, Lazy)))

@@ -81,9 +81,11 @@ def _as_lazy(x: Any) -> Any:
                       if isinstance(t, torch.Tensor) else t)
 
 
-def write_torch(path: str, obj: Any) -> None:
+def write_torch(path: str, obj: Any, *, where: Optional[str] = None) -> None:
     """``torch.save(obj, path)`` with every :class:`Lazy` in ``obj`` read only when its bytes are written
-    ([Note: torch's own archive, bytes filled in])."""
+    ([Note: torch's own archive, bytes filled in]). ``where`` names the file in errors (``path`` if None: a
+    temporary name of it, say)."""
+    where = where or path
     obj = _as_lazy(obj)
     fakes: dict[int, torch.Tensor] = {}  # one fake per Lazy: a Lazy named twice is one storage, as in torch.save
 
@@ -94,9 +96,16 @@ def write_torch(path: str, obj: Any) -> None:
 
     with open(path, "wb") as f, torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(map_leaves(obj, fake), f)
+    with zipfile.ZipFile(path) as archive:
+        records = sum("/data/" in name for name in archive.namelist())
+    if records != len(fakes):  # a tensor inside an object map_leaves does not enter: its bytes would stay 0
+        raise ValueError(f"Cannot write {where}: it would hold {records - len(fakes)} tensor(s) inside objects other "
+                         f"than dicts, lists and tuples (a callback's or the module's custom state?), which the "
+                         f"converter cannot stream. Convert with --weights-only, or load and torch.save it whole.")
     fakes.clear()
     with open(path, "r+b") as f:
-        saved = tensor_leaves(torchzip.load_meta(f, path))
+        # the archive this process just wrote from the objects it holds: unpickling it imports nothing new
+        saved = tensor_leaves(torchzip.load_meta(f, path, weights_only=False))
         lazies = tensor_leaves(obj)
         if len(saved) != len(lazies):
             raise RuntimeError(f"{path}: torch.save wrote {len(saved)} tensors for {len(lazies)}")

@@ -85,16 +85,17 @@ class StoredTensor:
     contiguous: bool
 
 
-def load_meta(fileobj, where: str) -> Any:
+def load_meta(fileobj, where: str, *, weights_only: bool = True) -> Any:
     """What the archive ``fileobj`` holds, every tensor on the meta device (only the pickle is read).
 
-    ``where`` names the archive in errors. Refuses archives of the other byte order and objects that
-    ``weights_only=True`` does not allow.
+    ``where`` names the archive in errors. Refuses archives of the other byte order and, unless
+    ``weights_only=False`` (only for an archive this process wrote itself), objects that ``weights_only=True``
+    does not allow.
     """
     _check_byte_order(fileobj, where)
     fileobj.seek(0)
     try:
-        return torch.load(fileobj, map_location="meta", weights_only=True)
+        return torch.load(fileobj, map_location="meta", weights_only=weights_only)
     except Exception as err:  # torch raises UnpicklingError, RuntimeError, ... depending on what is wrong
         raise ValueError(f"cannot read {where} as a torch.save archive with weights_only=True: {err}") from err
 

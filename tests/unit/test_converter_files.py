@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lightning_par.checkpoint.convert import convert, describe
-from lightning_par.checkpoint.writers import Lazy, write_safetensors, write_torch
+from lightning_par.checkpoint.writers import Lazy, tensor_leaves, write_safetensors, write_torch
 from lightning_par.weights.sources import _SAFETENSORS_DTYPES, TensorInfo
 
 
@@ -48,7 +48,8 @@ def test_a_converted_ckpt_is_torchs_own_archive(tmp_path, src_form):
     assert list(loaded["state_dict"]) == list(state)
     for name, tensor in loaded["state_dict"].items():
         assert _equal_bits(tensor, state[name]), name
-        assert tensor.data_ptr() % 64 == 0, (name, tensor.dtype, tensor.data_ptr() % 64)
+    for tensor in tensor_leaves(loaded):  # the metadata's tensors too
+        assert tensor.data_ptr() % 64 == 0, (tensor.dtype, tensor.shape, tensor.data_ptr() % 64)
     assert loaded["callbacks"]["mc"]["best"] == 0.5 and torch.equal(loaded["rng"], rng)
     assert (loaded["epoch"], loaded["global_step"]) == (1, 7)
 
@@ -118,3 +119,26 @@ def test_mistakes_are_refused_with_the_value_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"raw\.pt holds weights only; pass --weights-only"):
         convert(tmp_path / "raw.pt", tmp_path / "w.ckpt")
     assert not list(tmp_path.glob("w*")) and not list(tmp_path.glob(".w*"))  # nothing half-written left
+
+
+class Note:
+    """A callback's custom state object (DCP keeps Lightning's metadata as a pickle, so any object can be there)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_custom_objects_in_the_metadata_travel_and_tensors_inside_them_are_refused(tmp_path):
+    from lightning_par.checkpoint import sharded
+
+    model = {"w": torch.arange(6.0).view(2, 3)}
+    sharded.save(str(tmp_path / "plain"), model, meta={"epoch": 0, "callbacks": {"note": Note("kept")}})
+    convert(tmp_path / "plain", tmp_path / "plain.ckpt")
+    out = torch.load(tmp_path / "plain.ckpt", weights_only=False, mmap=True)
+    assert out["callbacks"]["note"].value == "kept" and torch.equal(out["state_dict"]["w"], model["w"])
+
+    sharded.save(str(tmp_path / "hidden"), model, meta={"epoch": 0, "callbacks": {"note": Note(torch.ones(3))}})
+    with pytest.raises(ValueError, match=r"hidden\.ckpt: it would hold 1 tensor\(s\) inside objects other than "
+                                         r"dicts, lists and tuples .* Convert with --weights-only"):
+        convert(tmp_path / "hidden", tmp_path / "hidden.ckpt")
+    assert not (tmp_path / "hidden.ckpt").exists()
