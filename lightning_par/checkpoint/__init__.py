@@ -8,6 +8,7 @@
 - :mod:`~lightning_par.checkpoint.gather`: every rank's share gathered into one consolidated file.
 - :mod:`~lightning_par.checkpoint.tensors`: DTensors gathered, full tensors laid out like a shard again.
 - :mod:`~lightning_par.checkpoint.convert`: streaming conversion and inspection (``lightning-par-checkpoint``).
+- :mod:`~lightning_par.checkpoint.writers`: its writers (a ``torch.save`` archive, safetensors, a DCP directory).
 """
 from lightning_par.checkpoint.sharded import is_sharded as is_distributed_checkpoint
 from lightning_par.checkpoint.sharded import read_meta
