@@ -162,21 +162,30 @@ def _open_torch(path: str) -> Checkpoint:
 
 # -- converting ----------------------------------------------------------------------------------------------
 
+_TORCH_SUFFIXES = (".ckpt", ".pt", ".pth")  # written by torch.save; ".safetensors" by safetensors; else a DCP directory
+
+
 def convert(src, dst, *, strip_prefix: str = "", weights_only: bool = False) -> str:
     """Convert ``src`` (DCP directory, ``.ckpt`` or ``.safetensors``) to ``dst``, whose form its suffix names:
     ``.safetensors`` (weights only, names without ``strip_prefix``), ``.ckpt`` / ``.pt`` / ``.pth`` (plain
     Lightning's one-device file), anything else a DCP directory. Returns the form written."""
     ckpt = open_checkpoint(src)
     try:
-        folder = os.path.dirname(os.path.abspath(os.fspath(dst)))
+        dst = os.fspath(dst)
+        folder = os.path.dirname(os.path.abspath(dst))
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"The folder {folder} of {os.fspath(dst)} does not exist: create it first "
+            raise FileNotFoundError(f"The folder {folder} of {dst} does not exist: create it first "
                                     f"(mkdir -p {folder}) or write somewhere else.")
+        if not dst.endswith((*_TORCH_SUFFIXES, ".safetensors")) and os.path.exists(dst) and not sharded.is_sharded(dst):
+            raise FileExistsError(f"{dst} exists and is not a checkpoint directory; a destination without a file "
+                                  f"suffix (.ckpt, .pt, .pth, .safetensors) is written as a DCP directory, which "
+                                  f"would replace it. Name a new directory (say {os.path.join(dst, 'ckpt')}) or a "
+                                  f"file.")
         if strip_prefix and not any(k.startswith(strip_prefix) for k in ckpt.model):
             raise ValueError(f"The prefix {strip_prefix!r} (--strip-prefix) starts none of the {len(ckpt.model)} "
                              f"tensor names in {ckpt.path}; they start with {_prefixes(ckpt.model)}. Pass one of "
                              f"those, or no prefix.")
-        return _convert(ckpt, src, os.fspath(dst), strip_prefix=strip_prefix, weights_only=weights_only)
+        return _convert(ckpt, src, dst, strip_prefix=strip_prefix, weights_only=weights_only)
     finally:
         ckpt.close()
 
@@ -201,7 +210,7 @@ def _convert(ckpt: Checkpoint, src, dst: str, *, strip_prefix: str, weights_only
     optimizers = [] if weights_only else ckpt.named_optimizers()
     if weights_only:
         meta.pop("lr_schedulers", None)
-    if dst.endswith((".ckpt", ".pt", ".pth")):
+    if dst.endswith(_TORCH_SUFFIXES):
         out = {**meta, "state_dict": model}
         if not weights_only:
             out["optimizer_states"] = [to_positional(o["state"], o["param_groups"]) for o in optimizers]

@@ -119,6 +119,14 @@ def test_mistakes_are_refused_with_the_value_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"raw\.pt holds weights only; pass --weights-only"):
         convert(tmp_path / "raw.pt", tmp_path / "w.ckpt")
     assert not list(tmp_path.glob("w*")) and not list(tmp_path.glob(".w*"))  # nothing half-written left
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mine.bin").write_bytes(b"a user's file")
+    with pytest.raises(FileExistsError, match=r"models exists and is not a checkpoint directory; .* would replace it\. "
+                                              r"Name a new directory \(say .*models/ckpt\) or a file"):
+        convert(tmp_path / "one.ckpt", tmp_path / "models")  # a DCP destination: never in place of a folder
+    assert (tmp_path / "models" / "mine.bin").read_bytes() == b"a user's file"
+    convert(tmp_path / "one.ckpt", tmp_path / "dcp")
+    convert(tmp_path / "one.ckpt", tmp_path / "dcp")  # an older checkpoint directory is replaced, as a file is
 
 
 class Note:
