@@ -90,3 +90,9 @@ def test_every_strategy_keyword_is_in_its_argument_table(name):
     keywords = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
     missing = [k for k in keywords if k not in documented]
     assert not missing, f"{name}'s keywords missing from its table in docs/strategies.md: {missing}"
+
+
+def test_readme_links_every_docs_page():
+    linked = {Path(t.partition("#")[0]).name for t in LINK.findall(_prose((REPO / "README.md").read_text()))
+              if t.startswith("docs/")}
+    assert {p.name for p in PAGES[1:]} <= linked, sorted({p.name for p in PAGES[1:]} - linked)
