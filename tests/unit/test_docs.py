@@ -1,6 +1,6 @@
-"""The user docs stay true to the repository: every relative link in README.md and docs/*.md resolves (files,
-folders and `#anchors` into Markdown headings, by GitHub's anchor rule), and each public strategy's docs
-section has one argument table naming every keyword of its constructor."""
+"""The user docs stay true to the repository: every relative link in README.md, examples/README.md and
+docs/*.md resolves (files, folders and `#anchors` into Markdown headings, by GitHub's anchor rule), and each
+public strategy's section of docs/strategies.md has one argument table naming every keyword of its constructor."""
 from __future__ import annotations
 
 import inspect
@@ -12,7 +12,7 @@ import pytest
 import lightning_par
 
 REPO = Path(__file__).resolve().parents[2]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", REPO / "examples" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
@@ -95,4 +95,5 @@ def test_every_strategy_keyword_is_in_its_argument_table(name):
 def test_readme_links_every_docs_page():
     linked = {Path(t.partition("#")[0]).name for t in LINK.findall(_prose((REPO / "README.md").read_text()))
               if t.startswith("docs/")}
-    assert {p.name for p in PAGES[1:]} <= linked, sorted({p.name for p in PAGES[1:]} - linked)
+    pages = {p.name for p in (REPO / "docs").glob("*.md")}
+    assert pages <= linked, sorted(pages - linked)
