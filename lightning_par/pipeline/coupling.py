@@ -97,13 +97,13 @@ class Coupling:
 
 
 def measure_coupling(run: Callable[[Any], Any], microbatch: Any, *, loss_of: Callable[[Any], torch.Tensor],
-                     dtype: torch.dtype, reseed: Callable[[int], None]) -> Optional[Coupling]:
+                     dtype: torch.dtype, reseed: Callable[[int], Any]) -> tuple[Optional[Coupling], Optional[str]]:
     """The :class:`Coupling` of ``run`` (the user's step on a micro-batch) on ``microbatch``, without gradients or
-    dropout, each forward from ``reseed(0)``; ``None`` when it cannot tell: one sample, or a loss that changes
-    with the RNG state (the caller restores the RNG and the module's state)."""
+    dropout, each forward from ``reseed(0)``, or why it cannot tell: ``(None, reason)``, or ``(None, None)`` for a
+    micro-batch of one sample (the caller restores the RNG and the module's state)."""
     n = batch_size(microbatch)
     if n < 2:
-        return None
+        return None, None
 
     def loss(mb, seed=0) -> float:
         reseed(seed)
@@ -111,8 +111,10 @@ def measure_coupling(run: Callable[[Any], Any], microbatch: Any, *, loss_of: Cal
 
     with torch.no_grad(), no_dropout():
         whole = loss(microbatch)
+        if not math.isfinite(whole):
+            return None, f"the loss of the micro-batch is {whole}"
         if loss(microbatch, seed=1) != whole:
-            return None
+            return None, "the loss changes with the RNG state beyond dropout (noise, sampled timesteps)"
         halves = split_batch(microbatch, 2)
         mean = weighted_mean([loss(h) for h in halves], [batch_size(h) for h in halves])
-    return Coupling(whole=whole, halves=float(mean), samples=n, dtype=dtype)
+    return Coupling(whole=whole, halves=float(mean), samples=n, dtype=dtype), None

@@ -13,7 +13,7 @@ from lightning_par.materialize import has_meta
 from lightning_par.pipeline.coupling import measure_coupling
 from lightning_par.pipeline.ends import record_uses, trace_device
 from lightning_par.pipeline.flow import kept_state
-from lightning_par.pipeline.microbatch import batch_size, first_batch, split_batch
+from lightning_par.pipeline.microbatch import first_batch, split_batch
 from lightning_par.pipeline.profile import mean_over_ranks, profile_step
 from lightning_par.pipeline.routing import LogCapture
 from lightning_par.pipeline.runner import loss_of, rng_fork
@@ -75,12 +75,10 @@ def check_batch_semantics(strategy, lm, step) -> None:
     if strategy.global_rank == 0:
         try:
             with rng_fork(strategy.root_device, True), kept_state(lm):
-                found = measure_coupling(step.on, step.microbatch, loss_of=loss_of, reseed=torch.manual_seed,
-                                         dtype=compute_dtype(step.context, strategy.root_device, lm))
+                found, why = measure_coupling(step.on, step.microbatch, loss_of=loss_of, reseed=torch.manual_seed,
+                                              dtype=compute_dtype(step.context, strategy.root_device, lm))
         except Exception as error:  # the trace ran this step: a failure on a half is the halves' own
             why = f"a half of the micro-batch failed: {type(error).__name__}: {error}"
-        if found is None and why is None and batch_size(step.microbatch) > 1:
-            why = "the loss changes with the RNG state beyond dropout (noise, sampled timesteps)"
     found, why = strategy.broadcast((found, why), src=0)
     if why is not None:
         rank_zero_info(f"The check whether micro-batching changes the loss was skipped: {why} ([Note: losses that "
