@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from harness import TIMEOUT_S, seeded, trainer_kwargs
-from lightning_par import PipelineParallelStrategy
+from lightning_par import HybridParallelStrategy, PipelineParallelStrategy
 from lightning_par.models import GPT
 from lightning_par.pipeline.coupling import measure_coupling, no_dropout
 from lightning_par.pipeline.runner import loss_of
@@ -123,9 +123,10 @@ def test_strict_batch_semantics_refuses_a_coupled_loss_on_every_rank(tmp_path):
     assert not list(tmp_path.glob("warnings*.txt"))  # refused at setup: training never started
 
 
-def test_strict_batch_semantics_must_be_a_bool():
+@pytest.mark.parametrize("cls", [PipelineParallelStrategy, HybridParallelStrategy])
+def test_strict_batch_semantics_must_be_a_bool(cls):
     with pytest.raises(ValueError, match=r"`strict_batch_semantics='yes'` must be True"):
-        PipelineParallelStrategy(strict_batch_semantics="yes")
+        cls(strict_batch_semantics="yes")
 
 
 # -- the measurement, in one process ----------------------------------------------------------------------
