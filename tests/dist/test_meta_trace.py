@@ -20,7 +20,7 @@ from lightning_par import HybridParallelStrategy, PipelineParallelStrategy
 from lightning_par.pipeline.flow import trace_flow
 from lightning_par.pipeline.stand_ins import StandIns
 from lightning_par.materialize import meta_parameters
-from test_meta_weights import DATA, Share, fit_and_record_one, save_weights
+from test_meta_weights import DATA, Block, Share, fit_and_record_one, save_weights
 from test_pipeline import assert_pipeline_matches
 
 transformers = pytest.importorskip("transformers")
@@ -75,19 +75,6 @@ class LitT5(LitHF):
         return self.model(input_ids=src, labels=tgt).loss
 
 
-class MlpBlock(nn.Module):
-    """A pre-norm MLP block whose Megatron pair sits in a submodule (under pp × tp a block that is itself the
-    tensor-parallel region fails today in the region probe, whose copy of the block carries the stage's hooks)."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x):
-        return x + self.mlp(self.norm(x))
-
-
 class Branchy(LitHF):
     """Our own module whose code between the embedding and the blocks needs values of the batch: it masks the
     tokens equal to 0 only ``if mask.any():`` (per sample: the loss of a batch is still the mean of its samples')."""
@@ -95,7 +82,7 @@ class Branchy(LitHF):
     def __init__(self):
         pl.LightningModule.__init__(self)
         self.embed = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList(MlpBlock(16) for _ in range(4))
+        self.blocks = nn.ModuleList(Block(16) for _ in range(4))  # under tp each block is a region itself
         self.head = nn.Linear(16, 32)
 
     def loss(self, batch):
