@@ -80,6 +80,7 @@ class PipelineStrategyConfig:
     stages_per_rank: int = 1
     blocks: Optional[str] = None  # null: the longest ModuleList/Sequential of same-class blocks
     balance: Any = "params"  # uniform | params | time | [blocks per stage]
+    strict_batch_semantics: bool = False  # true: refuse a loss that micro-batching changes (else warn)
     zero_stage: int = 0  # 0 | 1 | 2 | 3 on the replicas (the dp axis), as DataParallelStrategy's
     weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
     weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
@@ -133,6 +134,7 @@ class HybridStrategyConfig:
     stages_per_rank: int = 1
     blocks: Optional[str] = None
     balance: Any = "params"  # uniform | params | time | [blocks per stage]
+    strict_batch_semantics: bool = False  # true: refuse a loss that micro-batching changes (else warn)
     plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
     sequence_parallel: bool = False  # several stages too: each tp rank sends its sequence chunk
     loss_parallel: bool = False  # several stages too: the last stage shards the vocabulary

@@ -3,8 +3,8 @@
 [Note: the ends a stage needs]
 Every stage runs the user's step from its start (see stage.py), so what a stage computes outside the blocks
 depends on where the code sits relative to the blocks. While the setup trace runs the step once
-([Note: block flow] in flow.py; on the meta device for a meta-built module), a torch function mode records,
-for every parameter outside the blocks, where the step uses it: before the first block (the embedding:
+([Note: block flow] in flow.py; with stand-ins of a meta-built module's parameters), a torch function mode
+records, for every parameter outside the blocks, where the step uses it: before the first block (the embedding:
 every stage runs that code, the first one for its gradient, the others for the shapes and the device of
 what the blocks' other arguments are computed from), inside block ``i`` (a table the blocks read: the
 stages holding ``i``), or after block ``i`` (the stages whose blocks run on past it, and the last stage,
@@ -102,9 +102,10 @@ def first_owner(uses: dict[str, set], bounds: list[tuple[int, int]], stages_per_
     return {name: next(s for s in range(pp) if needs[s](name)) for name in uses}
 
 
-def trace_device(module: nn.Module) -> Optional[torch.device]:
-    """Where the setup trace runs: the meta device for a module with meta parameters, else its parameters'."""
+def trace_device(module: nn.Module, device: torch.device) -> Optional[torch.device]:
+    """Where the setup trace runs: the module's parameters' device, or ``device`` (the rank's) for a module with
+    meta parameters, whose trace computes with stand-ins ([Note: tracing a meta-built module] in stand_ins.py)."""
     p = next(module.parameters(), None)
     if p is None:
         return None
-    return torch.device("meta") if any(q.is_meta for q in module.parameters()) else p.device
+    return device if any(q.is_meta for q in module.parameters()) else p.device

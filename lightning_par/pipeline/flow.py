@@ -23,14 +23,21 @@ by the caller, the RNG restored by the caller.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import sysconfig
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+import lightning
+import lightning_par
 from lightning_par.pipeline.discovery import other_stacks
+from lightning_par.pipeline.stand_ins import StandIns
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
@@ -70,9 +77,11 @@ def hidden_name(block: nn.Module) -> str | None:
     return params[0].name if params and params[0].kind != params[0].VAR_POSITIONAL else None
 
 
-def trace_flow(root: nn.Module, path: str, container: nn.Module, step: Callable[[], Any]) -> BlockFlow:
+def trace_flow(root: nn.Module, path: str, container: nn.Module, step: Callable[[], Any],
+               stand_ins: StandIns | None = None) -> BlockFlow:
     """Run ``step`` once (no grad) with hooks on every block of ``container`` (``root``'s ``path``) and
-    return the :class:`BlockFlow`; raise ``ValueError`` for what a pipeline cannot run (see [Note: block flow])."""
+    return the :class:`BlockFlow`; raise ``ValueError`` for what a pipeline cannot run (see [Note: block flow]).
+    ``stand_ins``: active during the step, for a meta-built module ([Note: tracing a meta-built module])."""
     calls: list[_Call] = []
     stacks = other_stacks(root, path)
     events: list[tuple[str, int]] = []  # ("block", i) / ("stack", k) in call order
@@ -100,24 +109,18 @@ def trace_flow(root: nn.Module, path: str, container: nn.Module, step: Callable[
         handles.append(block.register_forward_hook(post, with_kwargs=True))
     for k, (_, stack) in enumerate(stacks):
         handles.append(stack[0].register_forward_pre_hook(lambda *_, k=k: events.append(("stack", k))))
-    buffers = {name: b.detach().clone() for name, b in root.named_buffers()}
     try:
-        with torch.no_grad(), no_mha_fastpath():
+        with kept_state(root), torch.no_grad(), no_mha_fastpath(), stand_ins or contextlib.nullcontext():
             step()
     except Exception as error:
         raise RuntimeError(
             f"Pipeline setup runs the step once on one micro-batch, without gradients, to learn what the blocks of "
             f"`{path}` hand each other (see [Note: block flow] in lightning_par/pipeline/flow.py); it raised "
-            f"{type(error).__name__}: {error}"
+            f"{type(error).__name__}: {error}{failed_line(error, meta=stand_ins is not None)}"
         ) from error
     finally:
         for h in handles:
             h.remove()
-        with torch.no_grad():
-            for name, b in root.named_buffers():
-                if name in buffers and buffers[name].shape == b.shape:
-                    b.copy_(buffers[name])
-        _reset_metrics(root)
     return _analyse(path, len(container), calls, [(n, len(s), type(s[0]).__name__) for n, s in stacks], events)
 
 
@@ -232,6 +235,50 @@ class no_mha_fastpath:
 
     def __exit__(self, *exc):
         torch.backends.mha.set_fastpath_enabled(self.was)
+
+
+@contextlib.contextmanager
+def kept_state(root: nn.Module):
+    """Undo what a run of the user's step at setup leaves in the module: its buffers (batch-norm statistics)
+    are restored and its torchmetrics objects reset."""
+    buffers = {name: b.detach().clone() for name, b in root.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in root.named_buffers():
+                if name in buffers and buffers[name].shape == b.shape:
+                    b.copy_(buffers[name])
+        _reset_metrics(root)
+
+
+_INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, lightning, lightning_par))
+_STDLIB = tuple(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib"))
+_PACKAGES = tuple(sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib"))
+
+
+def _internal(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_INTERNAL) or (path.startswith(_STDLIB) and not path.startswith(_PACKAGES))
+
+
+def failed_line(error: BaseException, *, meta: bool) -> str:
+    """[Note: the line that failed] The innermost frame of ``error``'s traceback outside torch, lightning_par
+    and Python's library: the line of the user's module (or of a library it calls, such as transformers) whose
+    operation failed, as ``, at FILE:LINE in FUNC: CODE``, then the workaround for a meta-built module (``meta``:
+    its parameters were zeros in the trace, see [Note: tracing a meta-built module]); "" without such a frame."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not _internal(f.filename)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    text = f", at {f.filename}:{f.lineno} in `{f.name}`: `{(f.line or '').strip()}`."
+    if meta:
+        text += (" The module was built on the meta device, so the trace computed with zero-filled stand-ins of "
+                 "its parameters (values from the batch are real; see [Note: tracing a meta-built module] in "
+                 "lightning_par/pipeline/stand_ins.py). If that line needs a value computed from the weights, make "
+                 "it depend on the batch only, or build the module with real weights "
+                 "(`trainer.init_module(empty_init=False)`; `weights=` is read into it as before).")
+    return text
 
 
 def _reset_metrics(root: nn.Module) -> None:

@@ -9,8 +9,11 @@ from lightning_par.pipeline.schedules import SCHEDULES
 
 
 def check_options(*, microbatches: Optional[int], schedule: str, stages_per_rank: int, blocks: Optional[str],
-                  balance: Union[str, Sequence[int]]) -> None:
+                  balance: Union[str, Sequence[int]], strict_batch_semantics: bool = False) -> None:
     """A ``ValueError`` naming the value and the fix for a bad pipeline option."""
+    if not isinstance(strict_batch_semantics, bool):
+        raise ValueError(f"`strict_batch_semantics={strict_batch_semantics!r}` must be True (refuse a loss that "
+                         f"micro-batching changes) or False (warn).")
     if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
                                      or microbatches < 1):
         raise ValueError(f"`microbatches={microbatches!r}` must be a positive integer or None (2 × pipeline size).")

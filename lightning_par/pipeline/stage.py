@@ -134,6 +134,10 @@ class StageRuntime:
         self.step = 0
         self.current = 0
         self.active = 0  # index into self.chunks
+        # [Note: hooks act inside a stage forward] the blocks' hooks act only while :meth:`forward` runs the
+        # user's step: a copy of a block (the tensor-parallel region probe deep-copies a block that is itself a
+        # region, hooks included) runs as the block alone, without receiving, sending or reseeding
+        self.running = False
         self.inputs: dict[tuple[int, int], list[torch.Tensor]] = {}  # received floating entries (grad leaves)
         self.outputs: dict[tuple[int, int], list[torch.Tensor]] = {}  # sent floating entries
         self._received: dict[tuple[int, int], torch.Tensor] = {}  # hidden states a ghost has taken for its block
@@ -211,7 +215,7 @@ class StageRuntime:
 
     # -- hooks ------------------------------------------------------------------------------------
     def _pre_block(self, index: int, chunk: int, args: tuple, kwargs: dict):
-        if chunk != self.active:
+        if chunk != self.active or not self.running:  # [Note: hooks act inside a stage forward]
             return None
         if self.seeded:
             self._reseed(index)
@@ -245,7 +249,7 @@ class StageRuntime:
         return self.boundary.incoming(bundle) if self.boundary is not None else bundle
 
     def _post_last_block(self, chunk: int, output: Any):
-        if chunk != self.active:
+        if chunk != self.active or not self.running:  # [Note: hooks act inside a stage forward]
             return None
         k = self._virtual(chunk)
         if isinstance(output, (tuple, list)):
@@ -361,6 +365,7 @@ class StageRuntime:
         if self.seeded:
             self._reseed(-1)
         t0, w0 = time.perf_counter(), self.wait_s
+        self.running = True
         try:
             with no_mha_fastpath():
                 if self.meter is not None and torch.is_grad_enabled():
@@ -371,6 +376,7 @@ class StageRuntime:
         except StopStage:
             return None
         finally:
+            self.running = False
             self.busy_s += time.perf_counter() - t0 - (self.wait_s - w0)
         if self._virtual(chunk) != self.num_virtual - 1:
             raise RuntimeError(

@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from lightning_par._compat import optimizers_to_device
 from lightning_par.dp import fsdp
 from lightning_par.pipeline.consolidate import owned_state
-from lightning_par.materialize import free_parameters, move_real
+from lightning_par.materialize import free_parameters, has_meta, move_real
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.ends import first_owner, stage_needs
 from lightning_par.pipeline.flow import trace_flow
@@ -37,8 +37,9 @@ from lightning_par.pipeline.partition import partition_blocks, stage_bounds, sta
 from lightning_par.pipeline.routing import ResultRouter, confine_metrics
 from lightning_par.pipeline.runner import ScheduleRunner, base_seed, rng_fork
 from lightning_par.pipeline.shared import SharedParameters, sync_found_inf
+from lightning_par.pipeline.stand_ins import StandIns
 from lightning_par.pipeline.stage import Ghost, StageRuntime
-from lightning_par.strategies._pipeline_sample import profile_blocks, sample_step
+from lightning_par.strategies._pipeline_sample import check_batch_semantics, profile_blocks, sample_step
 from lightning_par.strategies._precision import PrecisionHooks
 from lightning_par.tensor.boundary import StageBoundary, check_sequence_stack
 from lightning_par.tensor.mixed import clip_grad_value_, settle_grads
@@ -59,6 +60,7 @@ class PipelinePath:
         self.new_grads: list[Optional[torch.Tensor]] = []  # this step's gradients, from training_step to backward
         self.full_keys: list[str] = []
         self.block_prefix = ""
+        self.stand_ins: Optional[StandIns] = None  # the trace's of a meta-built module (its peak_bytes)
 
     @property
     def stage(self) -> int:
@@ -115,16 +117,19 @@ class PipelinePath:
                 f"checkpoint into a fresh module (`{type(lm).__name__}.load_from_checkpoint(path)`)."
             )
         # 1. the block stack, what flows between its blocks ([Note: block flow] in pipeline/flow.py) and where the
-        #    step uses what lies outside them ([Note: the ends a stage needs] in pipeline/ends.py), traced on the
-        #    meta device for a meta-built module; a weights file is checked against the whole module first
+        #    step uses what lies outside them ([Note: the ends a stage needs] in pipeline/ends.py), traced with
+        #    stand-ins for a meta-built module's parameters ([Note: tracing a meta-built module] in
+        #    pipeline/stand_ins.py); a weights file is checked against the whole module first
         reader = s._open_weights(lm)
         path, container = find_blocks(lm, s._blocks)
+        self.stand_ins = StandIns(s.root_device) if has_meta(lm) else None
         with rng_fork(s.root_device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
             step = sample_step(s, lm, record=container)
-            flow = trace_flow(lm, path, container, step) if step is not None else None
+            flow = trace_flow(lm, path, container, step, self.stand_ins) if step is not None else None
         uses = getattr(step, "uses", {})
         for warning in flow.warnings if flow is not None else ():
             rank_zero_warn(warning)
+        check_batch_semantics(s, lm, step)  # [Note: losses that couple samples] in pipeline/coupling.py
         # 2. blocks per stage: balanced by parameters, or by profiled time (balance="time")
         params = [sum(p.numel() for p in b.parameters()) for b in container]
         times = profile_blocks(s, lm, container) if s._balance == "time" else None

@@ -50,7 +50,9 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
     replicas on one ``DeviceMesh`` (axes ``pp``, ``dp``, ``tp``; tp innermost, pp outermost by default,
     ``mesh_order="dp_pp_tp"`` for replicas across nodes).
 
-    Every pipeline option (``microbatches``, ``schedule``, ``stages_per_rank``, ``blocks``, ``balance``) and
+    Every pipeline option (``microbatches``, ``schedule``, ``stages_per_rank``, ``blocks``, ``balance``,
+    ``strict_batch_semantics``: refuse a loss that micro-batching changes, see [Note: losses that couple samples]
+    in :mod:`lightning_par.pipeline.coupling`, instead of warning) and
     tensor option (``plan``, ``sequence_parallel``, ``loss_parallel``) of the two presets; with one stage the
     pipeline options are accepted and ignored, so one config spans layouts. With several stages under
     ``sequence_parallel`` each tensor-parallel rank sends only its sequence chunk to the next stage
@@ -81,6 +83,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         stages_per_rank: int = 1,
         blocks: Optional[str] = None,
         balance: Union[str, Sequence[int]] = "params",
+        strict_batch_semantics: bool = False,
         plan: Union[str, Mapping[str, str]] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
@@ -104,7 +107,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         check_sizes(pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
                     tensor_parallel_size=tensor_parallel_size)
         check_options(microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank, blocks=blocks,
-                      balance=balance)
+                      balance=balance, strict_batch_semantics=strict_batch_semantics)
         check_core_fault_tolerance(fault_tolerance, min_replicas, ft_timeout, zero_stage=zero_stage,
                                    data_parallel_size=data_parallel_size, nonfinite=nonfinite)
         check_zero_stage(zero_stage)
@@ -124,6 +127,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         self._order, self._zero_stage = ORDERS[mesh_order], zero_stage
         self._microbatches, self._schedule, self._stages_per_rank = microbatches, schedule, stages_per_rank
         self._blocks, self._balance = blocks, list(balance) if not isinstance(balance, str) else balance
+        self._strict_batch_semantics = strict_batch_semantics  # [Note: losses that couple samples]
         self._sequence_parallel, self._loss_parallel = sequence_parallel, loss_parallel
         self._pp_group = self._dp_group = self._tp_group = self._mesh = self._result_group = None
         self._p2p_groups: tuple = (None, None, None, None)

@@ -16,7 +16,9 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     """Split the model's repeated blocks into ``pipeline_parallel_size`` stages, ``data_parallel_size``
     replicas of the pipeline; micro-batches flow through the stages in a ``gpipe``, ``1f1b``,
     ``interleaved_1f1b`` (``stages_per_rank`` ≥ 2 chunks per rank) or ``zero_bubble`` order.
-    ``pipeline_parallel_size="auto"`` takes every device not given to ``data_parallel_size``.
+    ``pipeline_parallel_size="auto"`` takes every device not given to ``data_parallel_size``. A loss that couples
+    the samples of a batch (contrastive, batch statistics) warns at setup, or with ``strict_batch_semantics=True``
+    is refused ([Note: losses that couple samples] in :mod:`lightning_par.pipeline.coupling`).
     ``fault_tolerance="torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one replica group holding
     the whole pipeline, the replicas are the live groups (see the core, HybridParallelStrategy)."""
 
@@ -34,6 +36,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         stages_per_rank: int = 1,
         blocks: Optional[str] = None,
         balance: Union[str, Sequence[int]] = "params",
+        strict_batch_semantics: bool = False,
         zero_stage: int = 0,
         weights: Optional[str] = None,
         weights_prefix: str = "",
@@ -56,6 +59,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             data_parallel_size=data_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             tensor_parallel_size=1, zero_stage=zero_stage, microbatches=microbatches, schedule=schedule,
             stages_per_rank=stages_per_rank, blocks=blocks, balance=balance,
+            strict_batch_semantics=strict_batch_semantics,
             nonfinite=nonfinite, fault_tolerance=fault_tolerance, min_replicas=min_replicas, ft_timeout=ft_timeout,
             weights=weights, weights_prefix=weights_prefix, async_save=async_save,
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
