@@ -90,11 +90,11 @@ def _under_torchelastic() -> bool:
 def build_trainer_kwargs(cfg: DictConfig, run_dir: str | os.PathLike) -> dict[str, Any]:
     """Everything ``pl.Trainer`` receives: the ``trainer`` group (any ``+trainer.KEY``, ``_target_`` nodes such
     as ``+trainer.logger._target_=...`` or ``+trainer.callbacks=[{_target_: ...}]`` instantiated), precision
-    plugins, the app's loggers (unless the user gives ``trainer.logger``) and checkpoints."""
+    plugins, the app's loggers and checkpoints (unless the user gives ``trainer.logger`` / a ModelCheckpoint)."""
     kw = trainer_values(cfg)
     precision = kw.pop("precision")
-    user = {key: instantiate(cfg.trainer[key], _convert_="all") for key in ("logger", "callbacks", "profiler",
-                                                                              "plugins") if key in cfg.trainer}
+    user = {key: instantiate(node, _convert_="all") for key, node in cfg.trainer.items_ex(resolve=True)
+            if OmegaConf.is_config(node)}  # `_target_` nodes: loggers, callbacks, a profiler, plugins
     plugins = precision_kwargs(precision, kw["accelerator"])
     if "plugins" in user:  # the user's plugins beside the precision plugin the app chose
         plugins["plugins"] = [*plugins.get("plugins", []), *_as_list(user.pop("plugins"))]
@@ -103,7 +103,7 @@ def build_trainer_kwargs(cfg: DictConfig, run_dir: str | os.PathLike) -> dict[st
     kw.setdefault("default_root_dir", str(run_dir))
     kw["logger"] = build_loggers(run_dir) if kw.get("logger", True) is True else kw["logger"]
     kw["callbacks"] = _as_list(kw.get("callbacks"))
-    if kw["enable_checkpointing"]:
+    if kw["enable_checkpointing"] and not any(isinstance(c, ModelCheckpoint) for c in kw["callbacks"]):  # else theirs
         kw["callbacks"].append(ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_last=cfg.save_last))
     if kw["enable_progress_bar"] and (bar := build_progress_bar()) is not None:
         kw["callbacks"].append(bar)
@@ -359,7 +359,9 @@ def precheck(argv: Sequence[str]) -> None:
     from hydra import compose, initialize_config_dir
 
     with user_errors(), initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        check_run(compose("config", overrides=overrides))
+        cfg = compose("config", overrides=overrides)
+        check_run(cfg)
+        build_strategy(cfg.strategy)  # its own argument checks; a strategy starts nothing when constructed
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")

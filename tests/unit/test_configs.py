@@ -370,3 +370,64 @@ def test_fault_tolerance_from_the_command_line():
         strategy = train.build_strategy(_compose(f"strategy={group}", "strategy.fault_tolerance=torchft",
                                                  "strategy.ft_timeout=5").strategy)
         assert strategy.fault_tolerance == "torchft" and strategy._ft_timeout == 5
+
+
+# ------------------------------------------------------------------------------ Trainer pass-through
+
+
+def test_any_trainer_argument_passes_through(tmp_path):
+    cfg = _compose("+trainer.profiler=simple", "+trainer.max_time=00:00:01:00", "+trainer.fast_dev_run=true",
+                   "+trainer.detect_anomaly=true", "trainer.accelerator=cpu")
+    schemas.check_keys(cfg)
+    kw = train.build_trainer_kwargs(cfg, tmp_path)
+    assert kw["profiler"] == "simple" and kw["max_time"] == "00:00:01:00" and kw["fast_dev_run"] is True
+    trainer = pl.Trainer(**{**kw, "devices": 1})
+    assert trainer.fast_dev_run is True and trainer.profiler.__class__.__name__ == "SimpleProfiler"
+    assert any(type(c).__name__ == "Timer" for c in trainer.callbacks)  # max_time became Lightning's Timer
+
+
+def test_loggers_and_callbacks_by_target(tmp_path):
+    cfg = _compose("+trainer.logger._target_=lightning.pytorch.loggers.CSVLogger",
+                   f"+trainer.logger.save_dir={tmp_path / 'mine'}",
+                   "+trainer.callbacks=[{_target_: lightning.pytorch.callbacks.LearningRateMonitor}]",
+                   "trainer.accelerator=cpu")
+    schemas.check_keys(cfg)
+    kw = train.build_trainer_kwargs(cfg, tmp_path)
+    assert isinstance(kw["logger"], CSVLogger) and kw["logger"].save_dir == str(tmp_path / "mine")
+    names = [type(c).__name__ for c in kw["callbacks"]]
+    assert names[0] == "LearningRateMonitor" and "ModelCheckpoint" in names  # the user's beside the app's
+    pl.Trainer(**{**kw, "devices": 1})
+
+
+def test_trainer_logger_false_turns_logging_off(tmp_path):
+    kw = train.build_trainer_kwargs(_compose("+trainer.logger=false"), tmp_path)
+    assert kw["logger"] is False
+
+
+def test_unknown_trainer_argument_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"`trainer.profilr` is not a setting of trainer \(lightning.Trainer\); "
+                                         r"did you mean `profiler`\?"):
+        schemas.check_keys(_compose("+trainer.profilr=simple"))
+
+
+def test_custom_model_and_data_by_target():
+    cfg = _compose("model=custom", "model._target_=lightning_par.models.MLPClassifier", "+model.in_features=8",
+                   "+model.num_classes=3", "data=custom", "data._target_=lightning_par.data.SyntheticClassification",
+                   "+data.in_features=8", "+data.num_classes=3", "+data.train_samples=64")
+    schemas.check_keys(cfg)
+    datamodule = train.build_datamodule(cfg.data)
+    model = train.build_model(cfg.model, datamodule)
+    assert model.hparams.in_features == 8 and datamodule.num_classes == 3
+
+
+def test_hf_model_from_a_config_dict():
+    cfg = _compose("model=hf", f"model.config={TINY_LLAMA}")
+    model = train.build_model(cfg.model, train.build_datamodule(cfg.data))
+    assert model.model.config.model_type == "llama" and model.model.config.vocab_size == cfg.data.vocab_size
+    batch = next(iter(train.build_datamodule(cfg.data).train_dataloader()))
+    assert model.training_step(batch, 0).ndim == 0
+    from hydra.errors import InstantiationException
+
+    with pytest.raises(InstantiationException, match=r"vocabulary \(8, from model.config\) is smaller than the data's \(64\)"):
+        train.build_model(_compose("model=hf", f"model.config={TINY_LLAMA[:-1]}, vocab_size: 8}}").model,
+                          train.build_datamodule(cfg.data))

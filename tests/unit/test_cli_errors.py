@@ -1,0 +1,155 @@
+"""A user's mistake on a console script: one message naming the value and the fix, exit status 2, no traceback,
+before any process group or training starts (each run is bounded by a short timeout to show that)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = 90  # seconds: an import of torch + Lightning + Hydra under load; no rank is ever started
+
+
+def _run(module: str, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=FAST)
+
+
+def _one_message(res: subprocess.CompletedProcess, prog: str, *named: str) -> str:
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith(f"{prog}: error:")]
+    assert len(errors) == 1, out[-3000:]
+    for value in named:
+        assert value in errors[0], errors[0]
+    return errors[0]
+
+
+TRAIN_MISTAKES = [
+    # (overrides, what the message names)
+    (["strategy.comm_hok=fp16"], ["strategy.comm_hok", "comm_hook"]),
+    (["model.n_layr=4"], ["model.n_layr", "n_layer"]),
+    (["trainer.max_steps=ten"], ["trainer.max_steps=ten", "Integer"]),
+    (["strategy=tensr"], ["strategy/tensr", "tensor"]),
+    (["+trainer.profilr=simple"], ["trainer.profilr", "profiler"]),
+    (["trainer.profiler=simple"], ["trainer.profiler", "+trainer.profiler="]),
+    (["strategy=tensor", "strategy.tensor_parallel_size=2", "trainer.devices=3"],
+     ["tensor_parallel_size=2", "data_parallel_size=auto", "world size (3)", "trainer.devices="]),
+    (["ckpt_path=missing.ckpt"], ["ckpt_path=missing.ckpt", "does not exist"]),
+    (["strategy.weights=nothere.safetensors"], ["strategy.weights=nothere.safetensors", "does not exist"]),
+    (["trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches=0", "positive integer"]),
+    (["model=custom", "model._target_=no_such_pkg.Model"], ["model._target_=no_such_pkg.Model", "No module named"]),
+    (["model=custom", "model._target_=collections.OrderedDict"], ["collections.OrderedDict", "LightningModule"]),
+    (["model=custom", "model._target_=lightning_par.models.GPT", "+model.n_layr=2"], ["model.n_layr", "n_layer"]),
+    (["strategy.zero_stage=7"], ["zero_stage=7"]),
+    (["strategy=pipeline", "strategy.schedule=zigzag"], ["schedule='zigzag'"]),
+    (["data=text"], ["data.path"]),
+    (["trainer.max_steps=-1"], ["train forever"]),
+    (["+trainer.strategy=ddp"], ["trainer.strategy=ddp", "strategy=<"]),
+    (["model=hf"], ["model.config"]),
+]
+
+
+@pytest.mark.parametrize("overrides, named", TRAIN_MISTAKES, ids=[" ".join(o) for o, _ in TRAIN_MISTAKES])
+def test_train_mistake_is_found_before_the_run_naming_the_value(tmp_path, monkeypatch, overrides, named):
+    """Every mistake, in this process: the up-front check of the console script raises the user's message."""
+    from lightning_par import train
+    from lightning_par.cli_errors import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as info:
+        train.precheck(overrides)
+    text = str(info.value)
+    assert "\n" not in text.strip() and all(value in text for value in named), text
+
+
+# the mistakes a user meets first, each through the real console script
+CLI_MISTAKES = [TRAIN_MISTAKES[i] for i in (0, 6, 7, 8, 9, 10, 13)]
+
+
+@pytest.mark.timeout(2 * FAST)
+@pytest.mark.parametrize("overrides, named", CLI_MISTAKES, ids=[" ".join(o) for o, _ in CLI_MISTAKES])
+def test_train_mistake_is_one_message_and_exit_2(tmp_path, overrides, named):
+    res = _run("lightning_par.train", *overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    _one_message(res, "lightning-par-train", *named)
+    assert not (tmp_path / "run").exists()  # nothing started: no run dir, no logs, no checkpoints
+
+
+@pytest.mark.timeout(2 * FAST)
+def test_train_traceback_on_request(tmp_path):
+    res = _run("lightning_par.train", "ckpt_path=missing.ckpt", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert res.returncode != 0 and "Traceback" in res.stderr and "ckpt_path=missing.ckpt" in res.stderr
+
+
+@pytest.mark.timeout(3 * FAST)
+@pytest.mark.parametrize("module, prog", [("lightning_par.train", "lightning-par-train"),
+                                          ("lightning_par.advise", "lightning-par-advise"),
+                                          ("lightning_par.recipe", "lightning-par-recipe")])
+def test_version(tmp_path, module, prog):
+    res = _run(module, "--version", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith(f"{prog} ") and "torch" in res.stdout, res.stderr[-2000:]
+
+
+@pytest.mark.timeout(2 * FAST)
+@pytest.mark.parametrize("args, named", [
+    (["model.n_layr=4"], ["model.n_layr", "n_layer"]),
+    (["--devices", "0"], ["--devices=0"]),
+    (["--bogus"], ["--bogus"]),
+])
+def test_advise_mistake_is_one_message_and_exit_2(tmp_path, args, named):
+    _one_message(_run("lightning_par.advise", *args, cwd=tmp_path), "lightning-par-advise", *named)
+
+
+@pytest.mark.timeout(2 * FAST)
+def test_advise_traceback_on_debug(tmp_path):
+    res = _run("lightning_par.advise", "model.n_layr=4", "--debug", cwd=tmp_path)
+    assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+@pytest.mark.timeout(2 * FAST)
+@pytest.mark.parametrize("args, named", [
+    (["parity", "--quick", "trainer.max_steps=2"], ["trainer.max_steps", "did you mean `max_steps=`"]),
+    (["parity", "--bogus"], ["--bogus"]),
+])
+def test_recipe_mistake_is_one_message_and_exit_2(tmp_path, args, named):
+    text = _one_message(_run("lightning_par.recipe", *args, "--out", str(tmp_path / "out"), cwd=tmp_path),
+                        "lightning-par-recipe", *named)
+    assert "unrecognized arguments: trainer" not in text and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["max_stepz=2"], ["max_stepz", "max_steps"]),
+    (["max_steps=abc"], ["max_steps=abc", "an int"]),
+    (["steps"], ["`steps`", "key=value"]),
+    (["model.n_layr=3"], ["model.n_layr", "model.n_layer"]),
+])
+def test_recipe_override_mistakes_name_the_key(overrides, named):
+    from lightning_par.cli_errors import UsageError
+    from lightning_par.recipe import load_config
+
+    with pytest.raises(UsageError) as info:
+        load_config("parity", True, overrides)
+    assert all(value in str(info.value) for value in named), str(info.value)
+
+
+def test_recipe_flags_and_overrides_in_any_order():
+    from lightning_par.recipe import load_config
+
+    cfg = load_config("parity", True, ["max_steps=2", "trainer.accelerator=cpu"])
+    assert cfg.max_steps == 2 and cfg.model.n_layer == 2  # --quick applied under the override
+    import argparse
+
+    from lightning_par.cli_errors import ArgumentParser
+
+    p = ArgumentParser(prog="x")
+    p.add_argument("name")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_intermixed_args(["parity", "--quick", "a=1", "b=2"])
+    assert args.quick and args.overrides == ["a=1", "b=2"] and isinstance(args, argparse.Namespace)
