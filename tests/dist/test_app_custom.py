@@ -46,3 +46,38 @@ def test_app_trains_a_users_module_and_data_with_their_logger_and_callback(tmp_p
     assert len([line for line in metrics.read_text().splitlines()[1:] if line.split(",")[-1]]) >= 1
     assert not (run_dir / "csv").exists()
     assert res.stdout.count("train_loss ") == 1  # the summary, once (rank 0)
+
+
+TINY_LLAMA = ("{model_type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 2, "
+              "num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64}")
+
+
+@pytest.mark.timeout(300)
+def test_app_trains_a_hugging_face_model_from_a_local_weights_file_under_pipeline(tmp_path):
+    """`model=hf model.weights=` under a pipeline of 2 stages: each stage streams its share of the file (lr 0:
+    the checkpoint after one step is the file)."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_file, save_model
+
+    from lightning_par.models import HFCausalLM
+
+    torch.manual_seed(3)
+    source = HFCausalLM(config=OmegaConf.to_container(OmegaConf.create(TINY_LLAMA))).model
+    weights = tmp_path / "model.safetensors"
+    save_model(source, str(weights))
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "lightning_par.train", "model=hf", f"model.config={TINY_LLAMA}",
+               f"model.weights={weights}", "model.lr=0.0", "strategy=pipeline", "strategy.start_method=fork",
+               "trainer.devices=2", "trainer.max_steps=1", "data.seq_len=16", "data.batch_size=4",
+               "data.train_sequences=32", "data.val_sequences=8", "trainer.enable_progress_bar=false",
+               "trainer.num_sanity_val_steps=0", "metrics=false", f"hydra.run.dir={run_dir}"]
+    res = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    expected = load_file(str(weights))
+    assert set(state) == {f"model.{k}" for k in expected}
+    for name, value in expected.items():
+        torch.testing.assert_close(state[f"model.{name}"], value, rtol=0, atol=0)
+    assert 3.0 < float(next(line for line in res.stdout.splitlines() if line.startswith("train_loss ")).split()[1]) < 5

@@ -153,3 +153,43 @@ def test_recipe_flags_and_overrides_in_any_order():
     p.add_argument("--quick", action="store_true")
     args = p.parse_intermixed_args(["parity", "--quick", "a=1", "b=2"])
     assert args.quick and args.overrides == ["a=1", "b=2"] and isinstance(args, argparse.Namespace)
+
+
+# ------------------------------------------------------------------- the same checks for library users
+
+
+@pytest.mark.parametrize("make, named, not_named", [
+    (lambda: __import__("lightning_par").TensorParallelStrategy(tensor_parallel_size=2, start_method="fork"),
+     ["`tensor_parallel_size=2`", "`data_parallel_size=auto` (1)", "world size (3)"], "pipeline_parallel_size"),
+    (lambda: __import__("lightning_par").PipelineParallelStrategy(pipeline_parallel_size=2, start_method="fork"),
+     ["`pipeline_parallel_size=2`", "`data_parallel_size=auto` (1)", "world size (3)"], "tensor_parallel_size"),
+])
+def test_a_presets_size_error_names_only_its_own_sizes(make, named, not_named):
+    import lightning.pytorch as pl
+
+    with pytest.raises(ValueError) as info:
+        pl.Trainer(accelerator="cpu", devices=3, strategy=make(), logger=False)
+    assert all(value in str(info.value) for value in named) and not_named not in str(info.value), str(info.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["data_parallel", "tensor_parallel"])
+def test_strategies_refuse_accumulate_grad_batches_0_at_setup(strategy):
+    """Lightning alone divides by it (a bare ZeroDivisionError); every strategy refuses it in setup."""
+    import lightning.pytorch as pl
+
+    from lightning_par.data import SyntheticCorpus
+    from lightning_par.models import GPT
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, accumulate_grad_batches=0, max_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    data = SyntheticCorpus(vocab_size=16, seq_len=8, batch_size=2, train_sequences=8, val_sequences=2)
+    try:
+        with pytest.raises(ValueError, match=r"`Trainer\(accumulate_grad_batches=0\)` must be a positive integer"):
+            trainer.fit(GPT(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16), datamodule=data)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # the one-rank group setup_environment made: no global state left behind
+            dist.destroy_process_group()

@@ -431,3 +431,32 @@ def test_hf_model_from_a_config_dict():
     with pytest.raises(InstantiationException, match=r"vocabulary \(8, from model.config\) is smaller than the data's \(64\)"):
         train.build_model(_compose("model=hf", f"model.config={TINY_LLAMA[:-1]}, vocab_size: 8}}").model,
                           train.build_datamodule(cfg.data))
+
+
+def _llama_file(tmp_path, vocab_size: int = 64) -> tuple[Path, dict]:
+    """A tiny Llama's weights as a Hugging Face safetensors file (its own names), and the tensors."""
+    from safetensors.torch import save_model
+
+    from lightning_par.models import HFCausalLM
+
+    torch.manual_seed(7)
+    source = HFCausalLM(config=OmegaConf.to_container(OmegaConf.create(TINY_LLAMA)), vocab_size=vocab_size).model
+    path = tmp_path / "model.safetensors"
+    save_model(source, str(path))
+    return path, {k: v.clone() for k, v in source.state_dict().items()}
+
+
+def test_hf_weights_read_by_the_module_where_the_strategy_takes_none(tmp_path):
+    path, tensors = _llama_file(tmp_path)
+    cfg = _compose("strategy=single", "model=hf", f"model.config={TINY_LLAMA}", f"model.weights={path}")
+    assert not train.streamed_weights(cfg)
+    model = train.build_model(cfg.model, train.build_datamodule(cfg.data))
+    for name, value in model.model.state_dict().items():
+        torch.testing.assert_close(value, tensors[name], rtol=0, atol=0)
+
+
+def test_hf_weights_go_to_the_strategys_weights_where_it_takes_them(tmp_path):
+    path, _ = _llama_file(tmp_path)
+    cfg = _compose("strategy=pipeline", "model=hf", f"model.config={TINY_LLAMA}", f"model.weights={path}")
+    assert train.streamed_weights(cfg)
+    assert cfg.strategy.weights == str(path) and cfg.strategy.weights_prefix == "model." and cfg.model.weights is None
