@@ -74,7 +74,7 @@ class Topology:
             ...                  named=("tensor_parallel_size", "data_parallel_size"))
             Traceback (most recent call last):
             ...
-            ValueError: The sizes `tensor_parallel_size=2` and `data_parallel_size=auto` (1) multiplied (2) should \
+            ValueError: The sizes `data_parallel_size=auto` (1) and `tensor_parallel_size=2` multiplied (2) should \
 equal the world size (3). Change the sizes or the number of devices (`Trainer(devices=..., num_nodes=...)`).
         """
         given = {"data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
@@ -94,7 +94,8 @@ equal the world size (3). Change the sizes or the number of devices (`Trainer(de
             sizes["dp"] = max(world_size // (sizes["pp"] * sizes["tp"]), 1)
         topo = cls(sizes["dp"], sizes["pp"], sizes["tp"], order=order)
         if topo.world_size != world_size:
-            shown = [f"`{n}={given[n]}`" + (f" ({getattr(topo, n)})" if given[n] == "auto" else "") for n in named]
+            shown = [f"`{n}={given[n]}`" + (f" ({getattr(topo, n)})" if given[n] == "auto" else "")
+                     for n in _NAMES_ORDER if n in named]
             listed = " and ".join(shown) if len(shown) < 3 else ", ".join(shown[:-1]) + " and " + shown[-1]
             raise ValueError(
                 f"The size{'s' if len(shown) > 1 else ''} {listed} multiplied ({topo.world_size}) should equal the "
