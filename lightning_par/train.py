@@ -5,6 +5,15 @@
     lightning-par-train trainer.precision=bf16-mixed trainer.accumulate_grad_batches=4
     python -m lightning_par.train data=text data.path=notes.txt model.n_layer=6
     torchrun --standalone --nproc-per-node=2 -m lightning_par.train trainer.devices=2
+    lightning-par-train model=custom model._target_=my_pkg.MyModule +model.hidden=512 data=custom data._target_=...
+    lightning-par-train model=hf 'model.config={model_type: llama, hidden_size: 64, num_hidden_layers: 2}'
+    lightning-par-train +trainer.profiler=simple +trainer.max_time=00:00:01:00 +trainer.fast_dev_run=true
+
+``trainer.KEY=`` sets the keys of ``conf/trainer/default.yaml``, ``+trainer.KEY=`` any other argument of
+``lightning.Trainer``; loggers, callbacks, a profiler or plugins come by ``_target_``
+(``+trainer.logger._target_=...``, ``+trainer.callbacks=[{_target_: ...}]``) and replace the app's own
+logger / checkpoint callback. A mistake (a misspelled key, sizes that do not fit the devices, a missing
+path) is one message and exit status 2 before anything starts (``HYDRA_FULL_ERROR=1``: the traceback).
 
 Configs live in the top-level ``conf/`` (schemas in :mod:`lightning_par.config`). Each run writes
 its resolved config (``.hydra/``), CSV logs (and TensorBoard logs when ``tensorboard`` is installed)
@@ -32,6 +41,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par._compat import rich_available
@@ -94,7 +104,7 @@ def build_trainer_kwargs(cfg: DictConfig, run_dir: str | os.PathLike) -> dict[st
     kw = trainer_values(cfg)
     precision = kw.pop("precision")
     user = {key: instantiate(node, _convert_="all") for key, node in cfg.trainer.items_ex(resolve=True)
-            if OmegaConf.is_config(node)}  # `_target_` nodes: loggers, callbacks, a profiler, plugins
+            if _has_target(node)}  # loggers, callbacks, a profiler, plugins
     plugins = precision_kwargs(precision, kw["accelerator"])
     if "plugins" in user:  # the user's plugins beside the precision plugin the app chose
         plugins["plugins"] = [*plugins.get("plugins", []), *_as_list(user.pop("plugins"))]
@@ -124,6 +134,13 @@ def trainer_values(cfg: DictConfig) -> dict[str, Any]:
     if _under_torchelastic() and kw["devices"] in ("auto", -1):
         kw["devices"] = int(os.environ["LOCAL_WORLD_SIZE"])
     return kw
+
+
+def _has_target(node: Any) -> bool:
+    """A ``_target_`` node, or a list holding one (what ``hydra.utils.instantiate`` builds)."""
+    if OmegaConf.is_dict(node):
+        return "_target_" in node
+    return OmegaConf.is_list(node) and any(_has_target(item) for item in node)
 
 
 def _as_list(value: Any) -> list:
@@ -193,6 +210,8 @@ def user_errors() -> Iterator[None]:
         raise
     except (ValueError, MisconfigurationException, HydraException) as err:
         raise UsageError(composition_message(err) if isinstance(err, HydraException) else str(err)) from err
+    except OmegaConfBaseException as err:  # e.g. an interpolation that does not resolve
+        raise UsageError(str(err).splitlines()[0]) from err
 
 
 class StepsBoundedProgressBar(RichProgressBar):

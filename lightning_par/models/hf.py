@@ -32,7 +32,11 @@ def hf_config(config: Union[str, Mapping[str, Any]], vocab_size: Optional[int] =
             keys.setdefault("vocab_size", vocab_size)
         built = transformers.AutoConfig.for_model(keys.pop("model_type"), **keys)
     else:
-        built = transformers.AutoConfig.from_pretrained(config)
+        try:
+            built = transformers.AutoConfig.from_pretrained(config)
+        except OSError as err:  # neither a folder with a config.json nor a name in the cache / on the Hub
+            raise ValueError(f"model.config={config!r} cannot be read ({str(err).splitlines()[0]}): give a local "
+                             f"folder with a config.json, a model name, or a dict with `model_type`.") from None
     if vocab_size is not None and built.vocab_size < vocab_size:
         raise ValueError(f"The model's vocabulary ({built.vocab_size}, from model.config) is smaller than the "
                          f"data's ({vocab_size}): set the config's vocab_size to at least {vocab_size}.")

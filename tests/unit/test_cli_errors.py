@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = 90  # seconds: an import of torch + Lightning + Hydra under load; no rank is ever started
+FAST = 60  # seconds: an import of torch + Lightning + Hydra under load; no rank is started (no run dir either)
 
 
 def _run(module: str, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=FAST)
 

@@ -428,7 +428,8 @@ def test_hf_model_from_a_config_dict():
     assert model.training_step(batch, 0).ndim == 0
     from hydra.errors import InstantiationException
 
-    with pytest.raises(InstantiationException, match=r"vocabulary \(8, from model.config\) is smaller than the data's \(64\)"):
+    small = r"vocabulary \(8, from model.config\) is smaller than the data's \(64\)"
+    with pytest.raises(InstantiationException, match=small):
         train.build_model(_compose("model=hf", f"model.config={TINY_LLAMA[:-1]}, vocab_size: 8}}").model,
                           train.build_datamodule(cfg.data))
 
