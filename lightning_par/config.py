@@ -95,7 +95,7 @@ def strategy_schema(name: str, cls: type) -> type:
     for param in inspect.signature(cls.__init__).parameters.values():
         if param.kind is not inspect.Parameter.KEYWORD_ONLY or param.name in PLUMBING:
             continue
-        default = param.default
+        default = MISSING if param.default is param.empty else param.default  # a required keyword: `???`
         value = field(default_factory=lambda d=default: copy.deepcopy(d)) if isinstance(default, (list, dict)) \
             else field(default=default)
         fields.append((param.name, yaml_type(hints.get(param.name, Any)), value))
@@ -247,7 +247,7 @@ DATA_SCHEMAS: dict[str, type] = {
 
 @dataclass
 class TrainerConfig:
-    """The ``lightning.Trainer`` arguments the app exposes (loggers, callbacks and plugins are built in code)."""
+    """The app's defaults of ``lightning.Trainer`` arguments; ``+trainer.KEY=`` adds any other (:func:`check_keys`)."""
 
     accelerator: str = "auto"  # auto | cpu | cuda | ...
     devices: Any = 2  # int, list of ids or "auto"; under torchrun: the processes per node
