@@ -47,7 +47,7 @@ import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par._compat import rich_available
 from lightning_par.callbacks import ParallelMetrics
 from lightning_par.cli_errors import UsageError, run_cli, version_text
-from lightning_par.config import CUSTOM, check_keys, composition_message, register_configs
+from lightning_par.config import CUSTOM, check_keys, composition_message, import_target, register_configs
 from lightning_par.paths import conf_dir
 from lightning_par.precision import precision_kwargs
 from lightning_par.topology import Topology
@@ -136,11 +136,15 @@ def trainer_values(cfg: DictConfig) -> dict[str, Any]:
     return kw
 
 
-def _has_target(node: Any) -> bool:
-    """A ``_target_`` node, or a list holding one (what ``hydra.utils.instantiate`` builds)."""
+def _targets(node: Any) -> list[str]:
+    """The ``_target_`` of a node, or of the nodes of a list (what ``hydra.utils.instantiate`` builds)."""
     if OmegaConf.is_dict(node):
-        return "_target_" in node
-    return OmegaConf.is_list(node) and any(_has_target(item) for item in node)
+        return [node._target_] if "_target_" in node else []
+    return [t for item in node for t in _targets(item)] if OmegaConf.is_list(node) else []
+
+
+def _has_target(node: Any) -> bool:
+    return bool(_targets(node))
 
 
 def _as_list(value: Any) -> list:
@@ -193,6 +197,9 @@ def check_run(cfg: DictConfig) -> None:
     """Every check of the user's config that needs no process: keys, targets, sizes, paths, Trainer values."""
     check_keys(cfg)
     trainer_values(cfg)
+    for key, node in cfg.trainer.items():  # the `_target_` of a logger, a callback, ... is importable
+        for target in _targets(node):
+            import_target(f"trainer.{key}", target, "class (a logger, a callback, a profiler or a plugin)")
     check_sizes(cfg)
     check_paths(cfg)
 
@@ -207,6 +214,8 @@ def user_errors() -> Iterator[None]:
         cause = err.__cause__
         if isinstance(cause, (ValueError, TypeError)):
             raise UsageError(str(cause)) from err
+        if isinstance(cause, ImportError):  # a `_target_` that is not there: Hydra's text names it and its key
+            raise UsageError(" ".join(line.strip() for line in str(err).splitlines() if line.strip())) from err
         raise
     except (ValueError, MisconfigurationException, HydraException) as err:
         raise UsageError(composition_message(err) if isinstance(err, HydraException) else str(err)) from err
