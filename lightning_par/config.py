@@ -8,9 +8,7 @@ The strategies' schemas are generated from their constructors ([Note: strategy s
 the model and data schemas are written out below (their ``null`` sizes mean "from the data"). Adding an
 option to a group takes one line in its ``*_SCHEMAS`` dict (a strategy: ``strategy_schema(name, cls)``)
 and a file ``conf/<group>/<option>.yaml`` whose defaults list names ``<option>_schema``;
-``tests/unit/test_configs.py`` then composes and instantiates it automatically. ``model=custom`` and
-``data=custom`` take any importable LightningModule / LightningDataModule by ``_target_``
-(:func:`check_keys` checks their keys against its signature instead of a schema).
+``tests/unit/test_configs.py`` then composes and instantiates it automatically.
 
 [Note: fields that YAML cannot express]
 OmegaConf 2.3 has no ``Union`` or ``Literal`` types: arguments such as ``devices`` (int, list or "auto")
@@ -318,6 +316,9 @@ def check_keys(cfg: Any) -> None:
             f"{', '.join(missing)} must be given (the config leaves it `???`), e.g. "
             f"`{missing[0]}=<value>` on the command line."
         )
+    for key in set(cfg) - set(Config.__dataclass_fields__):
+        raise ValueError(f"`{key}` is not a setting of the run; its settings: {', '.join(Config.__dataclass_fields__)}"
+                         f" and the groups' keys (`strategy.KEY`, ...). Fix the spelling or drop it.")
     for group in GROUPS:
         node = cfg[group]
         schema = OmegaConf.get_type(node)

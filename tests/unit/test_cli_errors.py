@@ -53,6 +53,7 @@ TRAIN_MISTAKES = [
     (["trainer.max_steps=-1"], ["train forever"]),
     (["+trainer.strategy=ddp"], ["trainer.strategy=ddp", "strategy=<"]),
     (["model=hf"], ["model.config"]),
+    (["+sead=3"], ["`sead` is not a setting of the run", "seed"]),
     (["+trainer.logger._target_=nope.Logger"], ["trainer.logger._target_=nope.Logger", "No module named 'nope'"]),
     (["+trainer.callbacks=[{_target_: lightning.pytorch.callbacks.NoSuchCallback}]"],
      ["trainer.callbacks._target_=lightning.pytorch.callbacks.NoSuchCallback", "has no attribute"]),
