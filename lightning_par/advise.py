@@ -21,7 +21,7 @@ from lightning_par._compat import tree_map
 
 from lightning_par.advisor import advise, korthikanti_bytes_per_layer, profile_lightning_module
 from lightning_par.advisor.memory import OPTIMIZER_STATES, PRECISION_BYTES, SCHEDULES
-from lightning_par.cli_errors import ArgumentParser, UsageError, run_cli
+from lightning_par.cli_errors import ArgumentParser, run_cli
 
 PROG = "lightning-par-advise"
 

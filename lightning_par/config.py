@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, make_dataclass
 from datetime import datetime, timedelta
 from functools import cache
 from types import UnionType
-from typing import Any, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints  # noqa: F401
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
