@@ -14,12 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional, Sequence
 
 import torch
 from lightning_par._compat import tree_map
 
 from lightning_par.advisor import advise, korthikanti_bytes_per_layer, profile_lightning_module
 from lightning_par.advisor.memory import OPTIMIZER_STATES, PRECISION_BYTES, SCHEDULES
+from lightning_par.cli_errors import ArgumentParser, run_cli
+
+PROG = "lightning-par-advise"
 
 GiB = 1024**3
 
@@ -33,10 +37,10 @@ def machine_devices() -> tuple[int, int]:
     return cores, ram // cores
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def parse(argv: list[str]) -> argparse.Namespace:
     devices, memory = machine_devices()
-    p = argparse.ArgumentParser(prog="lightning-par-advise", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the training config (model=..., data=...)")
     p.add_argument("--devices", type=int, default=devices, help=f"device count (default: this machine's, {devices})")
     p.add_argument("--device-memory-gb", type=float, default=memory / GiB,
@@ -49,24 +53,42 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default 2 × stages)")
     p.add_argument("--probe-samples", type=int, default=2, help="micro-batch size of the activation probe")
-    return p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
+    for name in ("devices", "probe_samples", "microbatches", "batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive integer.")
+    if args.device_memory_gb <= 0:
+        p.error(f"--device-memory-gb={args.device_memory_gb} must be positive.")
+    return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse(sys.argv[1:] if argv is None else argv)
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The console script: a user's mistake is one message and exit 2 (``--debug``: the traceback)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run_cli(PROG, lambda: advise_command(argv), argv)
+
+
+def build(overrides: Sequence[str]):
+    """The config, data module and module ``lightning-par-train`` would build for ``overrides``; a mistake in
+    them is a :class:`UsageError` naming it."""
     from hydra import compose, initialize_config_dir
 
     from lightning_par.config import check_keys, register_configs
     from lightning_par.paths import conf_dir
-    from lightning_par.train import build_datamodule, build_model
+    from lightning_par.train import build_datamodule, build_model, user_errors
 
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=args.overrides)
-    check_keys(cfg)
-    torch.manual_seed(cfg.seed)
-    datamodule = build_datamodule(cfg.data)
-    module = build_model(cfg.model, datamodule)
+    with user_errors(), initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+        check_keys(cfg)
+        torch.manual_seed(cfg.seed)
+        datamodule = build_datamodule(cfg.data)
+        return cfg, datamodule, build_model(cfg.model, datamodule)
+
+
+def advise_command(argv: Sequence[str]) -> None:
+    args = parse(list(argv))
+    cfg, datamodule, module = build(args.overrides)
     batch = next(iter(datamodule.train_dataloader()))
     probe = tree_map(lambda t: t[: args.probe_samples] if isinstance(t, torch.Tensor) else t, batch)
     precision = args.precision or cfg.trainer.precision

@@ -4,31 +4,37 @@ Every YAML file under ``conf/<group>/`` starts from one of these dataclasses (``
 so OmegaConf checks the keys and types when the config is composed: ``strategy.comm_hok=fp16`` or
 ``trainer.max_steps=ten`` fails right there, naming the key, before anything is launched.
 
-Adding a strategy (the same for a model or a data set) takes two steps:
-
-1. write its schema dataclass below: ``_target_`` = the class (or a factory), then one typed field per
-   constructor argument, each with the constructor's default;
-2. add one line ``"<option>": <Schema>,`` to :data:`STRATEGY_SCHEMAS`, and a file
-   ``conf/strategy/<option>.yaml`` whose defaults list names ``<option>_schema``.
-
-``tests/unit/test_configs.py`` then composes and instantiates the new option automatically.
+The strategies' schemas are generated from their constructors ([Note: strategy schemas are generated]);
+the model and data schemas are written out below (their ``null`` sizes mean "from the data"). Adding an
+option to a group takes one line in its ``*_SCHEMAS`` dict (a strategy: ``strategy_schema(name, cls)``)
+and a file ``conf/<group>/<option>.yaml`` whose defaults list names ``<option>_schema``;
+``tests/unit/test_configs.py`` then composes and instantiates it automatically.
 
 [Note: fields that YAML cannot express]
 OmegaConf 2.3 has no ``Union`` or ``Literal`` types: arguments such as ``devices`` (int, list or "auto")
-are typed ``Any`` here and checked by :func:`lightning_par.train.build_trainer_kwargs`, and enumerations
-(``precision``, ``comm_hook``) are plain strings the constructors themselves validate with a
-``ValueError`` naming the choices. Durations are seconds (``timeout: float``).
+are typed ``Any`` here and checked by :func:`lightning_par.train.build_trainer_kwargs` or the constructor, and
+enumerations (``precision``, ``comm_hook``: a ``Literal``) are plain strings the constructors themselves
+validate with a ``ValueError`` naming the choices. Durations are seconds (``timeout: float``, the
+``timedelta`` a constructor also takes left out).
 """
 from __future__ import annotations
 
+import copy
+import difflib
+import importlib
+import inspect
 import os
-from dataclasses import dataclass, field
-from datetime import datetime
+from dataclasses import dataclass, field, make_dataclass
+from datetime import datetime, timedelta
 from functools import cache
-from typing import Any, Optional
+from types import UnionType
+from typing import Any, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints  # noqa: F401
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+
+from lightning_par.strategies import (DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy,
+                                      TensorParallelStrategy)
 
 # --------------------------------------------------------------------------------------------- strategy
 
@@ -40,116 +46,67 @@ class SingleStrategyConfig:
     _target_: str = "lightning_par.config.single_device_strategy"
 
 
-@dataclass
-class DataParallelStrategyConfig:
-    """:class:`lightning_par.DataParallelStrategy` (torch DDP; gloo on CPU, NCCL on CUDA)."""
-
-    _target_: str = "lightning_par.strategies.data_parallel.DataParallelStrategy"
-    comm_hook: Optional[str] = None  # null | fp16 | bf16 | powersgd
-    powersgd_rank: int = 1
-    powersgd_start_iter: int = 1000
-    zero_stage: int = 0  # 0 | 1 | 2 | 3 (optimizer state, + gradients, + parameters sharded)
-    lr_scaling: str = "none"  # none | linear | sqrt
-    reference_batch_size: Optional[int] = None
-    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
-    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
-    start_method: str = "popen"  # popen | spawn | fork | forkserver
-    timeout: float = 1800.0  # seconds, for every collective
-    nonfinite: str = "error"  # error (stop, naming the value) | skip (skip that optimizer step on every rank)
-    find_unused_parameters: bool = False
-    bucket_cap_mb: Optional[float] = None  # null: DDP's default (25 MiB)
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-    process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
-    fault_tolerance: Optional[str] = None  # null | torchft (one torchrun per replica group, see README)
-    min_replicas: int = 1  # torchft: the fewest live replica groups a step commits with
-    ft_timeout: float = 60.0  # torchft: seconds to wait for a quorum, a peer's all-reduce or its state
-    save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
-    async_save: bool = False  # true: checkpoints written in the background
+# Lightning plumbing a strategy accepts but a config never sets (the Trainer passes them)
+PLUMBING = frozenset({"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"})
+_YAML_TYPES = (bool, int, float, str)
 
 
-@dataclass
-class PipelineStrategyConfig:
-    """:class:`lightning_par.PipelineParallelStrategy` (block stack split into stages; GPipe, 1F1B, interleaved, zero bubble)."""
+def yaml_type(annotation: Any) -> Any:
+    """The type OmegaConf checks for a constructor argument annotated ``annotation`` ([Note: fields that YAML
+    cannot express]): a plain ``bool`` / ``int`` / ``float`` / ``str``, ``Optional`` of one, else ``Any``.
 
-    _target_: str = "lightning_par.strategies.pipeline_parallel.PipelineParallelStrategy"
-    pipeline_parallel_size: Any = "auto"  # int | auto (every device not taken by data_parallel_size)
-    data_parallel_size: Any = "auto"  # int | auto (world / pipeline_parallel_size)
-    microbatches: Optional[int] = None  # null: 2 × pipeline_parallel_size, bounded by the batch
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
-    stages_per_rank: int = 1
-    blocks: Optional[str] = None  # null: the longest ModuleList/Sequential of same-class blocks
-    balance: Any = "params"  # uniform | params | time | [blocks per stage]
-    strict_batch_semantics: bool = False  # true: refuse a loss that micro-batching changes (else warn)
-    zero_stage: int = 0  # 0 | 1 | 2 | 3 on the replicas (the dp axis), as DataParallelStrategy's
-    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
-    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
-    save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
-    async_save: bool = False  # true: checkpoints written in the background
-    start_method: str = "popen"  # popen | spawn | fork | forkserver
-    timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
-    nonfinite: str = "error"  # error | skip: a NaN / inf loss or gradient stops training or skips the step
-    fault_tolerance: Optional[str] = None  # null | torchft: each torchrun job one replica group (see README)
-    min_replicas: int = 1  # torchft: the fewest live replica groups a step commits with
-    ft_timeout: float = 60.0  # torchft: seconds to wait for a quorum, a peer's all-reduce or its state
-    process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
+    Example::
 
-
-@dataclass
-class TensorStrategyConfig:
-    """:class:`lightning_par.TensorParallelStrategy` (DTensor, Megatron plan found by inspecting the module)."""
-
-    _target_: str = "lightning_par.strategies.tensor_parallel.TensorParallelStrategy"
-    tensor_parallel_size: Any = "auto"  # int | auto (every device not taken by data_parallel_size)
-    data_parallel_size: Any = "auto"  # int | auto (world / tensor_parallel_size)
-    plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    zero_stage: int = 0  # 0 | 1 | 2 | 3 on the replicas (the dp axis), as DataParallelStrategy's
-    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
-    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
-    save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
-    async_save: bool = False  # true: checkpoints written in the background
-    start_method: str = "popen"  # popen | spawn | fork | forkserver
-    timeout: float = 1800.0  # seconds, for every collective
-    nonfinite: str = "error"  # error | skip: a NaN / inf loss or gradient stops training or skips the step
-    fault_tolerance: Optional[str] = None  # null | torchft: each torchrun job one replica group (see README)
-    min_replicas: int = 1  # torchft: the fewest live replica groups a step commits with
-    ft_timeout: float = 60.0  # torchft: seconds to wait for a quorum, a peer's all-reduce or its state
-    process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
+        >>> yaml_type(Union[float, timedelta]), yaml_type(Optional[Literal["fp16", "bf16"]])
+        (<class 'float'>, typing.Optional[str])
+        >>> yaml_type(Union[int, Literal["auto"]]), yaml_type(Union[str, Sequence[int]])
+        (typing.Any, typing.Any)
+    """
+    if annotation in _YAML_TYPES:
+        return annotation
+    if get_origin(annotation) is Literal:
+        kinds = {type(a) for a in get_args(annotation)}
+        return kinds.pop() if len(kinds) == 1 and kinds <= set(_YAML_TYPES) else Any
+    if get_origin(annotation) not in (Union, UnionType):
+        return Any
+    members = [a for a in get_args(annotation) if a is not type(None) and a is not timedelta]  # seconds only
+    kinds = {yaml_type(a) for a in members}
+    if kinds == {int, float}:
+        kinds = {float}  # an int is a float to OmegaConf
+    if len(kinds) != 1 or Any in kinds or get_origin(next(iter(kinds))) is Union:
+        return Any
+    (kind,) = kinds
+    return Optional[kind] if type(None) in get_args(annotation) else kind
 
 
-@dataclass
-class HybridStrategyConfig:
-    """:class:`lightning_par.HybridParallelStrategy` (data × pipeline × tensor parallel on one mesh)."""
+def strategy_schema(name: str, cls: type) -> type:
+    """The structured config of strategy ``cls``: ``_target_`` plus one field per keyword of its constructor
+    (Lightning's plumbing aside), with the constructor's default and :func:`yaml_type` of its annotation.
 
-    _target_: str = "lightning_par.strategies.hybrid_parallel.HybridParallelStrategy"
-    data_parallel_size: Any = "auto"  # int | auto (world / (pipeline_parallel_size × tensor_parallel_size))
-    pipeline_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    zero_stage: int = 0
-    mesh_order: str = "pp_dp_tp"  # pp_dp_tp (pipelines span nodes) | dp_pp_tp (replicas span nodes)
-    microbatches: Optional[int] = None  # null: 2 × pipeline_parallel_size; ignored with one stage
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
-    stages_per_rank: int = 1
-    blocks: Optional[str] = None
-    balance: Any = "params"  # uniform | params | time | [blocks per stage]
-    strict_batch_semantics: bool = False  # true: refuse a loss that micro-batching changes (else warn)
-    plan: Any = "auto"  # auto | {module_glob: colwise | rowwise | sequence | replicate}
-    sequence_parallel: bool = False  # several stages too: each tp rank sends its sequence chunk
-    loss_parallel: bool = False  # several stages too: the last stage shards the vocabulary
-    weights: Optional[str] = None  # null | a safetensors file / HF directory / state dict / .ckpt / DCP directory
-    weights_prefix: str = ""  # what the module's names have before the file's (e.g. "net.")
-    nonfinite: str = "error"  # error | skip
-    save_distributed_checkpoint: bool = False  # true: sharded torch.distributed.checkpoint directories
-    async_save: bool = False  # true: checkpoints written in the background
-    start_method: str = "popen"  # popen | spawn | fork | forkserver
-    timeout: float = 1800.0  # seconds, for every collective and point-to-point transfer
-    fault_tolerance: Optional[str] = None  # null | torchft: each torchrun job one replica group (see README)
-    min_replicas: int = 1  # torchft: the fewest live replica groups a step commits with
-    ft_timeout: float = 60.0  # torchft: seconds to wait for a quorum, a peer's all-reduce or its state
-    process_group_backend: Optional[str] = None  # null: gloo on CPU, nccl on CUDA
+    [Note: strategy schemas are generated]
+    A keyword added to a strategy's constructor is settable from the command line with no second edit:
+    the schema is read off the signature when this module is imported, so its keys, defaults and
+    checkable types are the constructor's by construction (``tests/unit/test_configs.py`` checks it).
+    """
+    hints = get_type_hints(cls.__init__)
+    fields = [("_target_", str, field(default=f"{cls.__module__}.{cls.__qualname__}"))]
+    for param in inspect.signature(cls.__init__).parameters.values():
+        if param.kind is not inspect.Parameter.KEYWORD_ONLY or param.name in PLUMBING:
+            continue
+        default = MISSING if param.default is param.empty else param.default  # a required keyword: `???`
+        value = field(default_factory=lambda d=default: copy.deepcopy(d)) if isinstance(default, (list, dict)) \
+            else field(default=default)
+        fields.append((param.name, yaml_type(hints.get(param.name, Any)), value))
+    schema = make_dataclass(name, fields)
+    schema.__module__ = __name__
+    schema.__doc__ = f":class:`{cls.__module__}.{cls.__qualname__}`, its keywords read off its signature."
+    return schema
 
+
+DataParallelStrategyConfig = strategy_schema("DataParallelStrategyConfig", DataParallelStrategy)
+PipelineStrategyConfig = strategy_schema("PipelineStrategyConfig", PipelineParallelStrategy)
+TensorStrategyConfig = strategy_schema("TensorStrategyConfig", TensorParallelStrategy)
+HybridStrategyConfig = strategy_schema("HybridStrategyConfig", HybridParallelStrategy)
 
 STRATEGY_SCHEMAS: dict[str, type] = {
     "single": SingleStrategyConfig,
@@ -202,7 +159,35 @@ class MLPConfig:
     lr: float = 1e-2
 
 
-MODEL_SCHEMAS: dict[str, type] = {"gpt": GPTConfig, "mlp": MLPConfig}
+@dataclass
+class HFCausalLMConfig:
+    """:class:`lightning_par.models.HFCausalLM`: any Hugging Face causal LM built from its config."""
+
+    _target_: str = "lightning_par.models.HFCausalLM"
+    config: Any = MISSING  # a model name, a local folder, or {model_type: llama, hidden_size: 64, ...}
+    weights: Optional[str] = None  # null | a local weights file / folder (safetensors, state dict, .ckpt, DCP)
+    vocab_size: Optional[int] = None  # null: the config's, or data's vocab_size when the config has none
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+
+
+@dataclass
+class CustomModelConfig:
+    """``model=custom``: any importable LightningModule (``model._target_=my_pkg.MyModule +model.hidden=512``)."""
+
+    _target_: str = MISSING
+
+
+@dataclass
+class CustomDataConfig:
+    """``data=custom``: any importable LightningDataModule (``data._target_=my_pkg.MyData +data.batch_size=8``)."""
+
+    _target_: str = MISSING
+
+
+MODEL_SCHEMAS: dict[str, type] = {"gpt": GPTConfig, "mlp": MLPConfig, "hf": HFCausalLMConfig,
+                                  "custom": CustomModelConfig}
+CUSTOM = {"model": CustomModelConfig, "data": CustomDataConfig}  # keys checked against the target's signature
 
 # ------------------------------------------------------------------------------------------------- data
 
@@ -253,13 +238,14 @@ DATA_SCHEMAS: dict[str, type] = {
     "synthetic": SyntheticCorpusConfig,
     "text": TextFileConfig,
     "classification": ClassificationConfig,
+    "custom": CustomDataConfig,
 }
 
 # ---------------------------------------------------------------------------------------------- trainer
 
 @dataclass
 class TrainerConfig:
-    """The ``lightning.Trainer`` arguments the app exposes (loggers, callbacks and plugins are built in code)."""
+    """The app's defaults of ``lightning.Trainer`` arguments; ``+trainer.KEY=`` adds any other (:func:`check_keys`)."""
 
     accelerator: str = "auto"  # auto | cpu | cuda | ...
     devices: Any = 2  # int, list of ids or "auto"; under torchrun: the processes per node
@@ -309,11 +295,20 @@ GROUPS: dict[str, dict[str, type]] = {
 }
 
 
+def unknown_key(group: str, key: str, owner: str, known) -> ValueError:
+    """``group.key`` is not an argument of ``owner`` (a schema, a class): its valid keys, or the nearest of many."""
+    names = sorted(k for k in known if not k.startswith("_"))
+    near = " or ".join(f"`{n}`" for n in difflib.get_close_matches(key, names, n=3))
+    hint = f"valid keys: {', '.join(names)}." if len(names) <= 30 else f"did you mean {near}?" if near else ""
+    return ValueError(f"`{group}.{key}` is not a setting of {group} ({owner}); {hint} Fix the spelling or drop it.")
+
+
 def check_keys(cfg: Any) -> None:
     """Refuse keys a schema does not declare (added with Hydra's ``+key=value``), naming the key.
 
     A plain misspelled override (``strategy.comm_hok=fp16``) already fails at composition; ``+`` forces
-    the key in, and it would otherwise surface later as a constructor's ``TypeError``.
+    the key in, and it would otherwise surface later as a constructor's ``TypeError``. ``+trainer.KEY``
+    may be any argument of ``lightning.Trainer``; ``model=custom`` / ``data=custom`` keys are the target's.
     """
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
@@ -321,19 +316,97 @@ def check_keys(cfg: Any) -> None:
             f"{', '.join(missing)} must be given (the config leaves it `???`), e.g. "
             f"`{missing[0]}=<value>` on the command line."
         )
+    for key in set(cfg) - set(Config.__dataclass_fields__):
+        raise ValueError(f"`{key}` is not a setting of the run; its settings: {', '.join(Config.__dataclass_fields__)}"
+                         f" and the groups' keys (`strategy.KEY`, ...). Fix the spelling or drop it.")
     for group in GROUPS:
         node = cfg[group]
         schema = OmegaConf.get_type(node)
         if schema is None or schema is dict:
             continue
-        known = set(schema.__dataclass_fields__)
+        if group == "trainer":
+            known, owner = trainer_arguments(), "lightning.Trainer"
+        elif schema is CUSTOM.get(group):
+            known, owner = target_arguments(group, node._target_), node._target_
+        else:
+            known, owner = set(schema.__dataclass_fields__), schema.__name__
         for key in node:
-            if key not in known:
-                valid = ", ".join(sorted(k for k in known if not k.startswith("_"))) or "none"
-                raise ValueError(
-                    f"`{group}.{key}` is not a setting of {group} ({schema.__name__}); valid keys: {valid}. "
-                    f"Fix the spelling or drop it."
-                )
+            if known is not None and key not in known and key != "_target_":
+                raise unknown_key(group, key, owner, known)
+    if "strategy" in cfg.trainer:
+        raise ValueError(f"`trainer.strategy={cfg.trainer.strategy}` is chosen by the strategy group: drop it and "
+                         f"use `strategy=<{'|'.join(STRATEGY_SCHEMAS)}>` and `strategy.KEY=` overrides.")
+
+
+@cache
+def trainer_arguments() -> frozenset:
+    """The keyword arguments of ``lightning.Trainer`` (what ``+trainer.KEY=`` may set)."""
+    from lightning.pytorch import Trainer
+
+    return frozenset(n for n in inspect.signature(Trainer.__init__).parameters if n != "self")
+
+
+def target_arguments(group: str, target: str) -> Optional[frozenset]:
+    """The constructor arguments of a ``model=custom`` / ``data=custom`` target (None: it takes ``**kwargs``);
+    a target that is not importable, or not a LightningModule / LightningDataModule, is refused by name."""
+    import lightning.pytorch as pl
+    base = {"model": pl.LightningModule, "data": pl.LightningDataModule}[group]
+    cls = import_target(group, target, base.__name__)
+    if not issubclass(cls, base):
+        raise ValueError(f"`{group}._target_={target}` is a {cls.__mro__[1].__name__} subclass, not a "
+                         f"{base.__name__}: {group}=custom takes a {base.__name__}.")
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(n for n, p in params.items() if n != "self" and p.kind is not inspect.Parameter.VAR_POSITIONAL)
+
+
+def import_target(group: str, target: str, kind: str) -> Any:
+    """The object at dotted path ``target`` (the current directory importable, as under ``python -m``)."""
+    parts, reason = target.split("."), "not a dotted path"
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError as err:
+            reason = str(err)
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+            return obj
+        except AttributeError as err:
+            reason = str(err)
+            break
+    raise ValueError(f"`{group}._target_={target}` cannot be imported ({reason}): give the dotted path of a "
+                     f"{kind} importable from the current directory or PYTHONPATH.")
+
+
+def composition_message(err: BaseException) -> str:
+    """One line for a Hydra composition error (a misspelled key, a mistyped value, a missing option).
+
+    A key no schema declares is named with the valid keys, as :func:`check_keys` names a forced one.
+    """
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = err.__cause__
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key and "." in str(cause.full_key):
+        group, key = str(cause.full_key).split(".", 1)
+        node = cause.object_type
+        if group in GROUPS and node is not None and hasattr(node, "__dataclass_fields__"):
+            takes = trainer_arguments() if group == "trainer" else set(node.__dataclass_fields__)
+            if key in takes - set(node.__dataclass_fields__) or node in CUSTOM.values():
+                return (f"`{group}.{key}` is not in the defaults of {group}: add it with `+{group}.{key}=...` "
+                        f"(a `+` adds a key).")
+            return str(unknown_key(group, key, node.__name__, takes))
+    text, options = [], []
+    for line in str(err).splitlines() + str(cause or "").splitlines()[:1]:
+        if line.startswith("\t"):  # Hydra's list of the options of a group (and of its search path after it)
+            options += [] if line.endswith("_schema") else [line.strip()]
+        elif options:
+            break
+        elif line.strip():
+            text.append(line.strip() if line.strip().endswith((".", ":")) else line.strip() + ".")
+    return " ".join(text) + (f" {', '.join(options)}." if options else "")
 
 
 @cache

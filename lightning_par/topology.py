@@ -21,11 +21,12 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, Sequence, Union
 
 Size = Union[int, Literal["auto"]]
 
 AXES = ("pp", "dp", "tp")  # outermost first: the default order
+_NAMES_ORDER = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size")
 DP_OUTERMOST = ("dp", "pp", "tp")
 ORDERS = {"pp_dp_tp": AXES, "dp_pp_tp": DP_OUTERMOST}
 
@@ -57,12 +58,27 @@ class Topology:
         tensor_parallel_size: Size = 1,
         model_axis: str | None = None,
         order: tuple = AXES,
+        named: Sequence[str] = tuple(_NAMES_ORDER),
+        fix: str = "`Trainer(devices=..., num_nodes=...)`",
     ) -> "Topology":
         """Fill in ``"auto"`` sizes and check that the product is the world size.
 
         ``model_axis`` ("pp" or "tp") names the model dimension that takes every device left over when
-        it is ``"auto"``; ``data_parallel_size="auto"`` is then world size / (pp × tp).
+        it is ``"auto"``; ``data_parallel_size="auto"`` is then world size / (pp × tp). A product that is
+        not the world size is a ``ValueError`` naming the sizes in ``named`` (those the caller's strategy
+        takes: a preset fixes the others) and ``fix`` (where the device count is set).
+
+        Example::
+
+            >>> Topology.resolve(3, tensor_parallel_size=2, model_axis="tp",
+            ...                  named=("tensor_parallel_size", "data_parallel_size"))
+            Traceback (most recent call last):
+            ...
+            ValueError: The sizes `data_parallel_size=auto` (1) and `tensor_parallel_size=2` multiplied (2) should \
+equal the world size (3). Change the sizes or the number of devices (`Trainer(devices=..., num_nodes=...)`).
         """
+        given = {"data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+                 "tensor_parallel_size": tensor_parallel_size}
         sizes = {"dp": data_parallel_size, "pp": pipeline_parallel_size, "tp": tensor_parallel_size}
         check_sizes(**{_NAMES[axis]: value for axis, value in sizes.items()})
         for axis in ("pp", "tp"):
@@ -78,11 +94,12 @@ class Topology:
             sizes["dp"] = max(world_size // (sizes["pp"] * sizes["tp"]), 1)
         topo = cls(sizes["dp"], sizes["pp"], sizes["tp"], order=order)
         if topo.world_size != world_size:
+            shown = [f"`{n}={given[n]}`" + (f" ({getattr(topo, n)})" if given[n] == "auto" else "")
+                     for n in _NAMES_ORDER if n in named]
+            listed = " and ".join(shown) if len(shown) < 3 else ", ".join(shown[:-1]) + " and " + shown[-1]
             raise ValueError(
-                f"The sizes `data_parallel_size={topo.data_parallel_size}`, `pipeline_parallel_size="
-                f"{topo.pipeline_parallel_size}` and `tensor_parallel_size={topo.tensor_parallel_size}` multiplied "
-                f"({topo.world_size}) should equal the world size ({world_size}). Change the sizes or the number "
-                f"of devices (Trainer(devices=..., num_nodes=...))."
+                f"The size{'s' if len(shown) > 1 else ''} {listed} multiplied ({topo.world_size}) should equal the "
+                f"world size ({world_size}). Change the sizes or the number of devices ({fix})."
             )
         return topo
 

@@ -4,6 +4,7 @@ group per mesh axis and the checkpoint hooks (:mod:`lightning_par.strategies._ch
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import tempfile
@@ -48,6 +49,20 @@ def check_zero_stage(zero_stage: int) -> int:
     """``zero_stage`` is a ZeRO stage: one meaning on every strategy's data axis (:mod:`lightning_par.dp.zero`)."""
     validate_zero_stage(zero_stage)
     return zero_stage
+
+
+def size_names(cls: type) -> tuple[str, ...]:
+    """The parallel sizes the constructor of strategy ``cls`` takes (a preset fixes the others): what a size
+    error names."""
+    return tuple(n for n in inspect.signature(cls.__init__).parameters if n.endswith("_parallel_size"))
+
+
+def check_accumulation(trainer) -> None:
+    """``Trainer(accumulate_grad_batches=...)`` is a positive integer (Lightning itself would divide by it)."""
+    k = trainer.accumulate_grad_batches
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"`Trainer(accumulate_grad_batches={k!r})` must be a positive integer (1: no "
+                         f"accumulation, k: one optimizer step every k batches).")
 
 
 def check_flags(**flags: Any) -> None:

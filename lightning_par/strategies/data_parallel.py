@@ -36,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
 from lightning_par.dp import comm_hooks, fsdp, ft, zero
 from lightning_par.materialize import move_real
-from lightning_par.strategies._base import ConsolidatingLauncher, as_timeout, check_start_method
+from lightning_par.strategies._base import (ConsolidatingLauncher, as_timeout, check_accumulation,
+                                           check_start_method)
 from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
 from lightning_par.strategies._nonfinite import NonFiniteChecks
@@ -219,6 +220,7 @@ class DataParallelStrategy(FaultTolerantReplicas, CheckpointMixin, AtomicSaves, 
             self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
 
     def setup(self, trainer) -> None:
+        check_accumulation(trainer)
         # [Note: one process keeps the user's loader] in lightning_par/topology.py
         self._restore_loader = keep_loader_on_one_process(trainer, self.distributed_sampler_kwargs["num_replicas"])
         if self._zero_stage < 2:

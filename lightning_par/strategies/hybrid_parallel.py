@@ -35,7 +35,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning_par.dp import fsdp, zero
 from lightning_par.pipeline.options import check_layout, check_options
 from lightning_par.pipeline.stage import StageRuntime
-from lightning_par.strategies._base import LayoutStrategy, check_flags, check_zero_stage
+from lightning_par.strategies._base import (LayoutStrategy, check_accumulation, check_flags, check_zero_stage,
+                                           size_names)
 from lightning_par.strategies._ft_core import FaultTolerantCore, check_core_fault_tolerance
 from lightning_par.strategies._pipeline_path import PipelinePath
 from lightning_par.strategies._tensor_path import TensorPath
@@ -185,7 +186,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
 
     def _resolve(self) -> Topology:
         world = self.num_nodes * len(self.parallel_devices or [None])
-        return Topology.resolve(world, model_axis=self._model_axis, order=self._order, **self._sizes)
+        return Topology.resolve(world, model_axis=self._model_axis, order=self._order, named=size_names(type(self)),
+                                **self._sizes)
 
     def _configure_launcher(self) -> None:  # in the launching process: bad sizes fail before any process starts
         self._resolve()
@@ -216,6 +218,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
 
     # -- setup and teardown -------------------------------------------------------------------------
     def setup(self, trainer) -> None:
+        check_accumulation(trainer)
         self._restore_loader = keep_loader_on_one_process(trainer, self._loader_processes())  # [Note: one process ...]
         if isinstance(self._path, PipelinePath):
             self._path.setup(trainer, super().setup)

@@ -112,7 +112,7 @@ def test_capacity_model_parallel_layouts_train_a_larger_gpt_within_the_budget(tm
 
 
 def test_unknown_recipe_setting_fails_naming_it(tmp_path):
-    from omegaconf.errors import ConfigKeyError
+    from lightning_par.cli_errors import UsageError
 
-    with pytest.raises(ConfigKeyError, match="nonsense"):
+    with pytest.raises(UsageError, match="`nonsense` is not a setting of the recipe decision"):
         recipe(["decision", "nonsense=1", "--quick", "--out", str(tmp_path)])

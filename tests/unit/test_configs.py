@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -26,8 +28,17 @@ from lightning_par.precision import precision_kwargs, resolve_accelerator
 CONF = conf_dir()
 GROUP_OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
 # the data a model option is meant to be composed with
-DATA_FOR_MODEL = {"gpt": "synthetic", "mlp": "classification"}
-MODEL_FOR_DATA = {"synthetic": "gpt", "text": "gpt", "classification": "mlp"}
+DATA_FOR_MODEL = {"gpt": "synthetic", "mlp": "classification", "hf": "synthetic", "custom": "synthetic"}
+MODEL_FOR_DATA = {"synthetic": "gpt", "text": "gpt", "classification": "mlp", "custom": "gpt"}
+TINY_LLAMA = ("{model_type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 2, "
+              "num_attention_heads: 2, num_key_value_heads: 1}")
+# what an option needs besides its name (the `_target_` of a custom one and its arguments)
+OPTION_ARGS = {
+    ("model", "custom"): ["model._target_=lightning_par.models.GPT", "+model.vocab_size=64", "+model.block_size=64",
+                          "+model.n_layer=1"],
+    ("model", "hf"): [f"model.config={TINY_LLAMA}"],
+    ("data", "custom"): ["data._target_=lightning_par.data.SyntheticCorpus", "+data.train_sequences=64"],
+}
 
 
 def _compose(*overrides: str):
@@ -53,7 +64,7 @@ def text_file(tmp_path) -> Path:
 
 
 def _overrides_for(group: str, option: str, text_file: Path) -> list[str]:
-    ov = [f"{group}={option}"]
+    ov = [f"{group}={option}", *OPTION_ARGS.get((group, option), [])]
     if group == "model":
         ov.append(f"data={DATA_FOR_MODEL[option]}")
     if group == "data":
@@ -117,22 +128,52 @@ def test_strategy_single_is_one_device_unless_overridden():
     assert train.build_strategy(_compose("strategy=single").strategy) == "auto"
 
 
-# Lightning plumbing a strategy accepts but a config never sets (the Trainer passes them)
-PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 STRATEGY_CLASSES = [(name, s) for name, s in schemas.STRATEGY_SCHEMAS.items() if inspect.isclass(get_object(s._target_))]
 
 
 @pytest.mark.parametrize("option, schema", STRATEGY_CLASSES, ids=[n for n, _ in STRATEGY_CLASSES])
-def test_strategy_schema_mirrors_the_strategy_signature(option, schema):
-    """Every keyword argument of the strategy is settable from the command line, with the same default."""
-    params = {n: p.default for n, p in inspect.signature(get_object(schema._target_).__init__).parameters.items()
-              if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in PLUMBING}
-    fields = {f.name: f.default for f in dataclasses.fields(schema) if f.name != "_target_"}
+def test_strategy_schema_is_the_strategy_signature(option, schema):
+    """Every keyword argument of the strategy is settable from the command line, with its default and type."""
+    cls = get_object(schema._target_)
+    hints = typing.get_type_hints(cls.__init__)
+    params = {n: (p.default, schemas.yaml_type(hints[n])) for n, p in inspect.signature(cls.__init__).parameters.items()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in schemas.PLUMBING}
+    fields = {f.name: (f.default, f.type) for f in dataclasses.fields(schema) if f.name != "_target_"}
     assert fields == params
+    assert list(fields) == list(params)  # in the constructor's order
+    assert {"timeout", "start_method", "weights"} <= set(fields)
+
+
+def test_a_keyword_added_to_a_constructor_is_in_the_schema_with_no_second_edit():
+    from lightning_par import PipelineParallelStrategy
+
+    class Extended(PipelineParallelStrategy):
+        def __init__(self, *, strict_batch_semantics: bool = False, share: float | None = None, **kw):
+            super().__init__(**kw)
+
+    schema = schemas.strategy_schema("ExtendedConfig", Extended)
+    fields = {f.name: (f.type, f.default) for f in dataclasses.fields(schema)}
+    assert fields["strict_batch_semantics"] == (bool, False) and fields["share"] == (typing.Optional[float], None)
+    node = OmegaConf.structured(schema)
+    with pytest.raises(Exception, match="could not be converted to Bool|is not a valid bool"):
+        node.strict_batch_semantics = "maybe"
+
+
+@pytest.mark.parametrize("annotation, expected", [
+    (int, int), (typing.Optional[int], typing.Optional[int]), ("float | None", typing.Optional[float]),
+    (typing.Union[float, timedelta], float), (typing.Union[float, int, timedelta], float),
+    (typing.Literal["a", "b"], str), (typing.Optional[typing.Literal["torchft"]], typing.Optional[str]),
+    (typing.Union[int, typing.Literal["auto"]], typing.Any), (typing.Union[str, typing.Sequence[int]], typing.Any),
+    (typing.Mapping[str, str], typing.Any),
+])
+def test_yaml_types_of_annotations(annotation, expected):
+    if isinstance(annotation, str):
+        annotation = eval(annotation)  # noqa: S307 - a PEP 604 union written as text for older parsers
+    assert schemas.yaml_type(annotation) == expected
 
 
 @pytest.mark.parametrize("schema", [s for g in schemas.GROUPS.values() for s in g.values()
-                                    if "_target_" in {f.name for f in dataclasses.fields(s)}])
+                                    if getattr(s, "_target_", "???") != "???"])
 def test_schema_fields_are_constructor_arguments(schema):
     sig = inspect.signature(get_object(schema._target_))
     accepted = set(sig.parameters)
@@ -329,3 +370,94 @@ def test_fault_tolerance_from_the_command_line():
         strategy = train.build_strategy(_compose(f"strategy={group}", "strategy.fault_tolerance=torchft",
                                                  "strategy.ft_timeout=5").strategy)
         assert strategy.fault_tolerance == "torchft" and strategy._ft_timeout == 5
+
+
+# ------------------------------------------------------------------------------ Trainer pass-through
+
+
+def test_any_trainer_argument_passes_through(tmp_path):
+    cfg = _compose("+trainer.profiler=simple", "+trainer.max_time=00:00:01:00", "+trainer.fast_dev_run=true",
+                   "+trainer.detect_anomaly=true", "trainer.accelerator=cpu")
+    schemas.check_keys(cfg)
+    kw = train.build_trainer_kwargs(cfg, tmp_path)
+    assert kw["profiler"] == "simple" and kw["max_time"] == "00:00:01:00" and kw["fast_dev_run"] is True
+    trainer = pl.Trainer(**{**kw, "devices": 1})
+    assert trainer.fast_dev_run is True and trainer.profiler.__class__.__name__ == "SimpleProfiler"
+    assert any(type(c).__name__ == "Timer" for c in trainer.callbacks)  # max_time became Lightning's Timer
+
+
+def test_loggers_and_callbacks_by_target(tmp_path):
+    cfg = _compose("+trainer.logger._target_=lightning.pytorch.loggers.CSVLogger",
+                   f"+trainer.logger.save_dir={tmp_path / 'mine'}",
+                   "+trainer.callbacks=[{_target_: lightning.pytorch.callbacks.LearningRateMonitor}]",
+                   "trainer.accelerator=cpu")
+    schemas.check_keys(cfg)
+    kw = train.build_trainer_kwargs(cfg, tmp_path)
+    assert isinstance(kw["logger"], CSVLogger) and kw["logger"].save_dir == str(tmp_path / "mine")
+    names = [type(c).__name__ for c in kw["callbacks"]]
+    assert names[0] == "LearningRateMonitor" and "ModelCheckpoint" in names  # the user's beside the app's
+    pl.Trainer(**{**kw, "devices": 1})
+
+
+def test_trainer_logger_false_turns_logging_off(tmp_path):
+    kw = train.build_trainer_kwargs(_compose("+trainer.logger=false"), tmp_path)
+    assert kw["logger"] is False
+
+
+def test_unknown_trainer_argument_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"`trainer.profilr` is not a setting of trainer \(lightning.Trainer\); "
+                                         r"did you mean `profiler`\?"):
+        schemas.check_keys(_compose("+trainer.profilr=simple"))
+
+
+def test_custom_model_and_data_by_target():
+    cfg = _compose("model=custom", "model._target_=lightning_par.models.MLPClassifier", "+model.in_features=8",
+                   "+model.num_classes=3", "data=custom", "data._target_=lightning_par.data.SyntheticClassification",
+                   "+data.in_features=8", "+data.num_classes=3", "+data.train_samples=64")
+    schemas.check_keys(cfg)
+    datamodule = train.build_datamodule(cfg.data)
+    model = train.build_model(cfg.model, datamodule)
+    assert model.hparams.in_features == 8 and datamodule.num_classes == 3
+
+
+def test_hf_model_from_a_config_dict():
+    cfg = _compose("model=hf", f"model.config={TINY_LLAMA}")
+    model = train.build_model(cfg.model, train.build_datamodule(cfg.data))
+    assert model.model.config.model_type == "llama" and model.model.config.vocab_size == cfg.data.vocab_size
+    batch = next(iter(train.build_datamodule(cfg.data).train_dataloader()))
+    assert model.training_step(batch, 0).ndim == 0
+    from hydra.errors import InstantiationException
+
+    small = r"vocabulary \(8, from model.config\) is smaller than the data's \(64\)"
+    with pytest.raises(InstantiationException, match=small):
+        train.build_model(_compose("model=hf", f"model.config={TINY_LLAMA[:-1]}, vocab_size: 8}}").model,
+                          train.build_datamodule(cfg.data))
+
+
+def _llama_file(tmp_path, vocab_size: int = 64) -> tuple[Path, dict]:
+    """A tiny Llama's weights as a Hugging Face safetensors file (its own names), and the tensors."""
+    from safetensors.torch import save_model
+
+    from lightning_par.models import HFCausalLM
+
+    torch.manual_seed(7)
+    source = HFCausalLM(config=OmegaConf.to_container(OmegaConf.create(TINY_LLAMA)), vocab_size=vocab_size).model
+    path = tmp_path / "model.safetensors"
+    save_model(source, str(path))
+    return path, {k: v.clone() for k, v in source.state_dict().items()}
+
+
+def test_hf_weights_read_by_the_module_where_the_strategy_takes_none(tmp_path):
+    path, tensors = _llama_file(tmp_path)
+    cfg = _compose("strategy=single", "model=hf", f"model.config={TINY_LLAMA}", f"model.weights={path}")
+    assert not train.streamed_weights(cfg)
+    model = train.build_model(cfg.model, train.build_datamodule(cfg.data))
+    for name, value in model.model.state_dict().items():
+        torch.testing.assert_close(value, tensors[name], rtol=0, atol=0)
+
+
+def test_hf_weights_go_to_the_strategys_weights_where_it_takes_them(tmp_path):
+    path, _ = _llama_file(tmp_path)
+    cfg = _compose("strategy=pipeline", "model=hf", f"model.config={TINY_LLAMA}", f"model.weights={path}")
+    assert train.streamed_weights(cfg)
+    assert cfg.strategy.weights == str(path) and cfg.strategy.weights_prefix == "model." and cfg.model.weights is None

@@ -269,8 +269,10 @@ def test_arguments_are_keyword_only_and_unknown_keys_rejected():
 def test_sizes_that_do_not_multiply_to_the_world_fail_before_the_process_group():
     strategy = PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=3, timeout=timedelta(seconds=5))
     strategy.parallel_devices = [torch.device("cpu")] * 4
-    with pytest.raises(ValueError, match=r"`data_parallel_size=3`, `pipeline_parallel_size=2`.*world size \(4\)"):
+    message = r"`data_parallel_size=3` and `pipeline_parallel_size=2`.*world size \(4\)"
+    with pytest.raises(ValueError, match=message) as info:
         strategy.setup_environment()
+    assert "tensor_parallel_size" not in str(info.value)  # the preset takes none: its message names none
     assert not torch.distributed.is_initialized()
 
 

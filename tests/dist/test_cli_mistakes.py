@@ -1,0 +1,117 @@
+"""A user's mistake on a console script, run as a user runs it: one message naming the value and the fix, exit
+status 2, no traceback, before any process group or training starts (a short timeout bounds each run, and no run
+dir is made). The same mistakes, and more, are checked in-process in tests/unit/test_cli_errors.py."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = 60  # seconds: an import of torch + Lightning + Hydra under load; no rank is started (no run dir either)
+
+
+def _run(module: str, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=FAST)
+
+
+def _one_message(res: subprocess.CompletedProcess, prog: str, *named: str) -> str:
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith(f"{prog}: error:")]
+    assert len(errors) == 1, out[-3000:]
+    for value in named:
+        assert value in errors[0], errors[0]
+    return errors[0]
+
+
+# the mistakes a user meets first: (overrides, what the one message names)
+CLI_MISTAKES = [
+    (["strategy.comm_hok=fp16"], ["strategy.comm_hok", "comm_hook"]),
+    (["strategy=tensor", "strategy.tensor_parallel_size=2", "trainer.devices=3"],
+     ["tensor_parallel_size=2", "data_parallel_size=auto", "world size (3)", "trainer.devices="]),
+    (["ckpt_path=missing.ckpt"], ["ckpt_path=missing.ckpt", "does not exist"]),
+    (["strategy.weights=nothere.safetensors"], ["strategy.weights=nothere.safetensors", "does not exist"]),
+    (["trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches=0", "positive integer"]),
+]
+
+@pytest.mark.timeout(2 * FAST)
+@pytest.mark.parametrize("overrides, named", CLI_MISTAKES, ids=[" ".join(o) for o, _ in CLI_MISTAKES])
+def test_train_mistake_is_one_message_and_exit_2(tmp_path, overrides, named):
+    res = _run("lightning_par.train", *overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    _one_message(res, "lightning-par-train", *named)
+    assert not (tmp_path / "run").exists()  # nothing started: no run dir, no logs, no checkpoints
+
+
+@pytest.mark.timeout(2 * FAST)
+def test_train_traceback_on_request(tmp_path):
+    res = _run("lightning_par.train", "ckpt_path=missing.ckpt", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert res.returncode != 0 and "Traceback" in res.stderr and "ckpt_path=missing.ckpt" in res.stderr
+
+
+@pytest.mark.timeout(3 * FAST)
+@pytest.mark.parametrize("module, prog", [("lightning_par.train", "lightning-par-train"),
+                                          ("lightning_par.advise", "lightning-par-advise"),
+                                          ("lightning_par.recipe", "lightning-par-recipe")])
+def test_version(tmp_path, module, prog):
+    res = _run(module, "--version", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith(f"{prog} ") and "torch" in res.stdout, res.stderr[-2000:]
+
+
+@pytest.mark.timeout(2 * FAST)
+@pytest.mark.parametrize("args, named", [
+    (["model.n_layr=4"], ["model.n_layr", "n_layer"]),
+    (["--bogus"], ["--bogus"]),
+])
+def test_advise_mistake_is_one_message_and_exit_2(tmp_path, args, named):
+    _one_message(_run("lightning_par.advise", *args, cwd=tmp_path), "lightning-par-advise", *named)
+
+
+@pytest.mark.timeout(2 * FAST)
+def test_advise_traceback_on_debug(tmp_path):
+    res = _run("lightning_par.advise", "model.n_layr=4", "--debug", cwd=tmp_path)
+    assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+@pytest.mark.timeout(2 * FAST)
+@pytest.mark.parametrize("args, named", [
+    (["parity", "--quick", "trainer.max_steps=2"], ["trainer.max_steps", "did you mean `max_steps=`"]),
+    (["parity", "--bogus"], ["--bogus"]),
+])
+def test_recipe_mistake_is_one_message_and_exit_2(tmp_path, args, named):
+    text = _one_message(_run("lightning_par.recipe", *args, "--out", str(tmp_path / "out"), cwd=tmp_path),
+                        "lightning-par-recipe", *named)
+    assert "unrecognized arguments: trainer" not in text and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------- for library users
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["data_parallel", "tensor_parallel"])
+def test_strategies_refuse_accumulate_grad_batches_0_at_setup(strategy):
+    """Lightning alone divides by it (a bare ZeroDivisionError); every strategy refuses it in setup."""
+    import lightning.pytorch as pl
+
+    from lightning_par.data import SyntheticCorpus
+    from lightning_par.models import GPT
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, accumulate_grad_batches=0, max_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    data = SyntheticCorpus(vocab_size=16, seq_len=8, batch_size=2, train_sequences=8, val_sequences=2)
+    try:
+        with pytest.raises(ValueError, match=r"`Trainer\(accumulate_grad_batches=0\)` must be a positive integer"):
+            trainer.fit(GPT(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16), datamodule=data)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # the one-rank group setup_environment made: no global state left behind
+            dist.destroy_process_group()
