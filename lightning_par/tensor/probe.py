@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_par.materialize import has_meta, initialize, materialize
+from lightning_par.materialize import has_meta, initialize, materialize, release
 from lightning_par.tensor.mixed import reduce_partial_grads
 from lightning_par.tensor.plan import FUSED, PREPARE, TensorPlan, add_islands
 from lightning_par.tensor.trace import required_positional
@@ -78,12 +78,25 @@ def _sub_plan(plan: TensorPlan, region: str) -> TensorPlan:
 
 
 def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -> tuple[int, str]:
+    copies: list[nn.Module] = []  # released on the way out: a parallelized copy is a cycle (see release)
+    try:
+        return _probe_copies(module, plan, region, mesh, copies)
+    finally:
+        for c in copies:
+            release(c)
+
+
+def _probe_copies(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh, copies: list) -> tuple[int, str]:
     from lightning_par.tensor.parallelize import parallelize
+
+    def copied(m: nn.Module) -> nn.Module:
+        copies.append(copy.deepcopy(m))
+        return copies[-1]
 
     m = module.get_submodule(region)
     private = has_meta(m)  # a meta-built module: the probe runs on a copy of the region given storage and init,
     if private:  # which is its own to shard in place (one whole copy fewer: a meta-built model may barely fit)
-        m = copy.deepcopy(m)
+        m = copied(m)
         if initialize(m, materialize(m, torch.device(mesh.device_type)), seed=0):
             return _TRUSTED, "not checked (built on the meta device, and no init gives all of its weights)"
     sub = _sub_plan(plan, region)
@@ -92,22 +105,24 @@ def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -
     width = getattr(m.get_submodule(first), "in_features", None) if first else None
     if weight is None or not isinstance(width, int):
         return _TRUSTED, "not checked (no input width found)"
+    dtype = weight.dtype
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(*PROBE_SHAPE, width, generator=g).to(weight.device, weight.dtype)
+    x = torch.randn(*PROBE_SHAPE, width, generator=g).to(weight.device, dtype)
     # further required positional inputs (a decoder layer's ``memory``) get other random hidden states
     extra = [torch.randn(*PROBE_SHAPE, width, generator=g).to(x) for _ in range(required_positional(m) - 1)]
+    del weight
     try:
-        whole = _run(m if private else copy.deepcopy(m), x, extra)
+        whole = _run(m if private else copied(m), x, extra)
     except Exception as e:  # noqa: BLE001 -- any failure means "cannot be called with a hidden state alone"
         return _TRUSTED, f"not checked (its forward needs more than a hidden state: {_first_line(e)})"
     if private:
         m.zero_grad(set_to_none=True)
     try:
-        sharded = parallelize(m if private else copy.deepcopy(m), sub, mesh, check=False)
+        sharded = parallelize(m if private else copied(m), sub, mesh, check=False)
         got = _run(sharded, x, extra)
     except Exception as e:  # noqa: BLE001 -- reported as the reason the region stays replicated
         return _FAILED, f"the sharded module raised {_first_line(e)}"
-    return _compare(whole, got, weight.dtype)
+    return _compare(whole, got, dtype)
 
 
 def _run(m: nn.Module, x: torch.Tensor, extra: list[torch.Tensor]) -> dict[str, torch.Tensor]:
