@@ -205,7 +205,7 @@ def summarize(model: str, cfg: dict, variants: list[str], rows: dict) -> dict:
     print(f"\n{model} {cfg['n_layer']} × {cfg['n_embd']}, vocab {cfg['vocab']}; peak memory by the start of training, "
           f"net of the tiny model's; held = the parameters a rank holds (its share + the replicated ends)")
     print(f"{'variant':8} {'rank':>4} {'net peak MiB':>13} {'held MiB':>9} {'peak/held':>10} {'peak/one':>9} "
-          f"{'read MiB':>9}")
+          f"{'read MiB':>9} {'tensors MiB':>12} {'tensors/held':>13}")
     one = None
     if "model" in rows.get("one", {}) and "tiny" in rows["one"]:
         one = rows["one"]["model"][0]["peak"] - rows["one"]["tiny"][0]["peak"]
@@ -215,9 +215,12 @@ def summarize(model: str, cfg: dict, variants: list[str], rows: dict) -> dict:
             continue
         for rec, base in zip(rows[v]["model"], rows[v]["tiny"]):
             net = rec["peak"] - base["peak"]
-            summary["rows"][f"{v}/rank{rec['rank']}"] = {"net_peak": net, "held": rec["held"], "read": rec["read"]}
+            tensors = rec.get("tensor_peak", float("nan"))  # this run's own: no tiny run to subtract
+            summary["rows"][f"{v}/rank{rec['rank']}"] = {"net_peak": net, "held": rec["held"], "read": rec["read"],
+                                                         "tensor_peak": rec.get("tensor_peak")}
             print(f"{v:8} {rec['rank']:>4} {net / 2**20:13.1f} {rec['held'] / 2**20:9.1f} {net / rec['held']:10.2f} "
-                  f"{(net / one) if one else float('nan'):9.2f} {rec['read'] / 2**20:9.1f}")
+                  f"{(net / one) if one else float('nan'):9.2f} {rec['read'] / 2**20:9.1f} {tensors / 2**20:12.1f} "
+                  f"{tensors / rec['held']:13.2f}")
     return summary
 
 

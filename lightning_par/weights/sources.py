@@ -81,8 +81,9 @@ class SafetensorsSource(Source):
     page of it), and torch's allocator accounts the whole file's size to the mapping, so a meter of tensor bytes
     sees every rank hold the whole file for each read. The format is simple (an 8-byte header length, a JSON
     header with each tensor's ``data_offsets``, row-major data), so the header is read here and a box as a torch
-    file's is (:func:`~lightning_par.weights.torchzip.read_region`): ``pread`` of its contiguous runs into a new
-    tensor of the box's size, nothing mapped.
+    file's is (:func:`~lightning_par.weights.torchzip.read_region`): ``pread`` of its contiguous runs straight
+    into the target when it is a contiguous CPU tensor of the file's dtype (no buffer at all), else into a
+    buffer of one piece (``buffer_bytes`` at most) that is then copied; nothing is mapped.
     """
 
     kind = "safetensors"
@@ -121,11 +122,26 @@ class SafetensorsSource(Source):
         folder = os.path.dirname(os.fspath(index_path))
         return cls(folder, {n: os.path.join(folder, file) for n, file in weight_map.items()}, buffer_bytes)
 
+    def read(self, name: str, region: Region, out: torch.Tensor) -> None:
+        """As :meth:`Source.read`; into a contiguous CPU ``out`` of the file's dtype the box's runs are read in
+        place, without a buffer (a rank then holds its share and nothing beside it)."""
+        tensor = self._stored[name]
+        if out.device.type != "cpu" or out.dtype != tensor.dtype or not out.is_contiguous() or out.numel() == 0:
+            return super().read(name, region, out)
+        dst = torchzip._bytes_of(out.detach())
+        run = torchzip._run_length(region, tensor.shape) * out.element_size()
+        for i, start in enumerate(torchzip._run_starts(region, tensor.shape, tensor.stride, run // out.element_size())):
+            torchzip._pread(self._fd(name), self._files[name], dst[i * run:(i + 1) * run],
+                            tensor.offset + start * out.element_size(), self.counter)
+
     def _read_piece(self, name: str, piece: Region) -> torch.Tensor:
+        return torchzip.read_region(self._fd(name), self._files[name], self._stored[name], piece, self.counter)
+
+    def _fd(self, name: str) -> int:
         file = self._files[name]
         if file not in self._fds:
             self._fds[file] = os.open(file, os.O_RDONLY)
-        return torchzip.read_region(self._fds[file], file, self._stored[name], piece, self.counter)
+        return self._fds[file]
 
     def close(self) -> None:
         for fd in self._fds.values():
