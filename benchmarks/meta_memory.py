@@ -108,15 +108,15 @@ def inner(args) -> None:
                    "read": getattr(trainer.strategy, "weights_bytes_read", 0)}
             if tensors is not None:
                 tensors.stop()
-                rec.update(tensor_peak=tensors.peak, tensor_held=tensors.held, marks=tensors.marks,
-                           phase_peaks=tensors.phase_peaks)
+                rec.update(tensor_peak=tensors.peak, tensor_held=tensors.held)
             with open(os.path.join(args.run_dir, f"rank{trainer.global_rank}.json"), "w") as f:
                 json.dump(rec, f)
 
     data = SyntheticCorpus(vocab_size=cfg["vocab"], seq_len=cfg["seq"], train_sequences=8, val_sequences=2)
     devices = 1 if args.inner == "one" else 2
     reset_peak()  # every rank (popen re-runs this script) from here: the Trainer, the model, setup
-    tensors = None if cuda else TensorPeak()  # the CPU allocator's bytes: deterministic, beside the resident set
+    # the CPU allocator's bytes (deterministic), in a run of its own: the profiler's buffers would count in the RSS
+    tensors = TensorPeak() if cfg.get("tensors") else None
     if tensors is not None:
         tensors.start()
     trainer = Trainer(accelerator=cfg["accelerator"], devices=devices, strategy=strategy(args.inner, cfg["weights"], _prefix(cfg)),
@@ -143,10 +143,12 @@ def write_weights(cfg: dict, directory: str) -> str:
     import torch
     from safetensors.torch import save_file
 
+    path = os.path.join(directory, f"{cfg.get('model', 'gpt')}{cfg['n_layer']}x{cfg['n_embd']}.safetensors")
+    if os.path.exists(path):
+        return path
     torch.manual_seed(0)
     prefix, drop = _prefix(cfg), ("lm_head.weight",) if cfg.get("model") != "llama" else ()
     state = {k[len(prefix):]: v.contiguous() for k, v in build(cfg).state_dict().items() if k not in drop}
-    path = os.path.join(directory, f"{cfg.get('model', 'gpt')}{cfg['n_layer']}x{cfg['n_embd']}.safetensors")
     save_file(state, path)
     return path
 
@@ -179,9 +181,12 @@ def main(argv=None) -> int:
         cfg = {**MODELS[model][args.quick], "model": model}
         cfg.update({k: getattr(args, k) for k in FULL if getattr(args, k) is not None})
         rows = {}
-        for size, sizes in (("model", cfg), ("tiny", {**TINY, "seq": cfg["seq"], "model": model})):
+        runs = [("model", cfg), ("tiny", {**TINY, "seq": cfg["seq"], "model": model})]
+        if args.accelerator == "cpu":
+            runs.append(("tensors", {**cfg, "tensors": True}))
+        for size, sizes in runs:
             sizes = {**sizes, "accelerator": args.accelerator}
-            sizes["weights"] = write_weights(sizes, directory)
+            sizes["weights"] = write_weights(sizes, directory)  # the same file again for the counted run
             for v in variants:
                 recs, err = _launch.launch(__file__, v, sizes, args.threads, args.timeout,
                                            ranks=1 if v == "one" else 2, prefix="meta-memory")
@@ -215,9 +220,10 @@ def summarize(model: str, cfg: dict, variants: list[str], rows: dict) -> dict:
             continue
         for rec, base in zip(rows[v]["model"], rows[v]["tiny"]):
             net = rec["peak"] - base["peak"]
-            tensors = rec.get("tensor_peak", float("nan"))  # this run's own: no tiny run to subtract
+            counted = rows[v].get("tensors")  # the allocator's peak from setup on: no tiny run to subtract
+            tensors = counted[rec["rank"]]["tensor_peak"] if counted else float("nan")
             summary["rows"][f"{v}/rank{rec['rank']}"] = {"net_peak": net, "held": rec["held"], "read": rec["read"],
-                                                         "tensor_peak": rec.get("tensor_peak")}
+                                                         "tensor_peak": tensors}
             print(f"{v:8} {rec['rank']:>4} {net / 2**20:13.1f} {rec['held'] / 2**20:9.1f} {net / rec['held']:10.2f} "
                   f"{(net / one) if one else float('nan'):9.2f} {rec['read'] / 2**20:9.1f} {tensors / 2**20:12.1f} "
                   f"{tensors / rec['held']:13.2f}")
