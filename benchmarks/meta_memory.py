@@ -1,21 +1,31 @@
-"""Peak memory per rank by the start of training: one device vs PP2, TP2 and zero 3 of a meta-built GPT
-whose weights stream from a safetensors file (``trainer.init_module(empty_init=True)`` + ``weights=``).
+"""Peak memory per rank by the start of training: one device vs PP2, TP2 and zero 3 of a meta-built module
+whose weights stream from a safetensors file (``trainer.init_module(empty_init=True)`` + ``weights=``): the
+project's GPT and a user's wrapper of a Hugging Face ``LlamaForCausalLM`` built from a config.
 
-    python benchmarks/meta_memory.py --quick          # ~3 minutes on 2 cores
-    python benchmarks/meta_memory.py                  # GPT 32 × 384 (57 M parameters, 227 MB fp32)
-    python benchmarks/meta_memory.py --accelerator cuda --n-layer 32 --n-embd 2048
+    python benchmarks/meta_memory.py --quick              # GPT 32 × 192, Llama 8 × 256; ~10 minutes on 2 cores
+    python benchmarks/meta_memory.py                      # GPT 32 × 384 (57 M parameters), Llama 8 × 512 (35 M)
+    python benchmarks/meta_memory.py --models llama --variants one,tp2
+    python benchmarks/meta_memory.py --accelerator cuda --models gpt --n-layer 32 --n-embd 2048
 
-CPU: every rank is its own interpreter (Lightning's popen launcher), and its peak resident memory
-(``ru_maxrss``: tensors, mapped file pages, allocator slack) at ``on_train_start`` is reported net of the same
-run with a tiny model (interpreter, torch, Lightning, process group). CUDA: ``max_memory_allocated``. Beside
-each rank: the bytes of the parameters it holds (its share, the replicated ends included) and the ratio
-``net peak / held`` (the issue's bound: ≤ 1.1) and ``net peak / one device's net peak`` (2-way: ≤ 0.6).
-Measured (2-core CPU, torch 2.13, default sizes; net peak / held, net peak / one device): pp2 1.05 / 0.26,
-tp2 1.10 / 0.27, zero3 1.08 / 0.27 on the worse rank; one device 2.01 (the model plus the loaded file).
-The peak is reset (Linux ``clear_refs``) just before the Trainer is built, in every rank. Tensor parallelism's
-setup check runs one region of each kind forward and backward on a whole copy ([Note: the region probe]):
-its weights and gradients are a transient ~2 × one block's MLP, small beside a share only when there are
-many blocks.
+CPU: every rank is its own interpreter (Lightning's popen launcher), and its peak resident memory (``VmHWM``:
+tensors, allocator slack, code pages) from just before the Trainer is built (Linux ``clear_refs``) to
+``on_train_start``, above what it held then, is reported net of the same for a tiny model (interpreter, torch,
+Lightning, process group). Beside it, from a third run of each variant: the CPU allocator's peak tensor bytes
+over the same span (:class:`~lightning_par.peak_memory.TensorPeak`, deterministic; a run of its own because
+the profiler's buffers count in the resident set). CUDA: ``max_memory_allocated``. Each rank's ratios are to
+the bytes of the parameters it holds (its share, the replicated ends included: the issue's bound is ≤ 1.1) and
+to one device's net peak (2-way: ≤ 0.6).
+
+Measured (2-core CPU, torch 2.13, default sizes; net peak / held, tensors / held on the worse rank):
+GPT pp2 1.03 / 1.00, tp2 1.03 / 1.00, zero3 1.06 / 1.00; Llama pp2 1.01 / 1.00, tp2
+1.01 / 1.00, zero3 1.01 / 1.00; one device
+2.0 (the model plus the loaded file). Before (the same runs on the previous reader and probe): tensors / held
+3.0 everywhere (``safe_open`` mapped the whole file into one storage for each read, which torch's allocator
+accounts at the file's size), TP2 3.1 with 12 MiB (Llama) of the region probe's copies kept into training;
+net peak / held Llama pp2 1.06, tp2 1.18, zero3 1.07, GPT {GB}. What the resident set holds beyond the
+tensors is code and allocator slack: the first large matrix products page in kernels the tiny run does not
+use. Tensor parallelism's setup check ([Note: the region probe]) holds about 2 × one region transiently,
+before the share is materialized: the peak only where a region is large beside a share (few blocks).
 """
 from __future__ import annotations
 
@@ -94,7 +104,7 @@ def inner(args) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_par.data import SyntheticCorpus
-    from lightning_par.peak_memory import TensorPeak, held_bytes, peak_resident, reset_peak
+    from lightning_par.peak_memory import TensorPeak, held_bytes, peak_resident, reset_peak, resident
 
     cfg = json.loads(args.cfg)
     torch.set_num_threads(args.threads)
@@ -104,7 +114,7 @@ def inner(args) -> None:
         def on_train_start(self, trainer, module):
             held = held_bytes(module)
             peak = torch.cuda.max_memory_allocated() if cuda else peak_resident()
-            rec = {"rank": trainer.global_rank, "peak": peak, "held": held,
+            rec = {"rank": trainer.global_rank, "peak": peak, "base": base, "held": held,
                    "read": getattr(trainer.strategy, "weights_bytes_read", 0)}
             if tensors is not None:
                 tensors.stop()
@@ -115,11 +125,13 @@ def inner(args) -> None:
     data = SyntheticCorpus(vocab_size=cfg["vocab"], seq_len=cfg["seq"], train_sequences=8, val_sequences=2)
     devices = 1 if args.inner == "one" else 2
     reset_peak()  # every rank (popen re-runs this script) from here: the Trainer, the model, setup
+    base = torch.cuda.memory_allocated() if cuda else resident()  # the data (a vocabulary² Markov table) is before
     # the CPU allocator's bytes (deterministic), in a run of its own: the profiler's buffers would count in the RSS
     tensors = TensorPeak() if cfg.get("tensors") else None
     if tensors is not None:
         tensors.start()
-    trainer = Trainer(accelerator=cfg["accelerator"], devices=devices, strategy=strategy(args.inner, cfg["weights"], _prefix(cfg)),
+    trainer = Trainer(accelerator=cfg["accelerator"], devices=devices,
+                      strategy=strategy(args.inner, cfg["weights"], _prefix(cfg)),
                       max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Peak()])
     if args.inner == "one":  # one device: the model built as usual, then the same file loaded
@@ -205,6 +217,11 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
+def _net(rec: dict, tiny: dict) -> int:
+    """A run's peak above what its rank held when the peak was reset, less the same of the tiny model's run."""
+    return (rec["peak"] - rec["base"]) - (tiny["peak"] - tiny["base"])
+
+
 def summarize(model: str, cfg: dict, variants: list[str], rows: dict) -> dict:
     """The table of one model: per variant and rank the net peak, what it holds, and their ratios."""
     print(f"\n{model} {cfg['n_layer']} × {cfg['n_embd']}, vocab {cfg['vocab']}; peak memory by the start of training, "
@@ -213,13 +230,13 @@ def summarize(model: str, cfg: dict, variants: list[str], rows: dict) -> dict:
           f"{'read MiB':>9} {'tensors MiB':>12} {'tensors/held':>13}")
     one = None
     if "model" in rows.get("one", {}) and "tiny" in rows["one"]:
-        one = rows["one"]["model"][0]["peak"] - rows["one"]["tiny"][0]["peak"]
+        one = _net(rows["one"]["model"][0], rows["one"]["tiny"][0])
     summary = {"config": cfg, "one_device_net_peak": one, "rows": {}}
     for v in variants:
         if "model" not in rows.get(v, {}) or "tiny" not in rows[v]:
             continue
         for rec, base in zip(rows[v]["model"], rows[v]["tiny"]):
-            net = rec["peak"] - base["peak"]
+            net = _net(rec, base)
             counted = rows[v].get("tensors")  # the allocator's peak from setup on: no tiny run to subtract
             tensors = counted[rec["rank"]]["tensor_peak"] if counted else float("nan")
             summary["rows"][f"{v}/rank{rec['rank']}"] = {"net_peak": net, "held": rec["held"], "read": rec["read"],

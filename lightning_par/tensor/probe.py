@@ -9,13 +9,22 @@ on shards than on the whole (a tensor built with a stored head count). So at set
 is parallelized, :func:`check_regions` takes one region of each kind (same class, parameter shapes and
 plan inside), copies it twice, shards one copy exactly as the plan would and runs both copies forward and
 backward on the same small random hidden state ``(2, 4, width)`` (and another for each further required
-positional input, such as a decoder layer's ``memory``) in eval mode (no dropout: the two runs must agree). The sharded copy must not raise and must give the same outputs, input gradient and parameter
+positional input, such as a decoder layer's ``memory``) in eval mode (no dropout: the two runs must agree).
+The sharded copy must not raise and must give the same outputs, input gradient and parameter
 gradients as the whole one; otherwise every region of that kind is left replicated, with a warning that
 names it and says what failed. Under ``sequence_parallel=True`` a failure is refused instead (a replicated
 region cannot take a sequence-split residual stream). A region whose forward needs more than its hidden
 state (HF Llama's attention takes the rotary tables) cannot be called this way and is trusted; the plan
 says so (``TensorPlan.checked``). Every tensor-parallel rank runs the same check and the verdicts are
 agreed with one all-reduce, so all ranks keep the same plan.
+
+What it costs a rank is transient and comes before its share is materialized: the region's weights whole,
+their gradients (kept for the comparison) and the sharded copy's shards and gradients, about 2 × the region
+(a meta-built module's copy is its only copy and is sharded in place). Each rank compares its own shard of
+the sharded gradients with the same region of the whole ones (nothing is gathered whole again), and the
+copies are released on the way out: a parallelized copy refers to itself through its wrapped ``forward``,
+so dropping it would free nothing until a garbage collection (measured: one whole MLP of HF Llama,
+12 MiB of a 68 MiB share, held into training).
 """
 from __future__ import annotations
 
@@ -39,7 +48,8 @@ PROBE_SHAPE = (2, 4)  # batch, sequence of the probe's hidden state
 _OK, _TRUSTED, _FAILED = 0, 1, 2
 
 
-def check_regions(module: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> TensorPlan:
+def check_regions(module: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *,
+                  sequence_parallel: bool = False) -> TensorPlan:
     """Run [Note: the region probe] on ``module`` (unchanged) and update ``plan`` in place; returns it."""
     kinds: dict[tuple, list[str]] = {}
     for region in plan.regions():
