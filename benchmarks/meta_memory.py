@@ -17,12 +17,12 @@ the bytes of the parameters it holds (its share, the replicated ends included: t
 to one device's net peak (2-way: ≤ 0.6).
 
 Measured (2-core CPU, torch 2.13, default sizes; net peak / held, tensors / held on the worse rank):
-GPT pp2 1.03 / 1.00, tp2 1.03 / 1.00, zero3 1.06 / 1.00; Llama pp2 1.01 / 1.00, tp2
-1.01 / 1.00, zero3 1.01 / 1.00; one device
-2.0 (the model plus the loaded file). Before (the same runs on the previous reader and probe): tensors / held
-3.0 everywhere (``safe_open`` mapped the whole file into one storage for each read, which torch's allocator
-accounts at the file's size), TP2 3.1 with 12 MiB (Llama) of the region probe's copies kept into training;
-net peak / held Llama pp2 1.06, tp2 1.18, zero3 1.07, GPT {GB}. What the resident set holds beyond the
+GPT pp2 1.02 / 1.00, tp2 1.03 / 1.00, zero3 1.05 / 1.00; Llama pp2 1.01 / 1.00, tp2 1.01 / 1.00, zero3
+1.01 / 1.00; one device 2.0 (the model plus the loaded file). Before (the same benchmark on the previous
+reader and probe): GPT 1.04 / 3.00, 1.07 / 3.06, 1.07 / 3.00; Llama 1.06 / 3.00, 1.18 / 3.18, 1.07 / 3.00
+(``safe_open`` mapped the whole file into one storage for each read, which the allocator counts at the file's
+size and whose touched pages stayed resident while the box's view lived; under TP2 the region probe's copies,
+a cycle, kept 12 MiB of Llama into training). What the resident set holds beyond the
 tensors is code and allocator slack: the first large matrix products page in kernels the tiny run does not
 use. Tensor parallelism's setup check ([Note: the region probe]) holds about 2 × one region transiently,
 before the share is materialized: the peak only where a region is large beside a share (few blocks).
