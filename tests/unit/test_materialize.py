@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import lightning_par.materialize.meta as meta_module
+import lightning_par.peak_memory as peak_memory_module
 import lightning_par.pipeline.ends as ends_module
 from lightning_par.materialize import (free_parameters, initialize, materialize, meta_parameters, open_module_weights,
                                        read_weights)
@@ -18,7 +19,7 @@ def tiny_gpt():
     return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16)
 
 
-@pytest.mark.parametrize("module", [meta_module, ends_module])
+@pytest.mark.parametrize("module", [meta_module, ends_module, peak_memory_module])
 def test_docstring_examples(module):
     assert doctest.testmod(module, raise_on_error=True).attempted > 0
 
