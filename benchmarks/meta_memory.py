@@ -2,7 +2,7 @@
 whose weights stream from a safetensors file (``trainer.init_module(empty_init=True)`` + ``weights=``): the
 project's GPT and a user's wrapper of a Hugging Face ``LlamaForCausalLM`` built from a config.
 
-    python benchmarks/meta_memory.py --quick              # GPT 32 × 192, Llama 8 × 256; ~10 minutes on 2 cores
+    python benchmarks/meta_memory.py --quick              # GPT 32 × 192, Llama 8 × 256; ~4 minutes on 2 cores
     python benchmarks/meta_memory.py                      # GPT 32 × 384 (57 M parameters), Llama 8 × 512 (35 M)
     python benchmarks/meta_memory.py --models llama --variants one,tp2
     python benchmarks/meta_memory.py --accelerator cuda --models gpt --n-layer 32 --n-embd 2048
@@ -23,8 +23,10 @@ reader and probe): GPT 1.04 / 3.00, 1.07 / 3.06, 1.07 / 3.00; Llama 1.06 / 3.00,
 (``safe_open`` mapped the whole file into one storage for each read, which the allocator counts at the file's
 size and whose touched pages stayed resident while the box's view lived; under TP2 the region probe's copies,
 a cycle, kept 12 MiB of Llama into training). What the resident set holds beyond the
-tensors is code and allocator slack: the first large matrix products page in kernels the tiny run does not
-use. Tensor parallelism's setup check ([Note: the region probe]) holds about 2 × one region transiently,
+tensors is code and allocator slack (the first large matrix products page in kernels the tiny run does not
+use) and the Python side of sharding 32 blocks, a few MiB whatever the width: at ``--quick`` sizes the GPT's
+net peak / held is 1.06-1.10 under pp2 / tp2 and 1.19 under zero3 (5 MiB beside a 27 MiB share), its
+tensors / held still 1.00. Tensor parallelism's setup check ([Note: the region probe]) holds about 2 × one region transiently,
 before the share is materialized: the peak only where a region is large beside a share (few blocks).
 """
 from __future__ import annotations
