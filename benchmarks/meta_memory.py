@@ -26,8 +26,9 @@ a cycle, kept 12 MiB of Llama into training). What the resident set holds beyond
 tensors is code and allocator slack (the first large matrix products page in kernels the tiny run does not
 use) and the Python side of sharding 32 blocks, a few MiB whatever the width: at ``--quick`` sizes the GPT's
 net peak / held is 1.06-1.10 under pp2 / tp2 and 1.19 under zero3 (5 MiB beside a 27 MiB share), its
-tensors / held still 1.00. Tensor parallelism's setup check ([Note: the region probe]) holds about 2 × one region transiently,
-before the share is materialized: the peak only where a region is large beside a share (few blocks).
+tensors / held still 1.00. Tensor parallelism's setup check ([Note: the region probe]) holds about 2 × one
+region transiently, before the share is materialized: the peak only where a region is large beside a share
+(few blocks).
 """
 from __future__ import annotations
 
