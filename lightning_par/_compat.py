@@ -265,3 +265,23 @@ def lightning_optimizers(module) -> list:
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 
     return _init_optimizers_and_lr_schedulers(module)[0]
+
+
+def profiler_allocations(prof, marker: str = "") -> tuple[list[tuple[int, int]], list[tuple[int, str]]]:
+    """``(time ns, bytes)`` of every allocation (positive) and free (negative) that the torch profiler ``prof``
+    (run with ``profile_memory=True``) recorded, in time order, and ``(time ns, name)`` of the
+    ``record_function`` ranges whose names start with ``marker`` (on the same clock). Walks
+    ``kineto_results.experimental_event_tree()`` (``torch._C._profiler._EventType.Allocation`` events: every
+    allocation of c10's allocators, inside an op or not), which is what torch's own ``_memory_profiler`` reads;
+    the public ``events()`` folds the allocations made inside an op into that op's totals, where their order is
+    lost."""
+    kind = torch._C._profiler._EventType.Allocation
+    allocations, marks, stack = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == kind:
+            allocations.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
+        elif marker and e.name.startswith(marker):
+            marks.append((e.start_time_ns, e.name[len(marker):]))
+        stack.extend(e.children)
+    return sorted(allocations), sorted(marks)

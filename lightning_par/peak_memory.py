@@ -12,7 +12,12 @@ alike. Elsewhere (no ``/proc``) the lifetime peak (``ru_maxrss``) is all there i
 holds its own pages: its peak is not this one's. CUDA: ``max_memory_allocated`` of the device after
 ``reset_peak_memory_stats``, net of ``memory_allocated`` at ``start()`` (tensors only: no context, no slack).
 
-Used by ``benchmarks/meta_memory.py`` and ``lightning-par-recipe capacity``.
+:class:`TensorPeak` counts tensor bytes instead of pages: the most bytes c10's CPU allocator held at once between
+its ``start()`` and ``stop()`` beyond what was held at ``start()``, from the torch profiler's allocation events.
+Unlike the resident set it is deterministic (no allocator slack, no code or file pages, no other thread's
+heap), so tests can bound it; it slows every op down while it runs (keep it to setups of small models).
+
+Used by ``benchmarks/meta_memory.py``, ``lightning-par-recipe capacity`` and the meta-build tests.
 """
 from __future__ import annotations
 
@@ -87,3 +92,69 @@ class PeakMemory:
         if self.base is None:
             raise RuntimeError("PeakMemory.net() before start(): call start() where the measured part begins.")
         return self.peak() - self.base
+
+
+class TensorPeak:
+    """The most CPU tensor bytes held at once from :meth:`start` to :meth:`stop`, net of what was held at
+    :meth:`start` (``peak``), and the net bytes still held at :meth:`stop` (``held``). ``marks`` gives the net
+    bytes held at named points (:meth:`mark`), e.g. after each step of a setup, and ``phase_peaks`` the most
+    held between the mark before (or the start) and each.
+
+        meter = TensorPeak()
+        meter.start()
+        ...                       # build, materialize, read
+        meter.stop()
+        meter.peak, meter.held    # bytes
+
+    Example:
+        >>> meter = TensorPeak(); meter.start()
+        >>> a = torch.empty(1 << 20, dtype=torch.uint8); del a; b = torch.empty(1 << 19, dtype=torch.uint8)
+        >>> meter.mark("after a")
+        >>> meter.stop()
+        >>> meter.peak, meter.marks["after a"] // 1024, meter.held // 1024     # bytes, KiB, KiB
+        (1048576, 512, 512)
+    """
+
+    def __init__(self):
+        self._prof = None
+        self.peak: int | None = None
+        self.held: int | None = None
+        self.marks: dict[str, int] = {}
+        self.phase_peaks: dict[str, int] = {}
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        self._prof.__enter__()
+
+    def mark(self, name: str) -> None:
+        """Remember this point: after :meth:`stop`, ``marks[name]`` is the net bytes held here."""
+        from torch.profiler import record_function
+
+        with record_function(_MARK + name):
+            pass
+
+    def stop(self) -> None:
+        from lightning_par._compat import profiler_allocations
+
+        if self._prof is None:
+            raise RuntimeError("TensorPeak.stop() before start(): call start() where the measured part begins.")
+        self._prof.__exit__(None, None, None)
+        events, marks = profiler_allocations(self._prof, _MARK)
+        self._prof = None
+        held = peak = phase = 0
+        marks.append((float("inf"), None))
+        at = 0
+        for t, size in events:
+            while marks[at][0] <= t:
+                self.marks[marks[at][1]], self.phase_peaks[marks[at][1]] = held, phase
+                phase, at = held, at + 1
+            held += size
+            peak, phase = max(peak, held), max(phase, held)
+        for _, name in marks[at:-1]:
+            self.marks[name], self.phase_peaks[name], phase = held, phase, held
+        self.peak, self.held = peak, held
+
+
+_MARK = "lightning_par.mark:"

@@ -14,7 +14,8 @@ Example (one process; a pipeline stage or a tensor shard passes ``owned=``)::
 """
 from lightning_par.materialize.init import initialize, materialize, move_real, sentinel_left
 from lightning_par.materialize.load import assign_state, module_ties, open_module_weights, read_weights, weight_targets
-from lightning_par.materialize.meta import free_parameters, has_meta, is_meta, meta_names, meta_parameters
+from lightning_par.materialize.meta import free_parameters, has_meta, is_meta, meta_names, meta_parameters, release
 
-__all__ = ["assign_state", "free_parameters", "has_meta", "initialize", "is_meta", "materialize", "meta_names", "meta_parameters",
-           "module_ties", "move_real", "open_module_weights", "read_weights", "sentinel_left", "weight_targets"]
+__all__ = ["assign_state", "free_parameters", "has_meta", "initialize", "is_meta", "materialize", "meta_names",
+           "meta_parameters", "module_ties", "move_real", "open_module_weights", "read_weights", "release",
+           "sentinel_left", "weight_targets"]

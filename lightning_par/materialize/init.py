@@ -149,7 +149,8 @@ def initialize(module: nn.Module, made: dict[str, torch.Tensor], *, seed: int, s
             by_module.setdefault(id(mod), []).append((name, attr, store))
     providers = _init_providers(module)
     device = next(iter(made.values())).device if made else None
-    temps: dict[int, torch.Tensor] = {}  # made DTensor id -> its whole temporary of the last init
+    unwritten: dict[int, bool] = {}  # made DTensor id -> whether its whole temporary kept a sentinel
+    whole = None
     for mod_name, mod in _post_order(module):
         entries = by_module.get(id(mod))
         if not entries or all(name in skip for name, _, _ in entries):
@@ -173,18 +174,15 @@ def initialize(module: nn.Module, made: dict[str, torch.Tensor], *, seed: int, s
         with torch.no_grad():
             for attr, store, t, whole in swapped:
                 t.to_local().copy_(whole[region_slices(dtensor_region(t))])
-                temps[id(t)] = whole
+                unwritten[id(t)] = sentinel_left(whole)  # asked now: the temporary goes with this module
                 store[attr] = t
+        swapped = whole = None  # this module's temporaries go before the next module's are made
     left = []
     for name, t in made.items():
         if name in skip:
             continue
-        whole = temps.get(id(t), t)
-        if isinstance(whole, DTensor):  # never initialized: its local shard tells
-            whole = whole.to_local()
-        if sentinel_left(whole):
+        if unwritten.get(id(t), sentinel_left(t.to_local() if isinstance(t, DTensor) else t)):
             left.append(name)
-    temps.clear()
     return left
 
 

@@ -82,3 +82,19 @@ def free_parameters(module: nn.Module, names: Iterable[str]) -> int:
                 freed += p.numel() * p.element_size()
             mod._parameters[attr] = new[id(p)]
     return freed
+
+
+def release(module: nn.Module) -> None:
+    """Drop the storage of every parameter, gradient and buffer of ``module`` (a scratch copy: they become meta
+    tensors), now rather than when the garbage collector finds the copy: a parallelized module refers to itself
+    (its wrapped ``forward`` holds the bound method), so dropping the last name of it frees nothing until a
+    collection runs."""
+    for mod in module.modules():
+        for store in (mod._parameters, mod._buffers):
+            for attr, t in list(store.items()):
+                if t is None:
+                    continue
+                t.grad = None
+                if not is_meta(t):
+                    empty = torch.empty(t.shape, dtype=t.dtype, device="meta")  # a DTensor's too: full shape
+                    store[attr] = nn.Parameter(empty, t.requires_grad) if store is mod._parameters else empty

@@ -106,8 +106,9 @@ class WeightsReader:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes of tensor elements read from the files so far (for safetensors: the bytes of the boxes
-        asked of ``get_slice``; for torch files and DCP chunks: the bytes this package's reads fetched)."""
+        """Bytes of tensor elements read from the files so far (the bytes this package's reads fetched; for a
+        torch file or a DCP chunk whose storage offset torch did not report, the bytes of the boxes taken from
+        torch's mapping or of the whole chunk)."""
         return self.source.counter.data
 
     @property

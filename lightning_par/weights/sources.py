@@ -2,7 +2,8 @@
 of one tensor at a time through a buffer of at most ``buffer_bytes``.
 
 - :class:`SafetensorsSource`: one ``.safetensors`` file, or a Hugging Face sharded directory
-  (``*.safetensors.index.json`` with a ``weight_map``), read with ``safe_open(...).get_slice(name)[box]``.
+  (``*.safetensors.index.json`` with a ``weight_map``), listed from its header and read by byte range
+  (see [Note: reading safetensors by byte range]).
 - :class:`TorchFileSource`: a ``torch.save`` state dict or a Lightning ``.ckpt`` (its ``state_dict``),
   read by byte range (see [Note: reading torch archives by byte range]).
 - :class:`DCPSource`: a ``torch.distributed.checkpoint`` directory, reading only the saved chunks that
@@ -13,7 +14,10 @@ of one tensor at a time through a buffer of at most ``buffer_bytes``.
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
+import sys
 from typing import Mapping, NamedTuple, Optional
 
 import torch
@@ -71,32 +75,41 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
 class SafetensorsSource(Source):
     """``files``: tensor name -> the ``.safetensors`` file holding it (one file for a single-file source).
 
-    A file is opened for each piece of a read and closed after it: the pages that ``safe_open``'s mapping
-    touched are held no longer than the piece's buffer, so a read holds about twice ``buffer_bytes``.
+    [Note: reading safetensors by byte range]
+    ``safe_open`` maps the whole file into one storage and ``get_slice(name)[box]`` hands back views of it: the
+    pages a box touches stay resident while the view lives (a column box of a row-major tensor touches every
+    page of it), and torch's allocator accounts the whole file's size to the mapping, so a meter of tensor bytes
+    sees every rank hold the whole file for each read. The format is simple (an 8-byte header length, a JSON
+    header with each tensor's ``data_offsets``, row-major data), so the header is read here and a box as a torch
+    file's is (:func:`~lightning_par.weights.torchzip.read_region`): ``pread`` of its contiguous runs straight
+    into the target when it is a contiguous CPU tensor of the file's dtype (no buffer at all), else into a
+    buffer of one piece (``buffer_bytes`` at most) that is then copied; nothing is mapped.
     """
 
     kind = "safetensors"
 
     def __init__(self, path, files: Mapping[str, str], buffer_bytes: int = DEFAULT_BUFFER_BYTES):
-        from safetensors import safe_open
-
         super().__init__(path, buffer_bytes)
         self._files = dict(files)
+        self._stored: dict[str, torchzip.StoredTensor] = {}
+        self._fds: dict[str, int] = {}
         wanted: dict[str, set] = {}
         for name, file in self._files.items():
             wanted.setdefault(file, set()).add(name)
         for file, names in wanted.items():
             if not os.path.isfile(file):
                 raise ValueError(f"{self.path} names the file {file}, which does not exist")
-            for name, shape, code in _header(file, names):
+            for name, shape, code, offset in _header(file, names):
                 if code not in _SAFETENSORS_DTYPES:
                     raise ValueError(f"{file}: tensor {name!r} has the dtype {code}, which this reader does not know")
                 self.tensors[name] = TensorInfo(shape, _SAFETENSORS_DTYPES[code])
+                stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))  # row-major
+                self._stored[name] = torchzip.StoredTensor(self.tensors[name].dtype, shape, stride, 0, offset, True)
 
     @classmethod
     def from_file(cls, path, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> "SafetensorsSource":
         path = os.fspath(path)
-        return cls(path, {name: path for name, _, _ in _header(path)}, buffer_bytes)
+        return cls(path, {name: path for name, *_ in _header(path)}, buffer_bytes)
 
     @classmethod
     def from_index(cls, index_path, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> "SafetensorsSource":
@@ -109,31 +122,63 @@ class SafetensorsSource(Source):
         folder = os.path.dirname(os.fspath(index_path))
         return cls(folder, {n: os.path.join(folder, file) for n, file in weight_map.items()}, buffer_bytes)
 
+    def read(self, name: str, region: Region, out: torch.Tensor) -> None:
+        """As :meth:`Source.read`; into a contiguous CPU ``out`` of the file's dtype the box's runs are read in
+        place, without a buffer (a rank then holds its share and nothing beside it)."""
+        tensor = self._stored[name]
+        if out.device.type != "cpu" or out.dtype != tensor.dtype or not out.is_contiguous() or out.numel() == 0:
+            return super().read(name, region, out)
+        dst = torchzip._bytes_of(out.detach())
+        run = torchzip._run_length(region, tensor.shape) * out.element_size()
+        for i, start in enumerate(torchzip._run_starts(region, tensor.shape, tensor.stride, run // out.element_size())):
+            torchzip._pread(self._fd(name), self._files[name], dst[i * run:(i + 1) * run],
+                            tensor.offset + start * out.element_size(), self.counter)
+
     def _read_piece(self, name: str, piece: Region) -> torch.Tensor:
-        from safetensors import safe_open
+        return torchzip.read_region(self._fd(name), self._files[name], self._stored[name], piece, self.counter)
 
-        with safe_open(self._files[name], framework="pt") as f:  # closed (unmapped) before the piece is copied
-            data = f.get_slice(name)[region_slices(piece)]
-        self.counter.data += data.numel() * data.element_size()  # the bytes of the box: what get_slice reads
-        return data
+    def _fd(self, name: str) -> int:
+        file = self._files[name]
+        if file not in self._fds:
+            self._fds[file] = os.open(file, os.O_RDONLY)
+        return self._fds[file]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
-def _header(file: str, names: Optional[set] = None) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, dtype code) of the tensors ``names`` (all if ``None``) of a safetensors file; no data read."""
-    from safetensors import safe_open
-
+def _header(file: str, names: Optional[set] = None) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """(name, shape, dtype code, byte offset of its data) of the tensors ``names`` (all if ``None``) of a
+    safetensors file: an 8-byte little-endian header length, the JSON header, then the data, which each entry's
+    ``data_offsets`` count from. Only the header is read; a header that does not describe the file is refused."""
+    if sys.byteorder != "little":
+        raise ValueError(f"{file}: safetensors data is little-endian and this machine is {sys.byteorder}-endian")
     try:
-        with safe_open(file, framework="pt") as f:
-            held = list(f.keys())
-            if names is not None and set(names) - set(held):
-                raise ValueError(f"{file} does not hold {sorted(set(names) - set(held))[:10]}, which its index "
-                                 f"places there")
-            return [(n, tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype())
-                    for n in held if names is None or n in names]
-    except ValueError:
-        raise
-    except Exception as err:  # safetensors raises its own SafetensorError on a bad or truncated file
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            length = struct.unpack("<Q", f.read(8))[0]
+            if length > size - 8:
+                raise ValueError(f"its header length {length} exceeds the file's {size} bytes")
+            header = json.loads(f.read(length))
+        out = []
+        for name, entry in header.items():
+            if name == "__metadata__" or (names is not None and name not in names):
+                continue
+            shape, code = tuple(int(n) for n in entry["shape"]), entry["dtype"]
+            begin, end = (int(n) for n in entry["data_offsets"])
+            item = _SAFETENSORS_DTYPES[code].itemsize if code in _SAFETENSORS_DTYPES else None
+            if end > size - 8 - length or (item is not None and end - begin != math.prod(shape) * item):
+                raise ValueError(f"the data of {name!r} (bytes {begin}-{end} after the header, shape {shape}, "
+                                 f"{code}) does not fit the file's {size} bytes")
+            out.append((name, shape, code, 8 + length + begin))
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
         raise ValueError(f"cannot read {file} as a safetensors file: {err}") from err
+    if names is not None and set(names) - {n for n, *_ in out}:
+        raise ValueError(f"{file} does not hold {sorted(set(names) - {n for n, *_ in out})[:10]}, which its index "
+                         f"places there")
+    return out
 
 
 # -- torch.save files (state dicts, Lightning checkpoints) --------------------------------------------------

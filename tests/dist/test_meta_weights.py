@@ -18,6 +18,7 @@ from lightning_par import DataParallelStrategy, PipelineParallelStrategy, Tensor
 from lightning_par.data import SyntheticCorpus
 from lightning_par.materialize import initialize, materialize, meta_parameters
 from lightning_par.models import GPT
+from lightning_par.peak_memory import TensorPeak, held_bytes
 from test_pipeline import assert_pipeline_matches
 
 DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=8)
@@ -357,3 +358,66 @@ def test_meta_build_with_weights_under_zero3_replicas_matches_one_device(tmp_pat
         if tp == 2:
             assert any(local * 4 <= whole + 64 for _, local, whole in held.values())
         assert share["read"] == share["held_bytes"] > 0 and share["read"] < file_bytes / 3, (rank, share)
+
+
+class SetupMemory(pl.Callback):
+    """From the setup hook (after the meta build, before the strategy's setup) to the start of training: the most
+    CPU tensor bytes this rank held at once and still holds (the allocator's counts, deterministic), beside the
+    bytes of the parameters it holds and the largest one, and the bytes it read."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir, self.meter = out_dir, None
+
+    def setup(self, trainer, pl_module, stage):
+        self.meter = TensorPeak()
+        self.meter.start()
+
+    def on_train_start(self, trainer, pl_module):
+        self.meter.stop()
+        from lightning_par.comm import local_nbytes
+
+        sizes = [local_nbytes(p) for p in pl_module.parameters() if not p.is_meta and not (
+            isinstance(p, DTensor) and p.to_local().is_meta)]
+        os.makedirs(self.out_dir, exist_ok=True)
+        torch.save({"peak": self.meter.peak, "still": self.meter.held, "held": held_bytes(pl_module),
+                    "largest": max(sizes), "read": trainer.strategy.weights_bytes_read},
+                   os.path.join(self.out_dir, f"memory{trainer.global_rank}.pt"))
+
+
+def wide_llama():
+    """LitLlama at a width where a rank's share is far above the allocator's fixed costs (64 KiB per block)."""
+    import transformers
+
+    m = LitLlama()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=False)
+    m.model = transformers.LlamaForCausalLM(config)
+    return m
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_meta_built_hf_llama_holds_only_its_share_at_setup(tmp_path, strategy):
+    """A meta-built Hugging Face Llama with ``weights=``: from the strategy's setup to the start of training, each
+    rank's tensors never exceed 1.1 × what it holds (its share + the replicated ends), none stays behind beyond
+    it (the region probe's copies, the weights reader's buffers), and it read exactly what it holds. Counted by
+    the CPU allocator (the torch profiler's allocation events), not by the resident set."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    path = str(tmp_path / "weights.safetensors")
+    save_file({k[len("model."):]: v.contiguous() for k, v in wide_llama().state_dict().items()}, path)
+    out = str(tmp_path / "par")
+    trainer = pl.Trainer(**trainer_kwargs(strategy=STRATEGIES[strategy](weights=path, weights_prefix="model."),
+                                          devices=2, max_steps=1, callbacks=[SetupMemory(out)]))
+    with trainer.init_module(empty_init=True):
+        model = wide_llama()
+    trainer.fit(model, DataLoader(DATA.train_set, batch_size=4))
+    for rank in range(2):
+        m = torch.load(os.path.join(out, f"memory{rank}.pt"))
+        print(rank, m)
+        assert m["read"] == m["held"] > 0, (rank, m)
+        assert m["still"] <= m["held"] * 1.01, (rank, m)  # nothing but the share is left
+        assert m["peak"] <= 1.1 * m["held"], (rank, m)

@@ -1,11 +1,13 @@
 """The meta build, the materialization of a share, its init and the weights check (no processes)."""
 import doctest
+import functools
 
 import pytest
 import torch
 from torch import nn
 
 import lightning_par.materialize.meta as meta_module
+import lightning_par.peak_memory as peak_memory_module
 import lightning_par.pipeline.ends as ends_module
 from lightning_par.materialize import (free_parameters, initialize, materialize, meta_parameters, open_module_weights,
                                        read_weights)
@@ -17,7 +19,7 @@ def tiny_gpt():
     return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16)
 
 
-@pytest.mark.parametrize("module", [meta_module, ends_module])
+@pytest.mark.parametrize("module", [meta_module, ends_module, peak_memory_module])
 def test_docstring_examples(module):
     assert doctest.testmod(module, raise_on_error=True).attempted > 0
 
@@ -126,3 +128,70 @@ def test_weights_arguments_are_checked_by_every_strategy(kwargs, match):
     for cls in (DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy):
         with pytest.raises(ValueError, match=match):
             cls(**kwargs)
+
+
+def test_release_frees_a_copy_that_refers_to_itself_without_a_collection():
+    """A parallelized copy wraps its own ``forward`` (a cycle): dropping the last name of it frees nothing until the
+    garbage collector runs; ``release`` frees its parameters, gradients and buffers at once."""
+    import gc
+
+    from lightning_par.materialize import release
+    from lightning_par.peak_memory import TensorPeak
+
+    gc.disable()
+    try:
+        meter = TensorPeak()
+        meter.start()
+        copy = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256))
+        copy.forward = functools.partial(copy.forward)  # the module -> its bound forward -> the module
+        copy(torch.randn(4, 64)).sum().backward()
+        meter.mark("built")
+        release(copy)
+        del copy
+        meter.stop()
+    finally:
+        gc.enable()
+    kept = (64 * 256 + 256 + 2 * 256) * 4 * 2 + 2 * 256 * 4  # parameters and their gradients, the running stats
+    assert meter.marks["built"] >= kept and meter.held < 1024, (meter.marks, meter.held)
+
+
+@pytest.fixture
+def fake_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield DeviceMesh("cpu", [0, 1])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_meta_module_is_initialized_one_module_of_whole_temporaries_at_a_time(fake_mesh):
+    """[Note: initializing a materialized share]: each DTensor is initialized whole on a temporary of which the rank
+    keeps its shard; the temporaries of a module go before the next module's are made (they were all kept until
+    the end: the whole model's sharded part)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_par.peak_memory import TensorPeak
+
+    with meta_parameters():
+        model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+    for layer in model:
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight, fake_mesh, [Shard(0)]))
+    meter = TensorPeak()
+    meter.start()
+    made = materialize(model, torch.device("cpu"))
+    assert initialize(model, made, seed=0) == []
+    meter.stop()
+    shard, whole = 32 * 64 * 4, 64 * 64 * 4
+    # one module's whole temporary (and its NaN check's mask of booleans) beside the shards, never the four
+    assert meter.held == 4 * shard and meter.peak <= 4 * shard + whole + whole // 4 + 1024, (meter.held, meter.peak)
+    plain = nn.Linear(64, 64, bias=False)  # the shard holds the rows of the module's own init
+    with torch.random.fork_rng():
+        from lightning_par.materialize.init import module_seed
+
+        torch.manual_seed(module_seed(0, "2"))
+        plain.reset_parameters()
+    torch.testing.assert_close(model[2].weight.to_local(), plain.weight[:32].detach())

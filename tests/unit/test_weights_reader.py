@@ -425,9 +425,30 @@ def test_a_small_buffer_reads_in_pieces_no_larger_than_it(sources, kind, monkeyp
 
         monkeypatch.setattr(type(reader.source), "_read_piece", recording)
         full = state["tok_emb.weight"]  # 30 x 10 float32: rows of 40 bytes, one row a piece
-        out = reader.read_into("tok_emb.weight", torch.empty(15, 5), ((10, 15), (5, 5)))
-        torch.testing.assert_close(out, full[10:25, 5:10], rtol=0, atol=0)
+        # a float64 target: converted through the buffer (safetensors reads a float32 one in place, no buffer)
+        out = reader.read_into("tok_emb.weight", torch.empty(15, 5, dtype=torch.float64), ((10, 15), (5, 5)))
+        torch.testing.assert_close(out, full[10:25, 5:10].double(), rtol=0, atol=0)
         assert len(pieces) == 5 and all(len(p) == 2 and p[0][1] == 3 for p in pieces)  # 3 rows x 5 x 4 B = 60 B
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_safetensors_reads_into_a_contiguous_target_without_a_buffer(sources, monkeypatch):
+    """[Note: reading safetensors by byte range]: a box lands in the target itself (no piece buffer, no mapping of
+    the file): the allocator holds nothing beside the target while it is read, and exactly its bytes are read."""
+    from lightning_par.peak_memory import TensorPeak
+
+    path, state = sources["safetensors"]
+    full = state["tok_emb.weight"]
+    with open_weights(path, buffer_bytes=64) as reader:
+        monkeypatch.setattr(type(reader.source), "_read_piece", lambda *a: pytest.fail("read through a buffer"))
+        for box in [((10, 15), (5, 5)), ((0, 30), (0, 10)), ((29, 1), (9, 1))]:
+            out = torch.nn.Parameter(torch.empty(box[0][1], box[1][1]))  # a parameter, as a materialized share
+            before, meter = reader.bytes_read, TensorPeak()
+            meter.start()
+            reader.read_into("tok_emb.weight", out, box)
+            meter.stop()
+            torch.testing.assert_close(out.detach(), full[box[0][0]:sum(box[0]), box[1][0]:sum(box[1])], rtol=0, atol=0)
+            assert meter.peak == 0 and reader.bytes_read - before == out.numel() * 4, (box, meter.peak)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
