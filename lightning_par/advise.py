@@ -21,7 +21,7 @@ from lightning_par._compat import tree_map
 
 from lightning_par.advisor import advise, korthikanti_bytes_per_layer, profile_lightning_module
 from lightning_par.advisor.memory import OPTIMIZER_STATES, PRECISION_BYTES, SCHEDULES
-from lightning_par.cli_errors import ArgumentParser, run_cli
+from lightning_par.cli_errors import ArgumentParser, cwd_importable, run_cli
 
 PROG = "lightning-par-advise"
 
@@ -65,6 +65,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """The console script: a user's mistake is one message and exit 2 (``--debug``: the traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    cwd_importable()  # `model=custom model._target_=my_pkg.MyModule`, as lightning-par-train takes it
     run_cli(PROG, lambda: advise_command(argv), argv)
 
 

@@ -43,6 +43,13 @@ def version_text(prog: str) -> str:
     return f"{prog} {__version__} (torch {of('torch')}, lightning {of('lightning')})"
 
 
+def cwd_importable() -> None:
+    """Make the current directory importable, as ``python -m`` does: a console script's ``sys.path[0]`` is its
+    own folder, and ``model._target_=my_pkg.MyModule`` must find the user's package where they run it."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
 def fail(prog: str, message: str) -> NoReturn:
     """Print ``prog: error: message`` on stderr and exit with :data:`USAGE_EXIT`."""
     print(f"{prog}: error: {message}", file=sys.stderr)

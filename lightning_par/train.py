@@ -46,7 +46,7 @@ from omegaconf.errors import OmegaConfBaseException
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par._compat import rich_available
 from lightning_par.callbacks import ParallelMetrics
-from lightning_par.cli_errors import UsageError, run_cli, version_text
+from lightning_par.cli_errors import UsageError, cwd_importable, run_cli, version_text
 from lightning_par.config import CUSTOM, check_keys, composition_message, import_target, register_configs
 from lightning_par.paths import conf_dir
 from lightning_par.precision import precision_kwargs
@@ -407,17 +407,13 @@ def app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """The console script: ``--version``, the up-front checks, then the Hydra app.
-
-    The current directory is importable, as under ``python -m``, so that ``model._target_=my_pkg.MyModule``
-    finds the user's package wherever the console script lives.
-    """
+    """The console script: ``--version``, the up-front checks, then the Hydra app (the current directory
+    importable for ``_target_=my_pkg.X``)."""
     argv = sys.argv[1:]
     if "--version" in argv:  # before Hydra's parser, which has a --version of its own (Hydra's)
         print(version_text(PROG))
         return
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
+    cwd_importable()
     run_cli(PROG, lambda: precheck(argv))
     app()
 
