@@ -24,8 +24,8 @@ class UsageError(Exception):
 
 
 def debug_requested(argv: Optional[Sequence[str]] = None) -> bool:
-    """Whether the user asked for tracebacks (``--debug`` in ``argv`` or ``HYDRA_FULL_ERROR=1``)."""
-    return os.environ.get("HYDRA_FULL_ERROR") == "1" or "--debug" in (argv or ())
+    """Whether the user asked for tracebacks (``--debug`` in ``argv``, default ``sys.argv``, or ``HYDRA_FULL_ERROR=1``)."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or "--debug" in (sys.argv[1:] if argv is None else argv)
 
 
 def version_text(prog: str) -> str:

@@ -23,6 +23,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from lightning_par.cli_errors import ArgumentParser, UsageError, run_cli
 from lightning_par.paths import recipes_dir
 from lightning_par.recipes import RECIPES
+from lightning_par.recipes.common import require_matplotlib
 
 PROG = "lightning-par-recipe"
 
@@ -82,6 +83,7 @@ def run_recipe(argv: list[str] | None = None) -> Path:
     cfg = load_config(args.name, args.quick, args.overrides)
     out = args.out or Path("recipe-runs") / f"{args.name}-{datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
+    require_matplotlib()  # every recipe draws its plots: say how to install it before any compute, not after
     module = importlib.import_module(f"lightning_par.recipes.{args.name}")
     command = "lightning-par-recipe " + " ".join([args.name, *args.overrides, *(["--quick"] if args.quick else [])])
     report = module.run(cfg, out, command)

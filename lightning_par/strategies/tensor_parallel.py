@@ -38,7 +38,7 @@ class TensorParallelStrategy(HybridParallelStrategy):
             vocabulary-parallel) and the user's ``F.cross_entropy`` runs on the shards inside
             ``torch.distributed.tensor.parallel.loss_parallel()``; see [Note: loss parallel].
         zero_stage: 0-3 over the data-parallel replicas ([Note: ZeRO on the core's data axis] in dp/zero.py).
-        weights: a weights file or directory read into each rank's shards at setup (see the README);
+        weights: a weights file or directory read into each rank's shards at setup (see docs/meta-build-and-weights.md);
             ``weights_prefix``: what the module's names have before the file's (``"net."``).
         nonfinite: ``"error"`` (stop at a NaN / inf loss or gradient, naming it) or ``"skip"`` (skip that step
             on every rank); see [Note: non-finite values] in :mod:`lightning_par.nonfinite`.

@@ -40,9 +40,6 @@ def test_own_module_under_every_strategy(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 20: the pipeline's setup trace of a meta-built Llama with use_cache=False fails "
-                          "(Tensor.item() on meta tensors); remove this mark with that fix")
 def test_hf_llama_meta_build_pp2_tp2_round_trip(tmp_path):
     """4 processes under Lightning's default launcher; the example itself checks that the converted file loads
     with from_pretrained and equals the trained weights."""
