@@ -129,9 +129,9 @@ class SafetensorsSource(Source):
         if out.device.type != "cpu" or out.dtype != tensor.dtype or not out.is_contiguous() or out.numel() == 0:
             return super().read(name, region, out)
         dst = torchzip.bytes_of(out.detach())
-        run = torchzip._run_length(region, tensor.shape) * out.element_size()
-        for i, start in enumerate(torchzip._run_starts(region, tensor.shape, tensor.stride, run // out.element_size())):
-            torchzip._pread(self._fd(name), self._files[name], dst[i * run:(i + 1) * run],
+        run = torchzip.run_length(region, tensor.shape) * out.element_size()
+        for i, start in enumerate(torchzip.run_starts(region, tensor.shape, tensor.stride, run // out.element_size())):
+            torchzip.pread(self._fd(name), self._files[name], dst[i * run:(i + 1) * run],
                             tensor.offset + start * out.element_size(), self.counter)
 
     def _read_piece(self, name: str, piece: Region) -> torch.Tensor:

@@ -131,14 +131,14 @@ def read_region(fd: int, where: str, tensor: StoredTensor, region: Region, count
     item = out.element_size()
     if tensor.contiguous:
         dst = bytes_of(out)
-        run = _run_length(region, tensor.shape)
-        for i, start in enumerate(_run_starts(region, tensor.shape, tensor.stride, run)):
-            _pread(fd, where, dst[i * run * item:(i + 1) * run * item],
+        run = run_length(region, tensor.shape)
+        for i, start in enumerate(run_starts(region, tensor.shape, tensor.stride, run)):
+            pread(fd, where, dst[i * run * item:(i + 1) * run * item],
                    tensor.offset + (tensor.storage_offset + start) * item, counter)
         return out
     low, high = element_offsets(region, tensor.stride)
     span = torch.empty(high - low + 1, dtype=tensor.dtype)
-    _pread(fd, where, bytes_of(span), tensor.offset + (tensor.storage_offset + low) * item, counter)
+    pread(fd, where, bytes_of(span), tensor.offset + (tensor.storage_offset + low) * item, counter)
     return out.copy_(span.as_strided(region_shape(region), tensor.stride))
 
 
@@ -147,7 +147,7 @@ def bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _run_length(region: Region, shape: tuple[int, ...]) -> int:
+def run_length(region: Region, shape: tuple[int, ...]) -> int:
     """Elements per contiguous run: the innermost partial dimension's length times the whole ones after it."""
     partial = [d for d, ((start, length), n) in enumerate(zip(region, shape)) if length != n]
     if not partial:
@@ -156,7 +156,7 @@ def _run_length(region: Region, shape: tuple[int, ...]) -> int:
     return region[k][1] * math.prod(shape[k + 1:])
 
 
-def _run_starts(region: Region, shape, stride, run: int):
+def run_starts(region: Region, shape, stride, run: int):
     """Element offset of each contiguous run of ``region``, in row-major order."""
     partial = [d for d, ((start, length), n) in enumerate(zip(region, shape)) if length != n]
     if not partial:
@@ -168,7 +168,7 @@ def _run_starts(region: Region, shape, stride, run: int):
         yield first + sum(i * s for i, s in zip(idx, stride))
 
 
-def _pread(fd: int, where: str, view: memoryview, offset: int, counter: ByteCounter) -> None:
+def pread(fd: int, where: str, view: memoryview, offset: int, counter: ByteCounter) -> None:
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)

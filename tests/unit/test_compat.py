@@ -3,6 +3,8 @@ a torch or Lightning release that moves one then breaks that file only, with the
 import ast
 from pathlib import Path
 
+import pytest
+
 import lightning_par
 
 PACKAGE = Path(lightning_par.__file__).parent
@@ -39,3 +41,20 @@ def test_the_grep_sees_a_private_import(tmp_path):
     f.write_text("from torch.utils._pytree import tree_map\nfrom lightning.fabric.utilities import _x as y\n"
                  "import torch._C\nfrom lightning_par._compat import tree_map\n")
     assert _private_imports(f) == ["torch.utils._pytree", "lightning.fabric.utilities:_x", "torch._C"]
+
+
+def test_a_patch_is_recorded_only_under_a_listed_name_and_undone_newest_first():
+    from lightning_par import patches
+
+    undone = []
+    patches.record("dtensor-rules", lambda: undone.append(1))
+    patches.record("module-log", lambda: undone.append(2))
+    patches.record("dtensor-rules", lambda: undone.append(3))
+    try:
+        with pytest.raises(ValueError, match="'unlisted' is not listed in lightning_par.patches.PATCHES"):
+            patches.record("unlisted", lambda: None)
+        patches.undo("dtensor-rules")
+        assert undone == [3, 1] and patches.pending() == ["module-log"]
+    finally:
+        patches.undo()
+    assert undone == [3, 1, 2] and patches.pending() == []
