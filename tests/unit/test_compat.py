@@ -3,6 +3,8 @@ a torch or Lightning release that moves one then breaks that file only, with the
 import ast
 from pathlib import Path
 
+import pytest
+
 import lightning_par
 
 PACKAGE = Path(lightning_par.__file__).parent
@@ -104,3 +106,20 @@ def test_the_check_sees_a_private_attribute(tmp_path):
                  "x = module._parameters\nstrategy._mine\ntorch._C._foo()\n")
     assert _private_attributes(f, {"_mine"}) == ["1: trainer._accelerator_connector", "6: torch._C._foo",
                                                  "6: torch._C"]
+
+
+def test_a_patch_is_recorded_only_under_a_listed_name_and_undone_newest_first():
+    from lightning_par import patches
+
+    undone = []
+    patches.record("dtensor-rules", lambda: undone.append(1))
+    patches.record("module-log", lambda: undone.append(2))
+    patches.record("dtensor-rules", lambda: undone.append(3))
+    try:
+        with pytest.raises(ValueError, match="'unlisted' is not listed in lightning_par.patches.PATCHES"):
+            patches.record("unlisted", lambda: None)
+        patches.undo("dtensor-rules")
+        assert undone == [3, 1] and patches.pending() == ["module-log"]
+    finally:
+        patches.undo()
+    assert undone == [3, 1, 2] and patches.pending() == []
