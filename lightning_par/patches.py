@@ -33,7 +33,9 @@ PATCHES: dict[str, Patch] = {
         by="lightning_par.tensor.rules (rules of tensor.attention and tensor.fused)",
         why="each rule answers one case of an op (head-sharded attention, a fused q/k/v split) and hands every "
             "other call to torch's own strategy; torch's public `register_sharding` replaces an op's whole "
-            "strategy and cannot be taken out again",
+            "strategy, cannot be taken out again, and keys DTensor's cache by int arguments only, so for the "
+            "CPU attention kernel (no torch strategy to wrap) it would reuse a decision made for another "
+            "`attn_mask` / `scale` ([Note: keyword masks in the sharding cache])",
         undone="HybridParallelStrategy.teardown (tensor.rules.restore_rules)"),
     "gated-block-forward": Patch(
         target="instance `forward` of a pipelined block, with several chunks on a rank",

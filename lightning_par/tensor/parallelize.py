@@ -77,8 +77,9 @@ class PrepareBlockInput(ParallelStyle):
             # under sequence parallelism the output stays a sequence-sharded DTensor for the residual stream
             return out if keep_dtensor or nested else to_plain(out)
 
+        # as a wrapper of forward would: after the module's other pre-hooks, before its other forward hooks
         module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(post, with_kwargs=True, always_call=True)
+        module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True)
         return module
 
 
@@ -98,8 +99,9 @@ class ReplicatedIsland(ParallelStyle):
         def post(mod, args, kwargs, out):
             return _replicate(out, device_mesh) if calls.pop() else None
 
+        # as a wrapper of forward would: after the module's other pre-hooks, before its other forward hooks
         module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(post, with_kwargs=True, always_call=True)
+        module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True)
         return module
 
 
