@@ -4,7 +4,8 @@ A torch release that moves or renames one of them then breaks this file only, wi
 Each function says what it wraps and what its callers do when the API is not there.
 
 Names re-exported from torch's private modules are listed in ``__all__``; the test
-``tests/unit/test_compat.py`` greps the rest of the package for private imports.
+``tests/unit/test_compat.py`` checks the rest of the package for private imports and for private attributes
+of objects it does not own (``trainer._accelerator_connector``): each of those is a named function here.
 """
 from __future__ import annotations
 
