@@ -4,9 +4,12 @@ A torch release that moves or renames one of them then breaks this file only, wi
 Each function says what it wraps and what its callers do when the API is not there.
 
 Names re-exported from torch's private modules are listed in ``__all__``; the test
-``tests/unit/test_compat.py`` greps the rest of the package for private imports.
+``tests/unit/test_compat.py`` checks the rest of the package for private imports and for private attributes
+of objects it does not own (``trainer._accelerator_connector``): each of those is a named function here.
 """
 from __future__ import annotations
+
+import contextlib
 
 from typing import Optional, Sequence
 
@@ -167,9 +170,47 @@ def op_dispatcher():
     return DTensor._op_dispatcher
 
 
+
+@contextlib.contextmanager
+def implicit_replication():
+    """torch's ``implicit_replication`` (plain tensors meeting DTensors count as replicated), but restoring the
+    previous setting on exit, so that it nests (a region inside a region, backward inside a step). Sets the
+    dispatcher's ``_allow_implicit_replication``, which torch's context manager sets to ``False`` on exit."""
+    dispatcher = op_dispatcher()
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = before
+
 def sharding_propagator():
     return op_dispatcher().sharding_propagator
 
+
+
+def clear_sharding_caches() -> None:
+    """Forget the sharding decisions DTensor cached: its Python cache (``propagate_op_sharding.cache_clear``)
+    and, where this torch has one, the C++ dispatch fast path's (``torch._C._clear_DTensor_sharding_propagator_cache``)."""
+    sharding_propagator().propagate_op_sharding.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
+
+
+def propagate_tensor_meta(op_schema):
+    """The output tensor meta of ``op_schema``, uncached (``ShardingPropagator._propagate_tensor_meta_non_cached``)."""
+    return sharding_propagator()._propagate_tensor_meta_non_cached(op_schema)
+
+
+def dtensor_spec(t) -> "DTensorSpec":
+    """A DTensor's placement spec (``DTensor._spec``), which also carries torch 2.14's shard order."""
+    return t._spec
+
+
+def op_returns(op) -> int:
+    """How many values the aten op overload ``op`` returns (``OpOverload._schema.returns``)."""
+    return len(op._schema.returns)
 
 # the types and helpers a sharding rule is written in (re-exported)
 from torch.distributed.tensor._dtensor_spec import DTensorSpec  # noqa: E402
@@ -201,6 +242,16 @@ def optimizers_to_device(optimizers, device) -> None:
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
     _optimizers_to_device(optimizers, device)
+
+
+def ddp_ignore(module, names) -> None:
+    """Make DDP leave the parameters and buffers ``names`` of ``module`` alone (no broadcast, no reduction), or,
+    with ``None``, take the list out again. Sets ``module._ddp_params_and_buffers_to_ignore``, as
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` does."""
+    if names is None:
+        module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
+    else:
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(names))
 
 
 def multiprocessing_launcher() -> tuple[type, type]:
@@ -285,3 +336,35 @@ def profiler_allocations(prof, marker: str = "") -> tuple[list[tuple[int, int]],
             marks.append((e.start_time_ns, e.name[len(marker):]))
         stack.extend(e.children)
     return sorted(allocations), sorted(marks)
+
+
+# -- nn.Module / Tensor / autograd / torchmetrics internals ------------------------------------------------------
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage (``Tensor._is_view``)."""
+    return t._is_view()
+
+
+def metric_forward_value(metric):
+    """What a torchmetrics ``Metric`` computed on the batch of its last call (``Metric._forward_cache``)."""
+    return metric._forward_cache
+
+
+def scaler_optimizer_state(scaler, optimizer) -> dict:
+    """A GradScaler's per-optimizer state (``GradScaler._per_optimizer_states``) of ``optimizer`` (a
+    ``LightningOptimizer`` or the optimizer it wraps)."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return scaler._per_optimizer_states[id(inner)]
+
+
+# -- Lightning's trainer internals ---------------------------------------------------------------------------------
+def accelerator_connector(trainer):
+    """The trainer's ``_AcceleratorConnector`` (``trainer._accelerator_connector``): its flags, e.g.
+    ``use_distributed_sampler``, that a strategy reads or sets for one run."""
+    return trainer._accelerator_connector
+
+
+def loop_data_source(loop):
+    """A fit / evaluation / predict loop's data source (``loop._data_source``: ``dataloader()``, ``is_defined()``)."""
+    return loop._data_source

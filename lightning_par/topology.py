@@ -187,7 +187,9 @@ def keep_loader_on_one_process(trainer, world_size: int):
     the strategy turns Lightning's ``use_distributed_sampler`` off for the run: size 1 trains on exactly
     the batches of plain Lightning (``Trainer(devices=1)``), and one config serves a laptop and a node.
     """
-    connector = trainer._accelerator_connector
+    from lightning_par._compat import accelerator_connector
+
+    connector = accelerator_connector(trainer)
     before = connector.use_distributed_sampler
     if world_size == 1:
         connector.use_distributed_sampler = False

@@ -87,6 +87,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lightning_par._compat import broadcast_coalesced
 from lightning_par.comm import local_nbytes
 from lightning_par.dp.zero import optimizer_state_bytes
 from lightning_par.pipeline.discovery import find_blocks
@@ -266,7 +267,7 @@ def _broadcast_from_first_rank(module: nn.Module, mesh) -> None:
     if mesh.size() > 1 and tensors:
         group = mesh.get_group()
         with torch.no_grad():
-            dist._broadcast_coalesced(group, tensors, 1 << 24, dist.get_global_rank(group, 0))
+            broadcast_coalesced(group, tensors, dist.get_global_rank(group, 0))
 
 
 def reshard(module: nn.Module) -> None:

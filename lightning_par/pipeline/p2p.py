@@ -241,3 +241,41 @@ def wait_all(works: list) -> None:
         for work, _ in works:
             work.wait()
     works.clear()
+
+
+class ReceivePlan:
+    """[Note: receive plan] The receives of one step on one channel, in the order the schedule takes them,
+    with at most one posted ahead. A receive posted before its send lets the transfer overlap compute (see
+    [Note: speculative receive]); posting in the order of use keeps receives matched to sends on NCCL,
+    which matches by order, not by tag: every schedule here sends and receives in the same order on each
+    channel (``channel_orders``, unit-tested), for interleaved chunks too, whose backwards do not follow
+    their forwards."""
+
+    def __init__(self):
+        self.keys: list = []
+        self.next = 0
+        self._posted: tuple | None = None  # (key, what the post returned)
+
+    def begin(self, keys: list) -> None:
+        self.keys, self.next, self._posted = list(keys), 0, None
+
+    def due(self):
+        """The next key to post, or ``None`` (one is posted already, or none is left)."""
+        return self.keys[self.next] if self._posted is None and self.next < len(self.keys) else None
+
+    def posted(self, key, handle) -> None:
+        self._posted, self.next = (key, handle), self.next + 1
+
+    def peek(self):
+        """``(key, handle)`` of the posted receive, or ``None``."""
+        return self._posted
+
+    def take(self, key):
+        """The posted receive of ``key``, or ``None`` when it is not the one posted."""
+        if self._posted is not None and self._posted[0] == key:
+            handle, self._posted = self._posted[1], None
+            return handle
+        return None
+
+    def left(self) -> list:
+        return self.keys[self.next - (self._posted is not None):]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_par._compat import metric_forward_value
 from lightning_par.pipeline.mailbox import ResultMailbox
 from lightning_par.pipeline.microbatch import weighted_mean
 
@@ -67,7 +68,7 @@ def _as_tensor(value: Any) -> torch.Tensor:
     except ImportError:  # pragma: no cover
         Metric = ()  # type: ignore[assignment]
     if isinstance(value, Metric):
-        value = value._forward_cache
+        value = metric_forward_value(value)
         if value is None:
             raise ValueError(
                 "A torchmetrics Metric logged under pipeline parallelism must have been called on the batch "

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_par._compat import scaler_optimizer_state
 from lightning_par.topology import Topology
 
 
@@ -174,7 +175,7 @@ def sync_found_inf(scaler, optimizer, device: torch.device) -> None:
     """16-mixed: the GradScaler has unscaled this rank's gradients; an overflow found on any rank must skip
     the step on every rank (and halve the one loss scale everywhere), so the found-inf flags of
     ``optimizer`` are max-reduced over the world."""
-    state = scaler._per_optimizer_states[id(getattr(optimizer, "_optimizer", optimizer))]
+    state = scaler_optimizer_state(scaler, optimizer)
     found = list(state["found_inf_per_device"].values())
     flag = torch.zeros((), dtype=torch.float32, device=device)
     for f in found:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_par._compat import pipelining_backward
+from lightning_par._compat import is_view, pipelining_backward
 
 
 def backward_input(outputs: list[torch.Tensor], grads: Optional[list[torch.Tensor]], stage_inputs: list[torch.Tensor],
@@ -25,7 +25,7 @@ def backward_input(outputs: list[torch.Tensor], grads: Optional[list[torch.Tenso
 
     # torch detaches the outputs in place afterwards, which a view refuses (T5's carried position bias is a
     # permuted view): a view goes in as a copy, through which the same gradient flows
-    outputs = [o.clone() if o._is_view() else o for o in outputs]
+    outputs = [o.clone() if is_view(o) else o for o in outputs]
     _, groups = _backward.stage_backward_input(outputs, None if grads is None else list(grads),
                                                list(stage_inputs), iter(weights))
     return groups

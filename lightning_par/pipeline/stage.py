@@ -30,79 +30,12 @@ from torch import nn
 
 from lightning_par.pipeline import p2p, split_backward
 from lightning_par.pipeline.flow import BlockFlow, hidden_name, no_mha_fastpath
+from lightning_par.pipeline.ghost import Ghost, shadow_of  # noqa: F401  (shadow_of: re-exported)
 from lightning_par.saved import SavedTensorMeter
 
 
 class StopStage(BaseException):
     """Raised after the last block of a stage that is not the pipeline's last: the rest of the step runs elsewhere."""
-
-
-class Ghost(nn.Module):
-    """Stand-in for a block that lives on another stage: no parameters, passes the hidden state through,
-    and answers what code reads of the block from its ``shadow`` (see [Note: ghost shadow])."""
-
-    def __init__(self, runtime: "StageRuntime", index: int, shadow: nn.Module | None = None):
-        super().__init__()
-        object.__setattr__(self, "_runtime", runtime)  # plain references, not submodules
-        object.__setattr__(self, "_shadow", shadow)
-        self.index = index
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._runtime.ghost_output(args, kwargs, self.index)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            pass
-        shadow = self.__dict__.get("_shadow")
-        if shadow is not None and not name.startswith("__") and hasattr(shadow, name):
-            return getattr(shadow, name)
-        raise AttributeError(
-            f"'Ghost' object has no attribute {name!r}: block {self.__dict__.get('index')} of the pipelined stack "
-            f"lives on another pipeline stage, and neither it nor the block it stands for has {name!r}."
-        )
-
-    def train(self, mode: bool = True) -> "Ghost":
-        super().train(mode)
-        if self._shadow is not None:
-            self._shadow.train(mode)
-        return self
-
-    def extra_repr(self) -> str:
-        return f"block {self.index}, held by another pipeline stage"
-
-
-def shadow_of(module: nn.Module, memo: dict | None = None) -> nn.Module:
-    """[Note: ghost shadow] Code around a block stack may read its blocks: ``nn.TransformerEncoder.forward``
-    inspects ``self.layers[0].self_attn.batch_first``, its weights and ``training`` to choose its fast path.
-    A ghost answers such reads from a shadow of the block it replaced: an object of the same classes with the
-    same attributes, whose parameters, buffers and tensor attributes are meta tensors (shape, dtype and
-    ``requires_grad`` kept, no memory). The shadow is not a submodule, so the module's parameter names,
-    state dict and optimizer are those of the stage; its ``training`` follows the ghost's. Code that
-    computes with a ghost's tensors fails loudly (meta tensors hold no values) instead of using stale ones.
-    The structure is copied one module at a time (not ``copy.deepcopy``, which would also copy whatever the
-    block's attributes and hooks reference, up to the whole model)."""
-    memo = {} if memo is None else memo
-
-    def meta(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in memo:
-            m = t.detach().to("meta")
-            memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
-        return memo[id(t)]
-
-    clone = object.__new__(type(module))
-    state = dict(module.__dict__)
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            state[key] = meta(value)
-    state["_parameters"] = {k: None if v is None else meta(v) for k, v in module._parameters.items()}
-    state["_buffers"] = {k: None if v is None else meta(v) for k, v in module._buffers.items()}
-    state["_modules"] = {k: None if v is None else memo[id(v)] if id(v) in memo else shadow_of(v, memo)
-                         for k, v in module._modules.items()}
-    clone.__dict__.update(state)
-    memo[id(module)] = clone
-    return clone
 
 
 class StageRuntime:
@@ -151,8 +84,8 @@ class StageRuntime:
         self.weights: list[torch.nn.Parameter] = []  # this rank's trainable parameters (zero bubble's W)
         self._deferred: dict = {}
         # [Note: receive plan] this step's receives in the order the schedule takes them, and the one posted
-        self._act_plan = ReceivePlan()
-        self._grad_plan = ReceivePlan()
+        self._act_plan = p2p.ReceivePlan()
+        self._grad_plan = p2p.ReceivePlan()
         self._last_sent: tuple | None = None  # (shape, dtype) of this step's last activation sent ...
         self._last_received: tuple | None = None  # ... and received, and of the previous step's first ones:
         self._first_sent: tuple | None = None  # what a posted receive is shaped like ([Note: speculative receive])
@@ -493,41 +426,3 @@ def _copy_objects(obj: Any) -> Any:
         return copy.deepcopy(obj)
     except Exception:
         return obj
-
-
-class ReceivePlan:
-    """[Note: receive plan] The receives of one step on one channel, in the order the schedule takes them,
-    with at most one posted ahead. A receive posted before its send lets the transfer overlap compute (see
-    [Note: speculative receive]); posting in the order of use keeps receives matched to sends on NCCL,
-    which matches by order, not by tag: every schedule here sends and receives in the same order on each
-    channel (``channel_orders``, unit-tested), for interleaved chunks too, whose backwards do not follow
-    their forwards."""
-
-    def __init__(self):
-        self.keys: list = []
-        self.next = 0
-        self._posted: tuple | None = None  # (key, what the post returned)
-
-    def begin(self, keys: list) -> None:
-        self.keys, self.next, self._posted = list(keys), 0, None
-
-    def due(self):
-        """The next key to post, or ``None`` (one is posted already, or none is left)."""
-        return self.keys[self.next] if self._posted is None and self.next < len(self.keys) else None
-
-    def posted(self, key, handle) -> None:
-        self._posted, self.next = (key, handle), self.next + 1
-
-    def peek(self):
-        """``(key, handle)`` of the posted receive, or ``None``."""
-        return self._posted
-
-    def take(self, key):
-        """The posted receive of ``key``, or ``None`` when it is not the one posted."""
-        if self._posted is not None and self._posted[0] == key:
-            handle, self._posted = self._posted[1], None
-            return handle
-        return None
-
-    def left(self) -> list:
-        return self.keys[self.next - (self._posted is not None):]

@@ -51,7 +51,7 @@ FORMAT_VERSION = 1
 
 
 def _unwrap(optimizer):
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _cloned(obj: Any) -> Any:

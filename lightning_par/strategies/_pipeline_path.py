@@ -24,7 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from lightning_par._compat import optimizers_to_device
+from lightning_par._compat import ddp_ignore, optimizers_to_device
 from lightning_par.dp import fsdp
 from lightning_par.pipeline.consolidate import owned_state
 from lightning_par.materialize import free_parameters, has_meta, move_real
@@ -93,7 +93,7 @@ class PipelinePath:
                 optimizers_to_device(s.optimizers, s.root_device)
             return
         ddp_setup(trainer)  # DDPStrategy.setup: model_to_device installs the stage (see place), before the optimizers
-        s.lightning_module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
+        ddp_ignore(s.lightning_module, None)
 
     def place(self) -> None:
         """DDPStrategy.setup's first step (``model_to_device``): the stage is installed before anything is placed.
@@ -104,7 +104,7 @@ class PipelinePath:
             self.install()
             lm = s.lightning_module
             if lm.trainer.state.fn != TrainerFn.FITTING:
-                lm._ddp_params_and_buffers_to_ignore = [n for n, _ in [*lm.named_parameters(), *lm.named_buffers()]]
+                ddp_ignore(lm, [n for n, _ in [*lm.named_parameters(), *lm.named_buffers()]])
         move_real(s.model, s.root_device)
 
     def install(self) -> None:

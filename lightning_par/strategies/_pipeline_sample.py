@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_par._compat import loop_data_source
 from lightning_par.materialize import has_meta
 from lightning_par.pipeline.coupling import measure_coupling
 from lightning_par.pipeline.ends import record_uses, trace_device
@@ -50,7 +51,7 @@ def sample_step(strategy, lm, record=None):
                            TrainerFn.TESTING: (t.test_loop, "test_step", plugin.test_step_context),
                            TrainerFn.PREDICTING: (t.predict_loop, "predict_step", plugin.predict_step_context),
                            }[t.state.fn]
-    batch = first_batch(loop._data_source.dataloader() if loop._data_source.is_defined() else None)
+    batch = first_batch(loop_data_source(loop).dataloader() if loop_data_source(loop).is_defined() else None)
     if batch is None:
         return None
     mb = split_batch(strategy.batch_to_device(batch, trace_device(lm, strategy.root_device)),

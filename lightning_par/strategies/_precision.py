@@ -12,11 +12,10 @@ original back at teardown, so the user's plugin and scaler objects leave the run
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from lightning_par.tensor.mixed import split_unscale_scaler
+from lightning_par.tensor.mixed import split_unscale_scaler, subclass_copy
 
 
 @dataclass
@@ -60,8 +59,7 @@ def _layout_class(base: type) -> type:
 def layout_precision(plugin, hooks: PrecisionHooks):
     """A copy of ``plugin`` (sharing its state) whose class overrides what ``hooks`` give; its scaler, if any
     and if ``hooks.split_unscale``, a subclass copy too (see [Note: precision subclasses])."""
-    new = copy.copy(plugin)
-    new.__class__ = _layout_class(type(plugin))
+    new = subclass_copy(plugin, _layout_class(type(plugin)))
     new._lp_hooks = hooks
     if hooks.split_unscale and getattr(plugin, "scaler", None) is not None:
         new.scaler = split_unscale_scaler(plugin.scaler)

@@ -241,7 +241,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
             self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs, self._dp_group)
         if self._mesh is not None:  # DTensor and plain parameters stepped apart ([Note: mixed DTensor / plain ...])
             for opt in self.optimizers:
-                split_step_by_kind(zero.local_optimizer(opt._optimizer if isinstance(opt, LightningOptimizer) else opt))
+                split_step_by_kind(zero.local_optimizer(opt.optimizer if isinstance(opt, LightningOptimizer) else opt))
 
     def _install_precision(self, hooks) -> None:
         """The layout's subclass of the precision plugin ([Note: precision subclasses])."""

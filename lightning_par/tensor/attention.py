@@ -145,7 +145,7 @@ def cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed, phi
 
 def _strategy(rule: Callable[..., Shardings | None], op_schema):
     """DTensor's ``OpStrategy`` for ``rule``'s alternatives (what ``register_sharding`` builds), or ``None``."""
-    from lightning_par._compat import OpStrategy, TupleStrategy, expand_to_full_mesh_op_strategy
+    from lightning_par._compat import OpStrategy, TupleStrategy, expand_to_full_mesh_op_strategy, op_returns
 
     def spec(s):
         if isinstance(s, OpStrategy):
@@ -157,7 +157,7 @@ def _strategy(rule: Callable[..., Shardings | None], op_schema):
         return None
     return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(validate=False), op_schema,
                                            [list(outs) + list(ins) for outs, ins in found],
-                                           input_index=len(op_schema.op._schema.returns))
+                                           input_index=op_returns(op_schema.op))
 
 
 def rules() -> dict:

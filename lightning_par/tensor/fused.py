@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_par._compat import sharding_propagator
+from lightning_par._compat import dtensor_spec, sharding_propagator
 from lightning_par._compat import strided_shard_type
 from lightning_par.tensor.rules import cannot_install, only_spec, remember, wrap_strategy
 from lightning_par.tensor.transposed import ColwiseParallel, output_dim
@@ -67,7 +67,7 @@ class _PlainGradLayout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if isinstance(grad, DTensor) and getattr(grad._spec, "shard_order", None) is not None and grad.device_mesh.ndim == 1:
+        if isinstance(grad, DTensor) and getattr(dtensor_spec(grad), "shard_order", None) is not None and grad.device_mesh.ndim == 1:
             grad = DTensor.from_local(grad.to_local(), grad.device_mesh, grad.placements, run_check=False,
                                       shape=grad.shape, stride=grad.stride())
         return grad

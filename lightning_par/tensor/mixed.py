@@ -14,7 +14,6 @@ weight directly would then mix kinds itself). Instead the replicated parameters 
 """
 from __future__ import annotations
 
-import copy
 import types
 from typing import Callable, Iterable, Optional
 
@@ -34,7 +33,7 @@ def by_layout(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def split_step_by_kind(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make ``optimizer.step`` step DTensor and plain parameters of a group separately (in place, idempotent)."""
-    if getattr(optimizer, "_lp_split_step", False):
+    if getattr(getattr(optimizer.step, "__func__", None), "splits_by_kind", False):
         return optimizer
     inner = optimizer.step
 
@@ -54,8 +53,8 @@ def split_step_by_kind(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
 
     # an LR scheduler made earlier wrapped ``step`` to see it called; ``inner`` is that wrapper, so keep its mark
     step._wrapped_by_lr_sched = getattr(inner, "_wrapped_by_lr_sched", False)
+    step.splits_by_kind = True  # the mark of idempotence sits on our function, not on the user's optimizer
     optimizer.step = types.MethodType(step, optimizer)
-    optimizer._lp_split_step = True
     return optimizer
 
 
@@ -85,6 +84,14 @@ def clip_grad_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> N
         torch.nn.utils.clip_grad_value_(group, clip_value)
 
 
+def subclass_copy(obj, cls: type):
+    """A shallow copy of ``obj`` made as an instance of ``cls`` (a subclass of ``obj``'s class): the new object
+    shares ``obj``'s state, as ``copy.copy`` would, and ``obj`` itself is left as it is."""
+    new = cls.__new__(cls)
+    new.__dict__.update(vars(obj))
+    return new
+
+
 _SCALERS: dict[type, type] = {}
 
 
@@ -112,9 +119,7 @@ def split_unscale_scaler(scaler):
 
         SplitUnscaleScaler.__name__ = SplitUnscaleScaler.__qualname__ = f"SplitUnscale{base.__name__}"
         _SCALERS[base] = SplitUnscaleScaler
-    new = copy.copy(scaler)
-    new.__class__ = _SCALERS[base]
-    return new
+    return subclass_copy(scaler, _SCALERS[base])
 
 
 def reduce_partial_grads(parameters: Iterable[torch.Tensor], group) -> int:

@@ -20,7 +20,6 @@ Style by style (plan name → torch style):
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from torch import nn
@@ -29,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from lightning_par._compat import op_dispatcher
+from lightning_par._compat import implicit_replication
 from lightning_par.tensor.attention import SplitAttentionMasks
 from lightning_par.tensor.fused import FusedColwiseParallel, register_fused_rules
 from lightning_par.tensor.plan import BLOCK, FUSED, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan, under
@@ -51,13 +50,10 @@ class PrepareBlockInput(ParallelStyle):
         self.sequence_parallel = self.input_layout != Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if getattr(module, "_lp_prepared", False):
-            return module
-        inner = module.forward
         layout, keep_dtensor = self.input_layout, self.sequence_parallel
+        calls: list[tuple[bool, contextlib.ExitStack]] = []  # (nested, context) of each call under way, newest last
 
-        @functools.wraps(inner)
-        def forward(*args, **kwargs):
+        def pre(mod, args, kwargs):
             # a region inside a region hands its outputs on as DTensors (see [Note: one layout per region])
             nested = _has_dtensor(args[:1] or kwargs.get("hidden_states"))
             if args:
@@ -69,13 +65,21 @@ class PrepareBlockInput(ParallelStyle):
                 kwargs = {k: (_enter(v, device_mesh, layout) if k == key else _replicate(v, device_mesh))
                           for k, v in kwargs.items()}
             # tensors the module creates itself count as replicated; attention masks follow the heads' split
-            with implicit_replication(), SplitAttentionMasks():
-                out = inner(*args, **kwargs)
+            context = contextlib.ExitStack()
+            context.enter_context(implicit_replication())
+            context.enter_context(SplitAttentionMasks())
+            calls.append((nested, context))
+            return args, kwargs
+
+        def post(mod, args, kwargs, out):  # always called, also when the forward raises: the context is left
+            nested, context = calls.pop()
+            context.close()
             # under sequence parallelism the output stays a sequence-sharded DTensor for the residual stream
             return out if keep_dtensor or nested else to_plain(out)
 
-        module.forward = forward
-        module._lp_prepared = True
+        # as a wrapper of forward would: after the module's other pre-hooks, before its other forward hooks
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True)
         return module
 
 
@@ -85,32 +89,20 @@ class ReplicatedIsland(ParallelStyle):
     region), it is untouched. Its parameters stay plain."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if getattr(module, "_lp_island", False):
-            return module
-        inner = module.forward
+        calls: list[bool] = []  # whether each call under way came with DTensors, newest last
 
-        @functools.wraps(inner)
-        def forward(*args, **kwargs):
-            if not _has_dtensor((args, kwargs)):
-                return inner(*args, **kwargs)
-            return _replicate(inner(*to_plain(args), **to_plain(kwargs)), device_mesh)
+        def pre(mod, args, kwargs):
+            inside = _has_dtensor((args, kwargs))
+            calls.append(inside)
+            return (to_plain(args), to_plain(kwargs)) if inside else None
 
-        module.forward = forward
-        module._lp_island = True
+        def post(mod, args, kwargs, out):
+            return _replicate(out, device_mesh) if calls.pop() else None
+
+        # as a wrapper of forward would: after the module's other pre-hooks, before its other forward hooks
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True)
         return module
-
-
-@contextlib.contextmanager
-def implicit_replication():
-    """torch's ``implicit_replication`` (plain tensors meeting DTensors count as replicated), but restoring the
-    previous setting on exit, so that it nests (a region inside a region, backward inside a step)."""
-    dispatcher = op_dispatcher()
-    before = dispatcher._allow_implicit_replication
-    dispatcher._allow_implicit_replication = True
-    try:
-        yield
-    finally:
-        dispatcher._allow_implicit_replication = before
 
 
 @contextlib.contextmanager

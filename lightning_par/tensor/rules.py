@@ -1,9 +1,10 @@
 """Adding a case to one of DTensor's sharding strategies without replacing it: the rule answers its own
 case and hands every other call to torch's strategy. Used by :mod:`.fused` and :mod:`.attention`.
 
-Everything installed in DTensor's (process-global) sharding propagator is recorded with what it replaced,
-and :func:`restore_rules` undoes it all, newest first: the tensor-parallel strategy calls it at teardown so
-no rule of ours outlives a run."""
+Everything installed in DTensor's (process-global) sharding propagator is recorded with what it replaced, as
+the patch ``"dtensor-rules"`` of :mod:`lightning_par.patches` (where its reason is given), and
+:func:`restore_rules` undoes it all, newest first: the strategy calls it at teardown so no rule of ours
+outlives a run."""
 from __future__ import annotations
 
 import warnings
@@ -11,15 +12,13 @@ from typing import Callable
 
 import torch
 
-from lightning_par._compat import expand_single_dim_strategy, sharding_propagator
-
-
-_undo: list[Callable[[], None]] = []  # newest last
+from lightning_par import patches
+from lightning_par._compat import clear_sharding_caches, expand_single_dim_strategy, sharding_propagator
 
 
 def remember(undo: Callable[[], None]) -> None:
     """Record how to undo one change to DTensor's propagator (or a module flag that goes with it)."""
-    _undo.append(undo)
+    patches.record("dtensor-rules", undo)
 
 
 _TABLES = ("op_strategy_funcs", "op_to_schema_info", "op_single_dim_strategy_funcs",
@@ -57,18 +56,14 @@ def install_strategy(op, strategy: Callable, schema_info) -> None:
 
 def restore_rules() -> None:
     """Undo every change recorded by :func:`remember`, newest first."""
-    while _undo:
-        _undo.pop()()
+    patches.undo("dtensor-rules")
     _clear_caches()
 
 
 def _clear_caches() -> None:
     """Forget the sharding decisions DTensor cached: its Python cache, and the C++ dispatch fast path's (which
     would otherwise keep a decision made before a rule was installed, or by one already taken out)."""
-    sharding_propagator().propagate_op_sharding.cache_clear()
-    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_fast_path is not None:
-        clear_fast_path()
+    clear_sharding_caches()
 
 
 def strategy_of(op):
@@ -125,7 +120,7 @@ def cannot_install(op, without: str, why: str) -> None:
 def _expanded_single_dim(prop, op, info) -> Callable | None:
     """``op``'s single-dim strategy ``info`` as an op strategy (see [Note: single-dim strategies]), or ``None``
     where this torch lacks the expansion helper."""
-    from lightning_par._compat import OpSchema, OpStrategy, TupleStrategy
+    from lightning_par._compat import OpSchema, OpStrategy, TupleStrategy, propagate_tensor_meta
 
     _expand_single_dim_strategy_to_mesh = expand_single_dim_strategy()
     if _expand_single_dim_strategy_to_mesh is None:
@@ -141,7 +136,7 @@ def _expanded_single_dim(prop, op, info) -> Callable | None:
     def strategy(op_schema):
         specs = OpSchema(op, tuple(spec(a) for a in op_schema.args_schema),
                          {k: spec(v) for k, v in op_schema.kwargs_schema.items()}, schema_info=op_schema.schema_info)
-        out_meta = prop._propagate_tensor_meta_non_cached(specs)
+        out_meta = propagate_tensor_meta(specs)
         expand = _expand_single_dim_strategy_to_mesh(op_schema.get_mesh_from_args(validate=False), op_schema, info,
                                                      out_meta)
         return expand(op, op_schema.args_meta, op_schema.kwargs_meta)

@@ -36,14 +36,18 @@ def _distribute(style, module: nn.Module, device_mesh, placement_of) -> None:
         module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
-def _apply_transposed(style, module: nn.Module, device_mesh, partition_fn, desired_input_layouts):
-    style.desired_input_layouts = desired_input_layouts
-    return distribute_module(module, device_mesh, partition_fn,
-                             partial(style._prepare_input_fn, style.input_layouts, desired_input_layouts),
-                             partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+class _Transposed:
+    """What the two styles below add to torch's: ``distribute_module`` with torch's own input / output
+    functions, around a partition that knows transposed weights."""
+
+    def _apply_transposed(self, module: nn.Module, device_mesh, partition_fn, desired_input_layouts):
+        self.desired_input_layouts = desired_input_layouts
+        return distribute_module(module, device_mesh, partition_fn,
+                                 partial(self._prepare_input_fn, self.input_layouts, desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
-class ColwiseParallel(_TorchColwise):
+class ColwiseParallel(_Transposed, _TorchColwise):
     """torch's ``ColwiseParallel``, plus transposed linear layers; each parameter is split along its output
     dim with :meth:`placement` (a subclass may choose another placement there, see :mod:`.fused`)."""
 
@@ -56,10 +60,10 @@ class ColwiseParallel(_TorchColwise):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not is_transposed_linear(module):
             return super()._apply(module, device_mesh)
-        return _apply_transposed(self, module, device_mesh, self._partition_linear_fn, (Replicate(),))
+        return self._apply_transposed(module, device_mesh, self._partition_linear_fn, (Replicate(),))
 
 
-class RowwiseParallel(_TorchRowwise):
+class RowwiseParallel(_Transposed, _TorchRowwise):
     """torch's ``RowwiseParallel``, plus transposed linear layers (weight ``Shard(0)``, bias replicated)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
@@ -69,4 +73,4 @@ class RowwiseParallel(_TorchRowwise):
         def partition(name, mod, mesh):
             _distribute(self, mod, mesh, lambda pname: Shard(0) if pname == "weight" else Replicate())
 
-        return _apply_transposed(self, module, device_mesh, partition, (Shard(-1),))
+        return self._apply_transposed(module, device_mesh, partition, (Shard(-1),))

@@ -1,6 +1,8 @@
 """A layout strategy leaves nothing behind in the objects the user or Lightning own: the precision plugin and its
 scaler come back as they were (the layout's subclass copies are taken out at teardown, [Note: precision
-subclasses]), and no sharding rule of ours stays in DTensor's propagator."""
+subclasses]), and no global state stays behind: DTensor's sharding tables and dispatcher flag, torch's global
+module hooks, the trainer's flags and the module's attributes are as before the fit, and no patch of
+lightning_par.patches is still installed."""
 import os
 import subprocess
 import sys
@@ -23,7 +25,7 @@ BODY = textwrap.dedent("""
 
     sys.path.insert(0, "tests")
     from harness import trainer_kwargs
-    from lightning_par import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
+    from lightning_par import DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
     from lightning_par.data import SyntheticCorpus
     from lightning_par.models import GPT
     from lightning_par.tensor.rules import strategy_of
@@ -31,12 +33,13 @@ BODY = textwrap.dedent("""
     DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=16, val_sequences=8)
     make = {"tensor": lambda: TensorParallelStrategy(tensor_parallel_size=1, timeout=60),
             "pipeline": lambda: PipelineParallelStrategy(pipeline_parallel_size=1, microbatches=2, timeout=60),
-            "hybrid": lambda: HybridParallelStrategy(timeout=60)}[sys.argv[1]]
+            "hybrid": lambda: HybridParallelStrategy(timeout=60),
+            "data": lambda: DataParallelStrategy(timeout=60)}[sys.argv[1]]
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)""")
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("kind", ["tensor", "pipeline", "hybrid"])
+@pytest.mark.parametrize("kind", ["tensor", "pipeline", "hybrid", "data"])
 def test_precision_plugin_and_scaler_come_back_unchanged(kind):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", BODY + CHECKS, kind], cwd=ROOT, env=env, capture_output=True,
@@ -45,13 +48,37 @@ def test_precision_plugin_and_scaler_come_back_unchanged(kind):
 
 
 CHECKS = textwrap.dedent("""
+    from torch.nn.modules import module as nn_module
+    from lightning_par import patches
+    from lightning_par._compat import op_dispatcher, sharding_propagator
+    from lightning_par.tensor import attention, fused
+    from lightning_par.tensor.rules import _TABLES
+
+    def global_state():
+        prop = sharding_propagator()
+        tables = {name: dict(getattr(prop, name)) for name in (*_TABLES, "op_to_scalar_shape_adjuster")
+                  if hasattr(prop, name)}
+        hooks = {name: dict(getattr(nn_module, name)) for name in dir(nn_module) if name.startswith("_global_")
+                 and isinstance(getattr(nn_module, name), dict)}
+        return {**tables, **hooks, "implicit replication": op_dispatcher()._allow_implicit_replication,
+                "patches": patches.pending(), "registered": (attention._registered, fused._registered)}
+
     plugin = MixedPrecision("16-mixed", "cpu", scaler)
     before = (type(plugin), dict(vars(plugin)), type(scaler), set(vars(scaler)))
     rules_before = strategy_of(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
     trainer = pl.Trainer(**trainer_kwargs(devices=1, strategy=make(), plugins=[plugin], max_steps=2,
                                           gradient_clip_val=0.5))
     model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    global_before, connector_before = global_state(), vars(trainer._accelerator_connector).copy()
     trainer.fit(model, DataLoader(DATA.train_set, batch_size=4))
+    after = global_state()
+    assert after == global_before, {k: (global_before[k], v) for k, v in after.items() if v != global_before[k]}
+    assert vars(trainer._accelerator_connector) == connector_before
+    assert not {"log", "_ddp_params_and_buffers_to_ignore"} & set(vars(model))
+    # Lightning's forward redirection (DDP's) puts the class's own forward back as an instance attribute
+    rebound = [name for name, m in model.named_modules()
+               if getattr(vars(m).get("forward", m.forward), "__func__", None) is not type(m).forward]
+    assert not rebound, rebound
     assert trainer.strategy.precision_plugin is plugin
     assert (type(plugin), dict(vars(plugin)), type(scaler), set(vars(scaler))) == before
     assert plugin.scaler is scaler

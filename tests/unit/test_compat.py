@@ -43,6 +43,71 @@ def test_the_grep_sees_a_private_import(tmp_path):
     assert _private_imports(f) == ["torch.utils._pytree", "lightning.fabric.utilities:_x", "torch._C"]
 
 
+# -- private attributes of objects we do not own ------------------------------------------------------------------
+# ``X._name`` where X is not ``self`` / ``cls`` / ``super()`` and no code of ours defines ``_name`` (as a function,
+# class or module-level name, or as ``self._name = ...``) reads or writes a torch / Lightning object's internals:
+# that belongs in _compat.py, as a named function. The exceptions, each with its reason:
+ALLOWED_ATTRIBUTES = {
+    # nn.Module's slots for parameters, buffers and children: the materializer and the pipeline's ghost copies put
+    # meta / DTensor tensors there and read them without recursion, as torch's own ``_apply`` and ``to_empty`` do
+    "_parameters", "_buffers", "_modules",
+    "_exit",  # os._exit: public API of the os module (a worker that must not run atexit handlers)
+    "_replace", "_fields", "_asdict",  # namedtuple's public API
+    # attributes of our own strategies (set by the Lightning base class), read by the engines that hold the
+    # strategy as ``s``: they go when the engines get the values they need passed in
+    "_timeout", "_forward_redirection",
+    # Lightning's and torch's markers that the optimizer-step wrappers of tensor/mixed.py and dp/zero.py carry over
+    # to the step they install, so that LR schedulers keep recognising a wrapped step
+    "_wrapped_by_lr_sched", "_opt_called",
+}
+
+
+def _own_names() -> set[str]:
+    """Every private name our package defines: functions, classes, module-level names, ``self._x = ...``."""
+    own = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.alias):
+                own.add(node.asname or node.name.split(".")[-1])
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_self(node.value):
+                own.add(node.attr)
+    return {n for n in own if n.startswith("_")}
+
+
+def _is_self(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id in ("self", "cls")) or (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super")
+
+
+def _private_attributes(path: Path, own: set[str]) -> list[str]:
+    """``line: expression`` of every access to another object's private attribute in ``path`` that is neither
+    ours nor in :data:`ALLOWED_ATTRIBUTES`."""
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            and not _is_self(node.value) and node.attr not in own and node.attr not in ALLOWED_ATTRIBUTES]
+
+
+def test_private_attributes_of_foreign_objects_are_read_in_compat_only():
+    own = _own_names()
+    offenders = {str(p.relative_to(PACKAGE)): _private_attributes(p, own) for p in sorted(PACKAGE.rglob("*.py"))
+                 if p.name != "_compat.py"}
+    offenders = {p: found for p, found in offenders.items() if found}
+    assert not offenders, f"private attributes of torch / Lightning objects outside lightning_par/_compat.py " \
+                          f"(add a named function there): {offenders}"
+
+
+def test_the_check_sees_a_private_attribute(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("connector = trainer._accelerator_connector\nself._mine = 1\nsuper()._apply(f)\n"
+                 "x = module._parameters\nstrategy._mine\ntorch._C._foo()\n")
+    assert _private_attributes(f, {"_mine"}) == ["1: trainer._accelerator_connector", "6: torch._C._foo",
+                                                 "6: torch._C"]
+
+
 def test_a_patch_is_recorded_only_under_a_listed_name_and_undone_newest_first():
     from lightning_par import patches
 
