@@ -64,7 +64,7 @@ PATCHES: dict[str, Patch] = {
         undone="at teardown, by the restore function the strategy holds"),
     "ddp-ignore": Patch(
         target="DDP's ignore list on the LightningModule (`_ddp_params_and_buffers_to_ignore`)",
-        by="lightning_par.strategies._pipeline_path (outside fit)",
+        by="lightning_par.strategies._pipeline_engine (outside fit)",
         why="DDPStrategy broadcasts rank 0's states at setup, which under pipeline parallelism belong to "
             "another stage",
         undone="at the end of setup"),

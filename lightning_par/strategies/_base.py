@@ -21,6 +21,7 @@ from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._materialize import HeldTensorsLauncher, MaterializingStrategy, check_weights
 from lightning_par.strategies._nonfinite import NonFiniteChecks
+from lightning_par.strategies._optimizer_step import OptimizerStep
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.strategies._waits import NamedWaits
 from lightning_par.topology import Topology
@@ -71,8 +72,8 @@ def check_flags(**flags: Any) -> None:
             raise ValueError(f"`{name}={value!r}` must be True or False.")
 
 
-class LayoutStrategy(CheckpointMixin, AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName, MaterializingStrategy,
-                     DDPStrategy):
+class LayoutStrategy(OptimizerStep, CheckpointMixin, AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName,
+                     MaterializingStrategy, DDPStrategy):
     """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
     subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, the
     checkpoint hooks of :class:`~lightning_par.strategies._checkpoint.CheckpointMixin` (one file, or with

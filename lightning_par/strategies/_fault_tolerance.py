@@ -101,13 +101,6 @@ class FaultTolerantReplicas:
         if self._replica is not None:
             self._replica.begin_step()
 
-    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        if self._replica is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # forward + backward until the step commits; then Lightning's step (clipping, hooks, update) as usual
-        result = self._replica.finish_step(closure)
-        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
-
     def _stop_replica(self) -> None:
         if self._replica is not None:
             self._replica.close()

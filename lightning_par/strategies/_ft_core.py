@@ -96,9 +96,7 @@ class FaultTolerantCore(FaultTolerantReplicas):
             state_dict=lambda: self._own_state(trainer),
             load_state_dict=lambda checkpoint: _compat.restore_module_and_callbacks(trainer, checkpoint),
             group_barrier=lambda: self.barrier("torchft manager address"))  # [Note: the manager's address, ...]
-        shared = getattr(self._path, "shared", None)
-        if shared is not None:
-            shared.replica_average = self._replica.average
+        self._engine.use_replica_average(self._replica.average)  # the engine's average over replicas: torchft's
         self._join_replicas()
 
     def on_train_start(self) -> None:

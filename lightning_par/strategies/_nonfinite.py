@@ -1,28 +1,27 @@
-"""The strategies' ``nonfinite`` argument: a mixin whose ``optimizer_step`` checks the step's loss and
-gradients once the closure (forward, backward, the strategy's reductions) has run, see [Note: non-finite
+"""The strategies' ``nonfinite`` argument: a mixin that checks the step's loss and gradients once the closure
+(forward, backward, the strategy's reductions) has run (called by
+:class:`~lightning_par.strategies._optimizer_step.OptimizerStep`), see [Note: non-finite
 values] in :mod:`lightning_par.nonfinite`."""
 from __future__ import annotations
-
-from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_par.nonfinite import NonFiniteError, agree, check_nonfinite, find_nonfinite, message
 
 
-class _SkipStep(BaseException):
+class SkipStep(BaseException):
     """Leaves ``optimizer.step`` from inside its closure, before any update (a BaseException, so that no
     ``except Exception`` of a user's ``optimizer_step`` override swallows it)."""
 
 
 class NonFiniteChecks:
-    """Mixed into a Lightning strategy (before its Lightning base): ``nonfinite="error" | "skip"``.
+    """Mixed into a Lightning strategy: ``nonfinite="error" | "skip"``.
 
     [Note: checking inside the closure] Every torch optimizer, the ``GradScaler`` path of ``16-mixed`` and
     ``ZeroRedundancyOptimizer`` call the closure before they change anything, so the check runs at the end
     of the closure: an error leaves the weights as they were, and a skip leaves ``optimizer.step`` by an
-    exception caught here. An optimizer that calls the closure again after updating (LBFGS) has every call
-    checked; a skip there keeps the updates of the step's earlier calls.
+    exception caught by ``OptimizerStep``. An optimizer that calls the closure again after updating (LBFGS) has
+    every call checked; a skip there keeps the updates of the step's earlier calls.
     """
 
     _nonfinite = "error"
@@ -30,17 +29,6 @@ class NonFiniteChecks:
     def _set_nonfinite(self, nonfinite: str) -> None:
         self._nonfinite = check_nonfinite(nonfinite)
         self.skipped_steps: list[int] = []  # global steps skipped by nonfinite="skip"
-
-    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        def checked_closure():
-            result = closure()
-            self._check_finite(optimizer, result)
-            return result
-
-        try:
-            return super().optimizer_step(optimizer, checked_closure, model, **kwargs)
-        except _SkipStep:
-            return None
 
     def _check_finite(self, optimizer, loss) -> None:
         lm = self.lightning_module
@@ -61,4 +49,4 @@ class NonFiniteChecks:
             raise NonFiniteError(text)
         self.skipped_steps.append(step)
         rank_zero_warn(text)
-        raise _SkipStep
+        raise SkipStep

@@ -20,7 +20,7 @@ from lightning_par.pipeline.routing import LogCapture
 from lightning_par.pipeline.runner import loss_of, rng_fork
 
 
-def profile_blocks(strategy, lm, container):
+def profile_blocks(strategy, lm, container, microbatches: int):
     """Every rank times the user's step on one micro-batch of its first training batch (see
     [Note: profiling the unchanged step] in pipeline/profile.py), all at once, so the timings see the
     contention of the real run (CPU ranks share cores and memory bandwidth, which slows a large head
@@ -34,7 +34,7 @@ def profile_blocks(strategy, lm, container):
 
     def measure():
         with rng_fork(strategy.root_device, True):
-            step = sample_step(strategy, lm)
+            step = sample_step(strategy, lm, microbatches)
             result = profile_step(container, lambda: loss_of(step()), strategy.root_device, repeats=8)
         for p in lm.parameters():
             p.grad = None
@@ -42,7 +42,7 @@ def profile_blocks(strategy, lm, container):
     return mean_over_ranks(measure)
 
 
-def sample_step(strategy, lm, record=None):
+def sample_step(strategy, lm, microbatches: int, record=None):
     """The user's step (of this trainer function) on one micro-batch of its first batch, or None, on the
     module's device (the rank's for a meta-built one); with ``record`` (the blocks), recording its parameter uses."""
     t, plugin = lm.trainer, strategy.precision_plugin
@@ -55,7 +55,7 @@ def sample_step(strategy, lm, record=None):
     if batch is None:
         return None
     mb = split_batch(strategy.batch_to_device(batch, trace_device(lm, strategy.root_device)),
-                     strategy._num_microbatches())[0]
+                     microbatches)[0]
 
     def on(microbatch):
         with LogCapture(lm), context():
@@ -66,11 +66,11 @@ def sample_step(strategy, lm, record=None):
     return step
 
 
-def check_batch_semantics(strategy, lm, step) -> None:
+def check_batch_semantics(strategy, lm, step, microbatches: int, strict: bool) -> None:
     """Whether micro-batching changes the loss ([Note: losses that couple samples] in pipeline/coupling.py): global
     rank 0 measures on its traced micro-batch, every rank receives the result, rank 0 warns once, or under
     ``strict_batch_semantics`` every rank raises the same ``ValueError``."""
-    if step is None or lm.trainer.state.fn != TrainerFn.FITTING or has_meta(lm) or strategy._num_microbatches() < 2:
+    if step is None or lm.trainer.state.fn != TrainerFn.FITTING or has_meta(lm) or microbatches < 2:
         return
     found, why = None, None
     if strategy.global_rank == 0:
@@ -85,7 +85,7 @@ def check_batch_semantics(strategy, lm, step) -> None:
         rank_zero_info(f"The check whether micro-batching changes the loss was skipped: {why} ([Note: losses that "
                        f"couple samples] in lightning_par/pipeline/coupling.py).")
     if found is not None and found.coupled:
-        if strategy._strict_batch_semantics:
+        if strict:
             raise ValueError(found.message(strict=True))
         rank_zero_warn(found.message(strict=False))
 

@@ -21,7 +21,8 @@ _BY_STRATEGY = {
 
 
 class NamedWaits:
-    """Mixed into a strategy before its Lightning base; see the module docstring."""
+    """Mixed into a strategy before its Lightning base; see the module docstring (``optimizer_step``'s wait is
+    :class:`~lightning_par.strategies._optimizer_step.OptimizerStep`'s)."""
 
     def _wait_name(self, hook: str) -> str:
         name = _BY_STRATEGY.get(getattr(self, "strategy_name", ""), {}).get(hook, _GENERIC[hook])
@@ -34,7 +35,3 @@ class NamedWaits:
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         with named_wait(self._wait_name("backward")):
             return super().backward(*args, **kwargs)
-
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        with named_wait(self._wait_name("optimizer_step")):
-            return super().optimizer_step(*args, **kwargs)

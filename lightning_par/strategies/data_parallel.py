@@ -41,6 +41,7 @@ from lightning_par.strategies._base import (ConsolidatingLauncher, as_timeout, c
 from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
 from lightning_par.strategies._nonfinite import NonFiniteChecks
+from lightning_par.strategies._optimizer_step import OptimizerStep
 from lightning_par.strategies._waits import NamedWaits
 from lightning_par.dp import lr_scaling as scaling
 from lightning_par.strategies._checkpoint import CheckpointMixin
@@ -61,8 +62,8 @@ def _step_through_root(name: str, context: str):
     return step
 
 
-class DataParallelStrategy(FaultTolerantReplicas, CheckpointMixin, AtomicSaves, NonFiniteChecks, NamedWaits,
-                           RegisteredByName, MaterializingStrategy, DDPStrategy):
+class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin, AtomicSaves, NonFiniteChecks,
+                           NamedWaits, RegisteredByName, MaterializingStrategy, DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:

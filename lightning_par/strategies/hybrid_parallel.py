@@ -6,9 +6,10 @@
 The work lives in :mod:`lightning_par.pipeline` and :mod:`lightning_par.tensor`; this class wires it into
 Lightning's hooks. :class:`~lightning_par.PipelineParallelStrategy` is this class with one tensor-parallel
 rank per stage, :class:`~lightning_par.TensorParallelStrategy` this class with one stage. A layout with
-several stages (or the pipeline preset at any size) runs the hooks of
-:mod:`~lightning_par.strategies._pipeline_path`, one with a single stage those of
-:mod:`~lightning_par.strategies._tensor_path` (Lightning runs the user's step as it is).
+several stages (or the pipeline preset at any size) runs the pipeline engine
+(:mod:`~lightning_par.strategies._pipeline_engine`), one with a single stage the SPMD engine
+(:mod:`~lightning_par.strategies._spmd_engine`: Lightning runs the user's step as it is); both behind one
+interface ([Note: engines behind one interface] in :mod:`~lightning_par.strategies._engine`), chosen once.
 
 1. ``setup_environment``: the (pp, dp, tp) layout, the process group, one group per pipeline, replica set
    and point-to-point direction, and with tensor parallelism the ``DeviceMesh`` (axes ``pp``, ``dp``, ``tp``;
@@ -37,9 +38,10 @@ from lightning_par.pipeline.options import check_layout, check_options
 from lightning_par.pipeline.stage import StageRuntime
 from lightning_par.strategies._base import (LayoutStrategy, check_accumulation, check_flags, check_zero_stage,
                                            size_names)
+from lightning_par.strategies._engine import Engine, EngineOptions, Groups, Host
 from lightning_par.strategies._ft_core import FaultTolerantCore, check_core_fault_tolerance
-from lightning_par.strategies._pipeline_path import PipelinePath
-from lightning_par.strategies._tensor_path import TensorPath
+from lightning_par.strategies._pipeline_engine import PipelineEngine
+from lightning_par.strategies._spmd_engine import SpmdEngine
 from lightning_par.tensor.mixed import split_step_by_kind
 from lightning_par.tensor.plan import check_user_plan
 from lightning_par.tensor.rules import restore_rules
@@ -130,9 +132,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         self._blocks, self._balance = blocks, list(balance) if not isinstance(balance, str) else balance
         self._strict_batch_semantics = strict_batch_semantics  # [Note: losses that couple samples]
         self._sequence_parallel, self._loss_parallel = sequence_parallel, loss_parallel
-        self._pp_group = self._dp_group = self._tp_group = self._mesh = self._result_group = None
-        self._p2p_groups: tuple = (None, None, None, None)
-        self._path: Union[PipelinePath, TensorPath, None] = None  # chosen with the layout (setup_environment)
+        self._groups = Groups()
+        self._engine: Optional[Engine] = None  # chosen with the layout (setup_environment)
         self._user_precision = None  # the precision plugin this run got, given back at teardown
         self._restore_loader = lambda: None
         self._init_fault_tolerance(fault_tolerance, min_replicas, ft_timeout)
@@ -144,17 +145,17 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
 
     @property
     def runtime(self) -> StageRuntime:
-        if not isinstance(self._path, PipelinePath) or self._path.runtime is None:
+        if self._engine is None or self._engine.runtime is None:
             raise RuntimeError("The pipeline stage exists only after the strategy's `setup`, in a pipeline layout.")
-        return self._path.runtime
+        return self._engine.runtime
 
     @property
     def device_mesh(self):
         """The (pp, dp, tp) ``DeviceMesh`` (built with one stage, or with several tensor-parallel ranks)."""
-        if self._mesh is None:
+        if self._groups.mesh is None:
             raise RuntimeError("The device mesh exists once processes are set up (Trainer.fit / validate / ...), "
                                "with one stage or tensor_parallel_size > 1.")
-        return self._mesh
+        return self._groups.mesh
 
     @property
     def tp_mesh(self):
@@ -163,19 +164,18 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
     @property
     def plan(self):
         """The :class:`~lightning_par.tensor.plan.TensorPlan` this rank applied at setup."""
-        if self._path is None or self._path.plan is None:
+        if self._engine is None or self._engine.plan is None:
             raise RuntimeError("The tensor-parallel plan is applied in Trainer setup; it does not exist yet.")
-        return self._path.plan
+        return self._engine.plan
 
     @property
     def last_step_stats(self) -> dict[str, float]:
         """Seconds of the last training step's schedule (benchmarks, the bubble callback)."""
-        runner = getattr(self._path, "runner", None)
-        return runner.last_step_stats if runner is not None else {}
+        return self._engine.last_step_stats if self._engine is not None else {}
 
     def _owns(self, p: torch.nn.Parameter, name: str) -> bool:
         """Whether this rank counts ``p`` (for the global gradient norm and the consolidated state)."""
-        return self._path.owns(p, name) if isinstance(self._path, PipelinePath) else True
+        return self._engine.owns(p, name) if self._engine is not None else True
 
     def _sharded_replicas(self) -> bool:
         """zero_stage 2 / 3 with several replicas: FSDP2 over the ``dp`` axis."""
@@ -197,49 +197,65 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
 
     def setup_environment(self) -> None:
         self._topology = topo = self._resolve()
-        pp, tp = topo.pipeline_parallel_size, topo.tensor_parallel_size
+        pp = topo.pipeline_parallel_size
         pipelined = pp > 1 or self._model_axis == "pp"
-        if pp == 1:  # one stage: nothing to interleave (the pipeline preset still splits its micro-batches)
-            self._stages_per_rank = 1
         check_layout(schedule=self._schedule, microbatches=self._microbatches, pipeline_parallel_size=pp)
         super().setup_environment()
-        if self._path is None:  # a later fit / validate / test of the same Trainer keeps the installed stage
-            self._path = PipelinePath(self) if pipelined else TensorPath(self)
-        self._dp_group = self._new_groups("dp")
+        if self._engine is not None:  # a later fit / validate / test of the same Trainer keeps the installed stage
+            return
+        engine = PipelineEngine if pipelined else SpmdEngine
+        self._groups = groups = self._build_groups(pipelined)
+        options = EngineOptions(
+            zero_stage=self._zero_stage, microbatches=self._num_microbatches(), given_microbatches=self._microbatches,
+            schedule=self._schedule, stages_per_rank=self._stages_per_rank if pp > 1 else 1,  # one stage: nothing
+            blocks=self._blocks, strict_batch_semantics=self._strict_batch_semantics,  # to interleave
+            balance=self._balance if isinstance(self._balance, str) else tuple(self._balance), plan=self._plan_arg,
+            sequence_parallel=self._sequence_parallel, loss_parallel=self._loss_parallel)
+        host = Host(open_weights=self._open_weights, place_share=self._place_share,
+                    install_precision=self._install_precision, record_one_device_order=self._record_one_device_order,
+                    lightning_setup=super().setup, lightning_teardown=super().teardown,
+                    forward_redirection=self._forward_redirection)
+        self._engine = engine(self, options, groups, host)
+
+    def _build_groups(self, pipelined: bool) -> Groups:
+        """One group per replica set, and with a pipeline per pipeline, point-to-point direction and result
+        mailbox; the ``DeviceMesh`` with one stage, several tensor-parallel ranks or FSDP replicas."""
+        topo = self.topology
+        dp = self._new_groups("dp")
+        pp = result = None
+        p2p: tuple = (None, None, None, None)
         if pipelined:
-            self._pp_group = self._new_groups("pp")
+            pp = self._new_groups("pp")
             # activations up, gradients down, and with several chunks per rank the same to a lower / higher
             # rank (the ring wraps around): [Note: one direction per group] in pipeline/p2p.py
-            self._p2p_groups = tuple(self._new_groups("pp") for _ in range(2 if self._stages_per_rank == 1 else 4))
-            self._result_group = self._new_groups("pp")  # the last stage's step results: [Note: result mailbox]
-        if tp > 1 or not pipelined or self._sharded_replicas():
-            self._mesh = topo.build_mesh(self.root_device.type, timeout=self._timeout)
-            self._tp_group = self._mesh["tp"].get_group() if tp > 1 else None
+            chunks = self._stages_per_rank if topo.pipeline_parallel_size > 1 else 1
+            p2p = tuple(self._new_groups("pp") for _ in range(2 if chunks == 1 else 4))
+            result = self._new_groups("pp")  # the last stage's step results: [Note: result mailbox]
+        mesh = tp = None
+        if topo.tensor_parallel_size > 1 or not pipelined or self._sharded_replicas():
+            mesh = topo.build_mesh(self.root_device.type, timeout=self._timeout)
+            tp = mesh["tp"].get_group() if topo.tensor_parallel_size > 1 else None
+        return Groups(dp=dp, pp=pp, tp=tp, mesh=mesh, p2p=p2p, result=result, timeout=self._timeout,
+                      sharded_replicas=self._sharded_replicas())
 
-    # -- setup and teardown -------------------------------------------------------------------------
+    # -- setup and teardown: the engine's ----------------------------------------------------------------
     def setup(self, trainer) -> None:
         check_accumulation(trainer)
         self._restore_loader = keep_loader_on_one_process(trainer, self._loader_processes())  # [Note: one process ...]
-        if isinstance(self._path, PipelinePath):
-            self._path.setup(trainer, super().setup)
-        else:
-            self._path.setup(trainer)
+        self._engine.setup(trainer)
         self._join_as_replica(trainer)  # fault_tolerance="torchft": the first quorum
 
     def model_to_device(self) -> None:
-        if isinstance(self._path, PipelinePath):
-            return self._path.place()  # the stage first: nothing outside this rank's share is placed
-        super().model_to_device()
+        self._engine.place(super().model_to_device)  # the pipeline: the stage first, nothing else placed
 
     def configure_ddp(self) -> None:  # called by DDPStrategy.setup before the optimizers are built
-        if getattr(self._path, "runtime", None) is None:
-            self._path.install()
+        self._engine.install()
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
         if self._zero_stage == 1 and self.topology.data_parallel_size > 1:  # [Note: ZeRO on the core's data axis]
-            self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs, self._dp_group)
-        if self._mesh is not None:  # DTensor and plain parameters stepped apart ([Note: mixed DTensor / plain ...])
+            self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs, self._groups.dp)
+        if self._groups.mesh is not None:  # DTensor and plain parameters stepped apart ([Note: mixed DTensor ...])
             for opt in self.optimizers:
                 split_step_by_kind(zero.local_optimizer(opt.optimizer if isinstance(opt, LightningOptimizer) else opt))
 
@@ -255,37 +271,31 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         self._stop_replica()
         self._close_checkpointing()  # a background save finishes first
         self._restore_loader()
-        if self._mesh is not None:
+        if self._groups.mesh is not None:
             restore_rules()  # DTensor's propagator is process-global: no rule of ours outlives the run
-        if isinstance(self._path, TensorPath):
-            self._path.teardown()
+        if self._engine is not None:
+            self._engine.teardown()
         else:
             super().teardown()
         if self._user_precision is not None:
             self.precision_plugin, self._user_precision = self._user_precision, None
 
-    # -- steps --------------------------------------------------------------------------------------
+    # -- steps: the engine's --------------------------------------------------------------------------------
     def on_train_start(self) -> None:
         super().on_train_start()
-        if isinstance(self._path, PipelinePath):
-            self._path.on_train_start()
+        self._engine.on_train_start()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(self._path, PipelinePath):
-            return self._path.training_step(args, kwargs)
-        return self._path.step(lambda: super(HybridParallelStrategy, self).training_step(*args, **kwargs),
-                               "training_step", args, kwargs, self.precision_plugin.train_step_context)
+        return self._engine.training_step(lambda: super(HybridParallelStrategy, self).training_step(*args, **kwargs),
+                                          args, kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if isinstance(self._path, PipelinePath):
-            return self._path.backward(closure_loss)
-        return self._path.backward(lambda: super(HybridParallelStrategy, self).backward(closure_loss, optimizer,
-                                                                                        *args, **kwargs))
+        return self._engine.backward(
+            lambda: super(HybridParallelStrategy, self).backward(closure_loss, optimizer, *args, **kwargs),
+            closure_loss)
 
-    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        if isinstance(self._path, TensorPath):
-            closure = self._path.closure(closure)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+    def _finish_gradients(self, closure):  # step 1 of OptimizerStep.optimizer_step
+        return self._engine.finish_gradients(closure)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
@@ -297,10 +307,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         return self._eval_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
     def _eval_step(self, hook: str, context, args: tuple, kwargs: dict) -> Any:
-        if isinstance(self._path, PipelinePath):
-            return self._path.eval_step(hook, context, args, kwargs)
-        return self._path.step(lambda: getattr(super(HybridParallelStrategy, self), hook)(*args, **kwargs), hook,
-                               args, kwargs, context)
+        run = lambda: getattr(super(HybridParallelStrategy, self), hook)(*args, **kwargs)  # noqa: E731
+        return self._engine.eval_step(hook, run, context, args, kwargs)
 
     def on_validation_end(self) -> None:
         super().on_validation_end()
@@ -312,35 +320,28 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
 
     # -- checkpoints: the interface of lightning_par.strategies._checkpoint (one format for every layout) --
     def _checkpoint_prepare(self) -> None:  # FSDP's forward-only passes leave units gathered: back to the shards
-        if isinstance(self._path, TensorPath):
-            self._path.reshard()
+        if self._engine is not None:
+            self._engine.reshard()
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # into the installed stage and the shards: each rank reads what it holds
 
     def _checkpoint_model_share(self) -> dict[str, Any]:
-        if isinstance(self._path, PipelinePath) and self._path.runtime is not None:
-            return self._path.owned_state()  # a stage leaves out the copies it never trains
-        return super()._checkpoint_model_share()
+        share = self._engine.owned_state() if self._engine is not None else None  # a stage: no copies it never trains
+        return share if share is not None else super()._checkpoint_model_share()
 
     def _checkpoint_writes_param(self, param, name: str) -> bool:
-        if isinstance(self._path, PipelinePath) and self._path.runtime is not None:
-            replica_writes = self.topology.coordinates(self.global_rank)["dp"] == 0 or (
-                self._zero_stage >= 1 and self.topology.data_parallel_size > 1)  # each its partition / shards
-            return replica_writes and self._path.owns(param, name)
-        return super()._checkpoint_writes_param(param, name)
+        writes = self._engine.writes_param(param, name) if self._engine is not None else None
+        return writes if writes is not None else super()._checkpoint_writes_param(param, name)
 
     def _checkpoint_expected_keys(self) -> list[str]:
-        if isinstance(self._path, PipelinePath) and self._path.runtime is not None:
-            return self._path.full_keys
-        return super()._checkpoint_expected_keys()
+        keys = self._engine.expected_keys() if self._engine is not None else None
+        return keys if keys is not None else super()._checkpoint_expected_keys()
 
     def _checkpoint_layout(self) -> dict[str, Any]:
-        layout = {**super()._checkpoint_layout(), "mesh_order": "_".join(self.topology.order)}
-        if isinstance(self._path, PipelinePath):
-            layout.update(schedule=self._schedule, stages_per_rank=self._stages_per_rank, balance=self._balance)
-        return layout
+        return {**super()._checkpoint_layout(), "mesh_order": "_".join(self.topology.order),
+                **(self._engine.layout() if self._engine is not None else {})}
 
 
 __all__ = ["HybridParallelStrategy"]

@@ -3,7 +3,7 @@
     Trainer(devices=4, strategy=TensorParallelStrategy(tensor_parallel_size=2))   # tp=2 × dp=2
 
 A preset of :class:`~lightning_par.strategies.hybrid_parallel.HybridParallelStrategy` with one pipeline
-stage (the hooks of :mod:`~lightning_par.strategies._tensor_path`): at setup the module is parallelized by
+stage (the hooks of :mod:`~lightning_par.strategies._spmd_engine`): at setup the module is parallelized by
 a plan found by inspecting it (:mod:`lightning_par.tensor.plan`; rank 0 prints the plan); gradients are
 averaged over the data-parallel replicas after the last backward of each optimizer step, before clipping;
 with replicas every rank returns and logs the mean over them.

@@ -3,7 +3,7 @@
 [Note: sequence-sharded stage boundaries]
 Without sequence parallelism a block hands the next one a plain tensor that every rank of its
 tensor-parallel group holds whole ([Note: activations between tensor-parallel stages] in
-strategies/_pipeline_path.py), and that plain tensor is what travels. Under ``sequence_parallel=True`` the
+strategies/_pipeline_engine.py), and that plain tensor is what travels. Under ``sequence_parallel=True`` the
 residual stream between two blocks of the stack is a DTensor sharded on the sequence (``Shard(1)`` over the
 ``tp`` mesh: :class:`~.parallelize.SequenceBlock`), from the first block's input to the last block's output
 ([Note: sequence parallel span] in plan.py). A stage boundary lies between two blocks, so:
@@ -25,7 +25,7 @@ whose blocks are not all sequence blocks, where a receiving block would get a sh
 
 Under ``loss_parallel=True`` nothing crosses a boundary differently: the head and its vocabulary-sharded
 logits live on the last stage, where the user's loss is computed (and backpropagated) inside
-``loss_parallel()`` ([Note: loss parallel] in strategies/_tensor_path.py).
+``loss_parallel()`` ([Note: loss parallel] in strategies/_spmd_engine.py).
 """
 from __future__ import annotations
 

@@ -153,7 +153,7 @@ class TraceBytes(pl.Callback):
         self.out_dir = out_dir
 
     def on_train_start(self, trainer, pl_module):
-        stand_ins = trainer.strategy._path.stand_ins
+        stand_ins = trainer.strategy._engine.stand_ins
         torch.save(stand_ins.peak_bytes if stand_ins is not None else None,
                    os.path.join(self.out_dir, f"trace{trainer.global_rank}.pt"))
 

@@ -1,4 +1,5 @@
-"""The core's hooks when the layout has one pipeline stage: the whole module is parallelized over its
+"""The core's SPMD engine, for a layout with one pipeline stage (the interface: [Note: engines behind one interface]
+in :mod:`~lightning_par.strategies._engine`): the whole module is parallelized over its
 tensor-parallel group by a plan found by inspecting it (:mod:`lightning_par.tensor.plan`; rank 0 prints the
 plan), Lightning runs the user's step as usual, and the gradients are settled over the tensor-parallel
 ranks and averaged over the data-parallel replicas after the last backward of each optimizer step, before
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -31,6 +32,7 @@ from lightning_par._compat import optimizers_to_device
 from lightning_par.dp import fsdp
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
+from lightning_par.strategies._engine import Engine, optimizer_params as _params
 from lightning_par.strategies._precision import PrecisionHooks
 from lightning_par.tensor.mixed import average_grads, clip_grad_norm_, clip_grad_value_, reduce_partial_grads
 from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules, to_plain
@@ -41,11 +43,13 @@ from lightning_par.tensor.plan import build_plan
 _PARALLELIZED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
-class TensorPath:
-    """The one-stage hooks of ``strategy`` (a :class:`~lightning_par.strategies.hybrid_parallel.HybridParallelStrategy`)."""
+class SpmdEngine(Engine):
+    """The one-stage hooks of ``strategy`` (a
+    :class:`~lightning_par.strategies.hybrid_parallel.HybridParallelStrategy`)."""
 
-    def __init__(self, strategy):
-        self.s = strategy
+    def __init__(self, strategy, options, groups, host):
+        super().__init__(strategy, options, groups, host)
+        self.s = strategy  # its public Lightning attributes only
         self.plan = None
         self.steps = None  # zero_stage 2 / 3: runs each step through FSDP's root unit
 
@@ -58,8 +62,8 @@ class TensorPath:
         if trainer.state.fn == TrainerFn.FITTING:
             s.setup_optimizers(trainer)
         # DTensor and plain gradients clipped and unscaled apart ([Note: precision subclasses])
-        s._install_precision(PrecisionHooks(
-            clip_by_norm=lambda opt, value: clip_grad_norm_(_params(opt), value),
+        self.host.install_precision(PrecisionHooks(
+            clip_by_norm=self.clip_grad_norm,
             clip_by_value=lambda opt, value: clip_grad_value_(_params(opt), value), split_unscale=True))
         s.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -69,6 +73,9 @@ class TensorPath:
         """After forward-only passes and before checkpoints: the sharded module at rest (FSDP's shards)."""
         if fsdp.is_sharded(self.s.lightning_module):
             fsdp.reshard(self.s.lightning_module)
+
+    def clip_grad_norm(self, optimizer, clip_val) -> None:
+        clip_grad_norm_(_params(optimizer), clip_val)
 
     def teardown(self) -> None:
         if self.steps is not None:
@@ -83,24 +90,24 @@ class TensorPath:
         s.checkpoint_io.teardown()
 
     def _parallelize(self) -> None:
-        s = self.s
+        s, o, g = self.s, self.options, self.groups
         module = s.lightning_module
         register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
         if module in _PARALLELIZED:
             self.plan = _PARALLELIZED[module]
             return
         # Pure: raises the same ValueError on every rank before any collective.
-        plan = build_plan(module, s.topology.tensor_parallel_size, s._plan_arg,
-                          sequence_parallel=s._sequence_parallel, loss_parallel=s._loss_parallel)
-        reader = s._open_weights(module)  # checked against the whole module before anything is sharded
+        plan = build_plan(module, s.topology.tensor_parallel_size, o.plan,
+                          sequence_parallel=o.sequence_parallel, loss_parallel=o.loss_parallel)
+        reader = self.host.open_weights(module)  # checked against the whole module before anything is sharded
         if s.world_size > 1:
             broadcast_state(module, src=0)  # every rank starts from rank 0's weights
             self._sync_rng()
-        parallelize(module, plan, s._mesh["tp"], sequence_parallel=s._sequence_parallel)
-        if s._sharded_replicas():  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis] (meta shards too)
-            fsdp.shard_module(module, s._mesh["dp"], zero_stage=s._zero_stage, broadcast=False,
+        parallelize(module, plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
+        if g.sharded_replicas:  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis] (meta shards too)
+            fsdp.shard_module(module, g.mesh["dp"], zero_stage=o.zero_stage, broadcast=False,
                               precision=s.precision_plugin.precision)
-        s._place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
+        self.host.place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
         _PARALLELIZED[module] = self.plan = plan
         if s.is_global_zero:
             rank_zero_info(f"{s.topology}\n{plan.describe(module)}")
@@ -118,7 +125,10 @@ class TensorPath:
             torch.cuda.set_rng_state(state[1], s.root_device)
 
     # -- steps ([Note: loss reporting over replicas], [Note: loss parallel]) -------------------------
-    def step(self, run, hook: str, args: tuple = (), kwargs: Optional[dict] = None, context=None) -> Any:
+    def training_step(self, run, args: tuple, kwargs: dict) -> Any:
+        return self.eval_step("training_step", run, self.s.precision_plugin.train_step_context, args, kwargs)
+
+    def eval_step(self, hook: str, run, context, args: tuple, kwargs: dict) -> Any:
         """``run()`` (Lightning's call of the user's ``hook``), its result and logs made plain and, with
         replicas, averaged over them. A module sharded by FSDP runs ``hook`` through its root unit instead
         ([Note: running a step through the root unit] in dp/fsdp.py)."""
@@ -129,19 +139,20 @@ class TensorPath:
 
             def run():
                 with context():
-                    return self.steps.run(hook, s._forward_redirection, *args, **(kwargs or {}))
+                    return self.steps.run(hook, self.host.forward_redirection, *args, **(kwargs or {}))
         replicas = s.topology.data_parallel_size > 1 and hook != "predict_step"
-        if not replicas and not s._loss_parallel:
+        loss_parallel_ = self.options.loss_parallel
+        if not replicas and not loss_parallel_:
             return run()
         from torch.distributed.tensor.parallel import loss_parallel
 
         lm = s.lightning_module
-        with loss_parallel() if s._loss_parallel else contextlib.nullcontext():
+        with loss_parallel() if loss_parallel_ else contextlib.nullcontext():
             with LogCapture(lm, convert=to_plain) as capture:
                 out = to_plain(run())
         logs = capture.combined([1])
         if replicas:
-            router = ResultRouter(mailbox=None, is_last=True, device=s.root_device, dp_group=s._dp_group,
+            router = ResultRouter(mailbox=None, is_last=True, device=s.root_device, dp_group=self.groups.dp,
                                   dp_size=s.topology.data_parallel_size)
             mean, logs = router.mean_over_replicas(_detached(out), logs)
             out = _with_values(out, mean)
@@ -149,11 +160,11 @@ class TensorPath:
             lm.log(name, value.to(s.root_device), **kw)
         return out
 
-    def backward(self, run):
-        with backward_context(loss_parallel=self.s._loss_parallel):  # see [Note: one layout per region]
+    def backward(self, run, closure_loss: torch.Tensor) -> torch.Tensor:
+        with backward_context(loss_parallel=self.options.loss_parallel):  # see [Note: one layout per region]
             return run()
 
-    def closure(self, closure):
+    def finish_gradients(self, closure):
         """``closure`` followed by the gradients' tensor-parallel settling and the replicas' average."""
         s = self.s
         dp = s.topology.data_parallel_size
@@ -161,16 +172,12 @@ class TensorPath:
         def closure_then_average():
             result = closure()
             params = list(s.lightning_module.parameters())
-            reduce_partial_grads(params, s._mesh["tp"].get_group())
+            reduce_partial_grads(params, self.groups.mesh["tp"].get_group())
             if not fsdp.is_sharded(s.lightning_module):  # FSDP reduce-scattered the replicas' average already
-                average_grads(params, s._dp_group, dp, average=s.replica_average)  # torchft's, under fault tolerance
+                average_grads(params, self.groups.dp, dp, average=self.replica_average)  # torchft's (fault tolerance)
             return result
 
         return closure_then_average
-
-
-def _params(optimizer) -> list:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _detached(out: Any) -> Any:

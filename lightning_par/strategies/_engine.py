@@ -1,0 +1,146 @@
+"""The interface of the core's engines: what :class:`~lightning_par.HybridParallelStrategy` delegates to, the same
+methods for the pipeline engine (:mod:`~lightning_par.strategies._pipeline_engine`: several stages, or the
+pipeline preset at any size) and the SPMD engine (:mod:`~lightning_par.strategies._spmd_engine`: one stage, the
+user's step run by Lightning as it is).
+
+[Note: engines behind one interface]
+An engine is built once per strategy (in ``setup_environment``, when the layout is known) from three frozen
+objects: :class:`EngineOptions` (the layout options, resolved for this layout), :class:`Groups` (the process
+groups and the mesh it needs) and :class:`Host` (the strategy's own services it calls back: weights, the precision
+subclass, Lightning's DDP setup). Beyond those it reads only the strategy's public Lightning attributes
+(``lightning_module``, ``root_device``, ``precision_plugin``, ``topology``, ...), never its private ones. The
+strategy picks the engine class once and calls every hook through :class:`Engine`'s methods, with no
+``isinstance``. A hook that Lightning's default implementation serves for one engine receives that default as
+``run`` (a callable) and the engine decides whether to call it; checkpoint hooks return None where the
+strategy's default applies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The layout options an engine runs with, resolved for the layout (``microbatches``: a number)."""
+
+    zero_stage: int = 0
+    microbatches: int = 2
+    given_microbatches: Optional[int] = None  # as the user gave it (None: 2 x stages), checked against the batch
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    blocks: Optional[str] = None
+    balance: Union[str, tuple] = "params"
+    strict_batch_semantics: bool = False
+    plan: Union[str, Mapping[str, str]] = "auto"
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class Groups:
+    """This rank's process groups (None: a group of one rank) and the ``DeviceMesh`` (None without one)."""
+
+    dp: Any = None
+    pp: Any = None
+    tp: Any = None
+    mesh: Any = None
+    p2p: tuple = (None, None, None, None)
+    result: Any = None
+    timeout: Optional[timedelta] = None
+    sharded_replicas: bool = False  # zero_stage 2 / 3 with several replicas: FSDP2 over the ``dp`` axis
+
+
+@dataclass(frozen=True)
+class Host:
+    """The strategy's services an engine calls (bound methods of the strategy)."""
+
+    open_weights: Callable  # (module) -> reader or None
+    place_share: Callable  # (module, reader, owned=None)
+    install_precision: Callable  # (PrecisionHooks)
+    record_one_device_order: Callable  # ()
+    lightning_setup: Callable  # (trainer): DDPStrategy.setup
+    lightning_teardown: Callable  # (): the strategy's Lightning teardown
+    forward_redirection: Any = None  # Lightning's, for a step run through FSDP's root unit
+
+
+class Engine:
+    """The methods every engine has; the defaults are what an engine that needs nothing there does."""
+
+    runtime = None  # the pipeline stage (the pipeline engine, once installed)
+    plan = None  # the tensor plan this rank applied
+    stand_ins = None  # the trace's stand-ins of a meta-built module
+    runner = None  # the schedule runner (the pipeline engine)
+
+    def __init__(self, strategy, options: EngineOptions, groups: Groups, host: Host) -> None:
+        self.strategy, self.options, self.groups, self.host = strategy, options, groups, host
+        self.replica_average: Optional[Callable] = None  # torchft's average over the live replica groups
+
+    # -- setup ------------------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        raise NotImplementedError
+
+    def place(self, run: Callable) -> None:
+        """``model_to_device``; ``run``: Lightning's."""
+        run()
+
+    def install(self) -> None:
+        """``configure_ddp`` (DDPStrategy.setup, before the optimizers): what must exist before them."""
+
+    def use_replica_average(self, average: Callable) -> None:
+        """torchft: gradients are averaged over the live replica groups with ``average`` (a flat tensor, in place)."""
+        self.replica_average = average
+
+    def on_train_start(self) -> None:
+        pass
+
+    # -- steps ------------------------------------------------------------------------------------
+    def training_step(self, run: Callable, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    def backward(self, run: Callable, closure_loss: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish_gradients(self, closure: Callable) -> Callable:
+        """The optimizer step's closure followed by whatever settles the gradients (reductions over ranks)."""
+        return closure
+
+    def clip_grad_norm(self, optimizer, clip_val: Union[int, float]) -> None:
+        raise NotImplementedError
+
+    def eval_step(self, hook: str, run: Callable, context, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    @property
+    def last_step_stats(self) -> dict[str, float]:
+        return self.runner.last_step_stats if self.runner is not None else {}
+
+    # -- checkpoints (None: the strategy's default) ----------------------------------------------------
+    def owns(self, p: torch.nn.Parameter, name: str) -> bool:
+        """Whether this rank counts ``p`` (for the global gradient norm and the consolidated state)."""
+        return True
+
+    def owned_state(self) -> Optional[dict[str, Any]]:
+        return None
+
+    def writes_param(self, param, name: str) -> Optional[bool]:
+        return None
+
+    def expected_keys(self) -> Optional[list[str]]:
+        return None
+
+    def layout(self) -> dict[str, Any]:
+        return {}
+
+    def reshard(self) -> None:
+        """After forward-only passes and before checkpoints: the module at rest."""
+
+    def teardown(self) -> None:
+        self.host.lightning_teardown()
+
+
+def optimizer_params(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
