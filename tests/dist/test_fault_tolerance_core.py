@@ -23,6 +23,7 @@ RUN_S = 200
 PP = ["--pp", "2", "--width", "16"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_killed_stage_rejoins_with_its_coordinates_state(tmp_path):
@@ -59,6 +60,7 @@ def test_killed_stage_rejoins_with_its_coordinates_state(tmp_path):
     assert "train_loss" in text and f",{steps - 1}," in text  # Lightning kept logging in the rejoined group
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_two_pipeline_groups_train_as_dp2_pp2(tmp_path):
