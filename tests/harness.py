@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 from typing import Callable
 
 import lightning.pytorch as pl
@@ -147,6 +148,13 @@ def assert_ranks_close(expected: list, got: list, **tol) -> None:
 
 def union_of_grad_names(records: list[dict]) -> set[str]:
     return {n for rec in records for step in rec["grads"] for n in step}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous of ranks this test starts itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def seeded(factory: Callable[[], pl.LightningModule], seed: int = 0) -> pl.LightningModule:

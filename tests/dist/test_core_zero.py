@@ -22,20 +22,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded, union_of_grad_names
+from models import corpus, gpt_factory
 from lightning_par import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
-from lightning_par.data import SyntheticCorpus
 from lightning_par.dp.fsdp import local_training_bytes
 from lightning_par.models import GPT
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=16)
+DATA = corpus(val_sequences=16)
 STEPS = 3
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
-def tiny_gpt(**kw):
-    cfg = dict(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
-    cfg.update(kw)
-    return GPT(**cfg)
+tiny_gpt = gpt_factory(n_layer=4)
 
 
 class Bytes(Callback):

@@ -18,8 +18,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, assert_close_records, assert_ranks_close, fit_and_record, reference_loader, seeded
+from models import corpus, gpt_factory
 from lightning_par import DataParallelStrategy
-from lightning_par.data import SyntheticCorpus
 from lightning_par.dp.zero import optimizer_state_bytes
 from lightning_par.models import GPT
 
@@ -28,14 +28,7 @@ STEPS = 6
 EXACT = dict(atol=0.0, rtol=0.0)
 
 
-def tiny_gpt(**overrides):
-    kw = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=2, lr_decay_steps=10)
-    kw.update(overrides)
-    return GPT(**kw)
-
-
-def corpus(train_sequences=64):
-    return SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=train_sequences, val_sequences=8)
+tiny_gpt = gpt_factory(warmup_steps=2)
 
 
 def ours(**kw):

@@ -5,17 +5,12 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
-
-
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
+from models import corpus, tiny_gpt
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_lightning_ddp_matches_one_process(tmp_path):
-    data = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=8)
+    data = corpus()
     ref = fit_and_record(seeded(tiny_gpt), reference_loader(data.train_set, 8), str(tmp_path / "ref"))[0]
     got = fit_and_record(seeded(tiny_gpt), DataLoader(data.train_set, batch_size=4), str(tmp_path / "ddp"),
                          strategy=DDPStrategy(start_method="fork"), devices=2)

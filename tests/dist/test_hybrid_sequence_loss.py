@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from harness import SavePredictions, TIMEOUT_S, fit_and_record, reference_loader, seeded
+from models import CausalLM, hf_model
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.pipeline.p2p import _HEADER_BYTES
 from lightning_par.tensor.boundary import StageBoundary
@@ -26,33 +26,13 @@ FLAGS = {"sp": dict(sequence_parallel=True), "lp": dict(loss_parallel=True),
 SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2}  # schedule -> stages_per_rank
 
 
-class LitLlama(pl.LightningModule):
+class LitLlama(CausalLM):
     """A user's wrapper of a Hugging Face Llama built from a config (grouped-query attention, rotary tables
     passed to every layer, untied head); nothing in it knows about parallelism."""
 
     def __init__(self):
-        super().__init__()
-        import transformers
-
-        config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                          tie_word_embeddings=False, attn_implementation="sdpa")
-        self.model = transformers.LlamaForCausalLM(config)
-
-    def training_step(self, batch, batch_idx):
-        idx, targets = batch
-        logits = self.model(input_ids=idx, use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        idx, targets = batch
-        logits = self.model(input_ids=idx, use_cache=False).logits
-        self.log("val_loss", F.cross_entropy(logits.flatten(0, 1), targets.flatten()), sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        super().__init__(hf_model("llama", num_hidden_layers=4, tie_word_embeddings=False,
+                                  attn_implementation="sdpa"), call={"use_cache": False})
 
 
 MODELS = {"gpt": tiny_gpt, "llama": LitLlama}

@@ -5,17 +5,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded, union_of_grad_names
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
+from models import corpus, gpt_factory
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=16)
+DATA = corpus(val_sequences=16)
 
 
-def tiny_gpt(**kw):
-    cfg = dict(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
-    cfg.update(kw)
-    return GPT(**cfg)
+tiny_gpt = gpt_factory(n_layer=4)  # two blocks per stage
 
 
 def pp(**kw):

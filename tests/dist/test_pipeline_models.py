@@ -2,41 +2,22 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
+from models import CausalLM, corpus, gpt_factory, hf_model
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 from test_pipeline import assert_pipeline_matches
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=8)
+DATA = corpus()
 
 
-class LitQwen2(pl.LightningModule):
+class LitQwen2(CausalLM):
     """How a user wraps a Hugging Face causal LM: the model's own forward (rotary tables, causal mask,
     position ids computed before the decoder layers and passed to each), a tied lm head."""
 
     def __init__(self, use_cache=False):
-        super().__init__()
-        import transformers
-
-        config = transformers.Qwen2Config(
-            vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, use_cache=use_cache,
-        )
-        self.model = transformers.Qwen2ForCausalLM(config)
-
-    def training_step(self, batch, batch_idx):
-        idx, targets = batch
-        logits = self.model(input_ids=idx).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        super().__init__(hf_model("qwen2", num_hidden_layers=4, tie_word_embeddings=True, use_cache=use_cache))
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -53,8 +34,7 @@ def test_hugging_face_qwen2_decoder(tmp_path, use_cache):
     assert any(n.startswith("model.model.layers.3.") for n in got[1]["grads"][0])
 
 
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
+tiny_gpt = gpt_factory(n_layer=4)
 
 
 @pytest.mark.timeout(TIMEOUT_S)

@@ -9,7 +9,7 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded, trainer_kwargs
-from lightning_par.data import SyntheticCorpus
+from models import corpus
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 
@@ -25,7 +25,7 @@ def test_sizes_that_do_not_fit_the_devices_fail_at_trainer_construction():
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_head_count_not_divisible_fails_on_every_rank_without_hanging(tmp_path):
-    data = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=16, val_sequences=4)
+    data = corpus(train_sequences=16, val_sequences=4)
     module = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=3, n_embd=18)
     trainer = pl.Trainer(**trainer_kwargs(strategy=tp(), devices=2, max_steps=1))
     # under start_method="fork" the rank's ValueError reaches the caller inside torch's ProcessRaisedException,
