@@ -21,7 +21,8 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded, union_of_grad_names
+from harness import (TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, reference_loader, seeded,
+                     union_of_grad_names)
 from models import corpus, gpt_factory
 from lightning_par import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_par.dp.fsdp import local_training_bytes
@@ -67,9 +68,8 @@ def fit(tmp, name, strategy, devices, *, steps=STEPS, module=tiny_gpt, callbacks
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("one")
-    return fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp), max_steps=STEPS)[0]
+def one_process():
+    return one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +174,7 @@ def test_consolidated_checkpoint_loads_on_one_device_and_resumes(tmp_path, layou
 def test_zero3_clipping_and_accumulation(tmp_path, layout):
     """Accumulate 2 batches, clip at a global norm over stages, shards and replicas' FSDP shards."""
     kw = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "ref"),
-                         max_steps=2, **kw)[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=2, **kw)
     factory, devices = LAYOUTS[layout]
     recs, _ = fit(tmp_path, "z3", factory(3), devices, steps=2, **kw)
     assert_as_one_process(ref, recs)
@@ -212,8 +211,7 @@ def test_zero3_bf16_mixed_gathers_bf16(tmp_path):
     [Note: the bf16-mixed tolerance] (tests/harness.py) for this 4-block GPT."""
     from harness import bf16_bound
 
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "ref"),
-                         max_steps=STEPS, precision="bf16-mixed")[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=STEPS, precision="bf16-mixed")
     recs, _ = fit(tmp_path, "bf16", LAYOUTS["pp"][0](3), 4, precision="bf16-mixed", callbacks=[Dtypes()])
     for rec in recs:
         for step, (got, want) in enumerate(zip(rec["losses"], ref["losses"])):

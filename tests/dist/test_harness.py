@@ -4,14 +4,14 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
+from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded
 from models import corpus, tiny_gpt
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_lightning_ddp_matches_one_process(tmp_path):
     data = corpus()
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(data.train_set, 8), str(tmp_path / "ref"))[0]
+    ref = one_process_fit(tiny_gpt, data.train_set, 8)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(data.train_set, batch_size=4), str(tmp_path / "ddp"),
                          strategy=DDPStrategy(start_method="fork"), devices=2)
     assert len(got) == 2

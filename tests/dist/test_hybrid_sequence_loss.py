@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from harness import SavePredictions, TIMEOUT_S, fit_and_record, reference_loader, seeded
+from harness import TIMEOUT_S, fit_and_record, one_process_fit, SavePredictions, seeded
 from models import CausalLM, hf_model
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.pipeline.p2p import _HEADER_BYTES
@@ -54,8 +54,7 @@ def test_pp2_tp2_matches_one_process(tmp_path, model, schedule, flags):
     factory = MODELS[model]
     val = DataLoader(DATA.val_set, batch_size=8)
     settings = dict(limit_val_batches=2, check_val_every_n_epoch=None, val_check_interval=3)
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"),
-                         val_loader=val, **settings)[0]
+    ref = one_process_fit(factory, DATA.train_set, 8, val_loader=val, **settings)
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
                                          microbatches=4, schedule=schedule, stages_per_rank=SCHEDULES[schedule],
@@ -72,7 +71,7 @@ def test_pp2_tp2_matches_one_process(tmp_path, model, schedule, flags):
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
 def test_other_schedules_match_one_process(tmp_path, schedule):
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"))[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 8)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
                                          microbatches=4, schedule=schedule, **FLAGS["sp+lp"]), devices=4)
@@ -121,8 +120,7 @@ def test_checkpoint_validate_and_predict_under_sequence_and_loss_parallel(tmp_pa
 @pytest.mark.timeout(TIMEOUT_S)
 def test_dp2_pp2_tp2_sequence_and_loss_parallel_match_one_process(tmp_path):
     """8 ranks, each replica half of the global batch of 16, gradients clipped at the global norm."""
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "ref"),
-                         max_steps=3, gradient_clip_val=0.05)[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=3, gradient_clip_val=0.05)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
                                          microbatches=2, sequence_parallel=True, loss_parallel=True),

@@ -16,7 +16,7 @@ from torch import nn
 from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, free_port, reference_loader, seeded, trainer_kwargs
+from harness import TIMEOUT_S, fit_and_record, free_port, one_process_fit, seeded, trainer_kwargs
 from models import hf_model
 from lightning_par.data import SyntheticCorpus
 from lightning_par.pipeline import p2p
@@ -97,8 +97,7 @@ class LitBert(LitLM):
 def compare(tmp_path, factory, stages=2, **strategy_kw):
     """Fit ``factory()`` on one process and on ``stages`` pipeline ranks; assert they match; return every
     rank's record (the largest loss difference is printed for the record)."""
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"),
-                         max_steps=STEPS)[0]
+    ref = one_process_fit(factory, DATA.train_set, 8, max_steps=STEPS)
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=stages, start_method="fork",
                                                            timeout=120, **strategy_kw),
@@ -138,8 +137,7 @@ def test_lightning_demo_transformer(tmp_path, blocks):
     attention); validation (no grad, eval mode: the fast-path checks) matches too."""
     settings = dict(max_steps=STEPS, val_check_interval=STEPS, limit_val_batches=2)
     val = DataLoader(DATA.val_set, batch_size=8)
-    ref = fit_and_record(seeded(LitDemoTransformer), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"),
-                         val_loader=val, **settings)[0]
+    ref = one_process_fit(LitDemoTransformer, DATA.train_set, 8, val_loader=val, **settings)
     got = fit_and_record(seeded(LitDemoTransformer), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, blocks=blocks,
                                                            start_method="fork", timeout=120),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded
+from harness import TIMEOUT_S, fit_and_record, one_process_fit, reference_loader, seeded
 from models import CausalLM, corpus, gpt_factory, hf_model
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 from test_pipeline import assert_pipeline_matches
@@ -25,7 +25,7 @@ class LitQwen2(CausalLM):
 def test_hugging_face_qwen2_decoder(tmp_path, use_cache):
     pytest.importorskip("transformers")
     factory = lambda: LitQwen2(use_cache)  # noqa: E731
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"), max_steps=2)[0]
+    ref = one_process_fit(factory, DATA.train_set, 8, max_steps=2)
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2,
                                                            start_method="fork", timeout=120),
@@ -41,8 +41,7 @@ tiny_gpt = gpt_factory(n_layer=4)
 def test_bf16_mixed_equals_one_process_accumulating_the_same_microbatches(tmp_path):
     """Under bf16 autocast a micro-batch of 2 and a batch of 8 round differently, so the exact reference is
     one process running the same micro-batches as accumulation steps (4 × 2 samples per optimizer step)."""
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 2), str(tmp_path / "ref"),
-                         max_steps=2, accumulate_grad_batches=4, precision="bf16-mixed")[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 2, max_steps=2, accumulate_grad_batches=4, precision="bf16-mixed")
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=4,
                                                            start_method="fork", timeout=120),

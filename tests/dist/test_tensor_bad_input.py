@@ -8,7 +8,8 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded, trainer_kwargs
+from harness import (TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded,
+                     trainer_kwargs)
 from models import corpus
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
@@ -58,7 +59,7 @@ class MHAClassifier(pl.LightningModule):
 def test_multihead_attention_stays_replicated_and_trains_like_one_process(tmp_path):
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 8, 16, generator=g), torch.randint(0, 3, (32,), generator=g))
-    ref = fit_and_record(seeded(MHAClassifier), reference_loader(data, 4), str(tmp_path / "ref"), max_steps=2)[0]
+    ref = one_process_fit(MHAClassifier, data, 4, max_steps=2)
     with pytest.warns(UserWarning, match="MultiheadAttention 'attn' is left replicated"):
         from lightning_par.tensor.plan import build_plan
 

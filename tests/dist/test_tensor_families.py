@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
+from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded
 from models import hf_model
 from lightning_par.data import SyntheticCorpus
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
@@ -156,7 +156,7 @@ class PlanRecorder(pl.Callback):
 
 
 def run_pair(tmp_path, factory, steps=3):
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=steps)[0]
+    ref = one_process_fit(factory, DATA.train_set, 4, max_steps=steps)
     plan_file = str(tmp_path / "plan.pt")
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=TensorParallelStrategy(tensor_parallel_size=2, start_method="fork", timeout=120),

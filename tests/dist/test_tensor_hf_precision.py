@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
+from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, reference_loader, seeded
 from models import CausalLM, corpus, gpt_factory, hf_model
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 
@@ -35,7 +35,7 @@ def test_qwen2_matches_one_process(tmp_path, plan):
                                           "model.model.layers.*.mlp.gate_proj": "colwise",
                                           "model.model.layers.*.mlp.up_proj": "colwise",
                                           "model.model.layers.*.mlp.down_proj": "rowwise"}
-    ref = fit_and_record(seeded(QwenLM), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=2)[0]
+    ref = one_process_fit(QwenLM, DATA.train_set, 4, max_steps=2)
     got = fit_and_record(seeded(QwenLM), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=tp2(plan=user, sequence_parallel=plan.endswith("sequence_parallel"),
                                       loss_parallel=plan.endswith("loss_parallel")), devices=2,
@@ -48,7 +48,7 @@ def test_qwen2_matches_one_process(tmp_path, plan):
 def test_qwen2_tp4_sequence_and_loss_parallel(tmp_path):
     pytest.importorskip("transformers")
     factory = lambda: QwenLM(kv_heads=4)  # noqa: E731  (4 key/value heads: divisible by tp=4)
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=2)[0]
+    ref = one_process_fit(factory, DATA.train_set, 4, max_steps=2)
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=tp2(4, sequence_parallel=True, loss_parallel=True), devices=4, max_steps=2)
     for rec in got:
@@ -149,8 +149,7 @@ def assert_mixed_precision_close(ref: dict, got: dict, u: float, clip: float | N
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_bf16_mixed(tmp_path):
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=2,
-                         precision="bf16-mixed")[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 4, max_steps=2, precision="bf16-mixed")
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=tp2(), devices=2, max_steps=2, precision="bf16-mixed")
     for rec in got:
@@ -190,8 +189,7 @@ class QwenWithLabels(QwenLM):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_hugging_face_default_call_with_its_kv_cache(tmp_path):
-    ref = fit_and_record(seeded(QwenWithLabels), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"),
-                         max_steps=2)[0]
+    ref = one_process_fit(QwenWithLabels, DATA.train_set, 4, max_steps=2)
     got = fit_and_record(seeded(QwenWithLabels), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=tp2(), devices=2, max_steps=2)
     for rec in got:

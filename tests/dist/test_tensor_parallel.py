@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
+from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded
 from models import gpt_factory
 from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
@@ -22,8 +22,7 @@ def strategy(**kw):
 
 def run_pair(tmp_path, *, tp, dp=1, batch=4, steps=3, factory=tiny_gpt, strategy_kw=None, **overrides):
     data = SyntheticCorpus(**DATA)
-    ref = fit_and_record(seeded(factory), reference_loader(data.train_set, batch * dp), str(tmp_path / "ref"),
-                         max_steps=steps, **overrides)[0]
+    ref = one_process_fit(factory, data.train_set, batch * dp, max_steps=steps, **overrides)
     got = fit_and_record(seeded(factory), DataLoader(data.train_set, batch_size=batch), str(tmp_path / "tp"),
                          strategy=strategy(tensor_parallel_size=tp, **(strategy_kw or {})), devices=tp * dp, max_steps=steps, **overrides)
     assert len(got) == tp * dp
