@@ -237,16 +237,14 @@ def test_distributed_checkpoint_moves_from_zero3_pipeline_to_zero2_tensor_layout
     """A DCP directory saved by dp2 × pp2 at zero 3 (each rank writes its FSDP shards of its stage) resumes under
     dp2 × tp2 at zero 2 (FSDP over tensor shards) as one device resumes from the same checkpoint converted to
     one file: losses and gradients of the continued steps at 1e-5."""
-    import subprocess
-    import sys
+    from lightning_par.checkpoint import cli
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last", every_n_train_steps=STEPS)
     fit(tmp_path, "saved", LAYOUTS["pp"][0](3, save_distributed_checkpoint=True), 4, callbacks=[ckpt],
         enable_checkpointing=True)
     path = tmp_path / "ckpt" / "last.ckpt"
     assert path.is_dir()
-    subprocess.run([sys.executable, "-m", "lightning_par.checkpoint.cli", "convert", str(path),
-                    str(tmp_path / "one.ckpt")], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert cli.main(["convert", str(path), str(tmp_path / "one.ckpt")]) == 0  # the command, in this process
     moved, _ = fit(tmp_path, "moved", LAYOUTS["tp"][0](2), 4, steps=STEPS + 2, ckpt_path=str(path))
     single = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "single"),
                             max_steps=STEPS + 2, ckpt_path=str(tmp_path / "one.ckpt"))[0]
