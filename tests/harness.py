@@ -12,13 +12,18 @@ batches of ``B / dp`` samples, so one process sees the same global batches as th
 """
 from __future__ import annotations
 
+import copy
+import functools
 import glob
+import hashlib
 import os
+import socket
+import tempfile
 from typing import Callable
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler, default_collate
 
 TIMEOUT_S = 240  # per distributed test; hangs are the usual failure
 
@@ -119,6 +124,60 @@ def reference_loader(dataset: Dataset, batch_size: int) -> DataLoader:
                       sampler=DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
 
 
+# [Note: one-process references are fitted once per session]
+# Many distributed tests compare with the same one-process fit (the same model factory, data, global batch and
+# trainer settings), e.g. every parametrization of a schedule. ``one_process`` keys that fit by the content of its
+# configuration (factories by module and name or as a ``functools.partial`` of such, datasets by the bytes of
+# their samples, settings by value), fits once and hands each caller a deep copy. A configuration without such
+# a key (a lambda, a callback or plugin object) is fitted every time, as before. A fork-started test's ranks
+# inherit the cache of the pytest process; nothing of it outlives the session.
+_ONE_PROCESS: dict = {}
+
+
+def _key(x):
+    """A hashable key of ``x`` by content, or TypeError where it has none (see the Note above)."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, (tuple, list)):
+        return tuple(_key(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _key(v)) for k, v in x.items()))
+    if isinstance(x, functools.partial):
+        return ("partial", _key(x.func), _key(x.args), _key(x.keywords))
+    if isinstance(x, DataLoader) and isinstance(x.sampler, SequentialSampler) and x.collate_fn is default_collate:
+        return ("loader", _key(x.dataset), x.batch_size, x.drop_last)
+    if isinstance(x, Dataset) and hasattr(x, "__len__") and len(x) <= 4096:
+        digest = hashlib.sha1()
+        for sample in (x[i] for i in range(len(x))):
+            for t in sample if isinstance(sample, (tuple, list)) else (sample,):
+                t = torch.as_tensor(t)
+                digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+                digest.update(t.contiguous().numpy().tobytes())
+        return ("data", type(x).__qualname__, len(x), digest.hexdigest())
+    if callable(x) and "<" not in getattr(x, "__qualname__", "<"):  # not a lambda, not a local function
+        return ("named", x.__module__, x.__qualname__)
+    raise TypeError(f"no content key for {x!r}")
+
+
+def one_process_fit(factory: Callable[[], pl.LightningModule], dataset: Dataset, batch_size: int, *,
+                max_steps: int = 3, **overrides) -> dict:
+    """The record of ``fit_and_record(seeded(factory), reference_loader(dataset, batch_size), ...)`` in this
+    process, fitted once per session for each configuration ([Note: one-process references are fitted once
+    per session])."""
+    try:
+        key = _key((factory, dataset, batch_size, max_steps, overrides))
+    except TypeError:
+        key = None
+    if key is None or key not in _ONE_PROCESS:
+        with tempfile.TemporaryDirectory() as out:
+            record = fit_and_record(seeded(factory), reference_loader(dataset, batch_size), out, max_steps=max_steps,
+                                    **overrides)[0]
+        if key is None:
+            return record
+        _ONE_PROCESS[key] = record
+    return copy.deepcopy(_ONE_PROCESS[key])
+
+
 def assert_close_records(ref: dict, got: dict, *, atol: float = 1e-5, rtol: float = 1e-5,
                          losses: bool = True, require_all_grads: bool = True) -> None:
     """Compare one rank's record with the reference: every loss, every gradient it holds, every parameter."""
@@ -147,6 +206,13 @@ def assert_ranks_close(expected: list, got: list, **tol) -> None:
 
 def union_of_grad_names(records: list[dict]) -> set[str]:
     return {n for rec in records for step in rec["grads"] for n in step}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous of ranks this test starts itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def seeded(factory: Callable[[], pl.LightningModule], seed: int = 0) -> pl.LightningModule:

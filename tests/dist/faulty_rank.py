@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import trainer_kwargs  # noqa: E402
+from models import tiny_gpt  # noqa: E402
 from lightning_par import (DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy,  # noqa: E402
                            TensorParallelStrategy)
 from lightning_par.data import SyntheticCorpus  # noqa: E402
-from lightning_par.models import GPT  # noqa: E402
 
 
 class Fault(pl.Callback):
@@ -53,7 +53,7 @@ def main():
                                                          data_parallel_size=a.world // 4, microbatches=2, **common),
                 }[a.strategy]()
     torch.manual_seed(0)
-    module = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
+    module = tiny_gpt()
     data = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=8)
     sig = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}[a.fault]
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=a.world, max_steps=10_000, max_time=None,

@@ -58,6 +58,7 @@ def check_all_loadable(folder) -> dict:
     return steps
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_killed_at_random_moments_of_saving_in_a_loop(tmp_path):
     seen = set()
@@ -72,6 +73,7 @@ def test_killed_at_random_moments_of_saving_in_a_loop(tmp_path):
     assert seen, "no kill caught a save in the middle; the test proves nothing"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("point", ["write", "write_dir", "replace", "aside"])
 def test_killed_at_each_step_of_a_save(tmp_path, point):

@@ -3,22 +3,19 @@ own process, tests/dist/faulty_rank.py), one of which stops answering (SIGSTOP) 
 start of a training step. The other must exit non-zero in time, and name the operation it waited for."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from harness import free_port
+
+pytestmark = pytest.mark.e2e  # launches processes (pyproject's markers)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 STEP = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tmp_path, strategy: str, fault: str, rank: int, timeout: float, world: int = 2):

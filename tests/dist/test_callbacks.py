@@ -7,19 +7,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, seeded
+from models import corpus, tiny_gpt
 from lightning_par.advisor import profile_lightning_module
 from lightning_par.callbacks import ParallelMetrics, format_summary
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
-
-
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_metrics_under_ddp_match_the_formulas(tmp_path, capsys):
-    data = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=8)
+    data = corpus()
     out = str(tmp_path / "rows.json")  # rank 0 runs in a forked child: rows come back through the file
     fit_and_record(seeded(tiny_gpt), DataLoader(data.train_set, batch_size=4), str(tmp_path / "rec"),
                    strategy=DDPStrategy(start_method="fork"), devices=2, max_steps=5,

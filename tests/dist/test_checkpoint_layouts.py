@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
-import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -23,16 +21,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded, trainer_kwargs
+from models import corpus, gpt_factory
 from lightning_par import DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
-from lightning_par.data import SyntheticCorpus
+from lightning_par.checkpoint import cli as checkpoint_cli
 from lightning_par.models import GPT
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=16, val_sequences=8)
+DATA = corpus(train_sequences=16)
 BATCH = 8  # global batch: 2 steps per epoch
 
 
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16, warmup_steps=2, lr_decay_steps=10)
+tiny_gpt = gpt_factory(n_layer=4, warmup_steps=2)
 
 
 class LlamaLM(pl.LightningModule):
@@ -119,8 +117,8 @@ def run(layout, model, out, *, epochs, ckpt_path=None, save_dir=None, validate=F
 
 
 def convert(src, dst, *extra):
-    subprocess.run([sys.executable, "-m", "lightning_par.checkpoint.cli", "convert", str(src), str(dst), *extra],
-                   check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    """lightning-par-checkpoint convert, in this process (tests/dist/test_checkpoint_cli.py runs the command)."""
+    assert checkpoint_cli.main(["convert", str(src), str(dst), *extra]) == 0
 
 
 _REFERENCE: dict = {}

@@ -14,6 +14,8 @@ import yaml
 from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
 
+pytestmark = pytest.mark.e2e  # launches processes (pyproject's markers)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.seq_len=16", "data.batch_size=4",
         "data.train_sequences=64", "data.val_sequences=16", "trainer.log_every_n_steps=1"]

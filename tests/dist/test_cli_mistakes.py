@@ -42,6 +42,7 @@ CLI_MISTAKES = [
     (["trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches=0", "positive integer"]),
 ]
 
+@pytest.mark.e2e
 @pytest.mark.timeout(2 * FAST)
 @pytest.mark.parametrize("overrides, named", CLI_MISTAKES, ids=[" ".join(o) for o, _ in CLI_MISTAKES])
 def test_train_mistake_is_one_message_and_exit_2(tmp_path, overrides, named):
@@ -50,12 +51,14 @@ def test_train_mistake_is_one_message_and_exit_2(tmp_path, overrides, named):
     assert not (tmp_path / "run").exists()  # nothing started: no run dir, no logs, no checkpoints
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(2 * FAST)
 def test_train_traceback_on_request(tmp_path):
     res = _run("lightning_par.train", "ckpt_path=missing.ckpt", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
     assert res.returncode != 0 and "Traceback" in res.stderr and "ckpt_path=missing.ckpt" in res.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(3 * FAST)
 @pytest.mark.parametrize("module, prog", [("lightning_par.train", "lightning-par-train"),
                                           ("lightning_par.advise", "lightning-par-advise"),
@@ -65,6 +68,7 @@ def test_version(tmp_path, module, prog):
     assert res.returncode == 0 and res.stdout.startswith(f"{prog} ") and "torch" in res.stdout, res.stderr[-2000:]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(2 * FAST)
 @pytest.mark.parametrize("args, named", [
     (["model.n_layr=4"], ["model.n_layr", "n_layer"]),
@@ -74,12 +78,14 @@ def test_advise_mistake_is_one_message_and_exit_2(tmp_path, args, named):
     _one_message(_run("lightning_par.advise", *args, cwd=tmp_path), "lightning-par-advise", *named)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(2 * FAST)
 def test_advise_traceback_on_debug(tmp_path):
     res = _run("lightning_par.advise", "model.n_layr=4", "--debug", cwd=tmp_path)
     assert res.returncode != 0 and "Traceback" in res.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(2 * FAST)
 @pytest.mark.parametrize("args, named", [
     (["parity", "--quick", "trainer.max_steps=2"], ["trainer.max_steps", "did you mean `max_steps=`"]),

@@ -1,6 +1,5 @@
 """The communication counter on real gloo ranks: what each op sends, by the textbook algorithms."""
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -8,14 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import TIMEOUT_S
+from harness import TIMEOUT_S, free_port
 from lightning_par.comm import CommCounter, count_comm
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, out_dir):
@@ -36,7 +29,7 @@ def _worker(rank, port, out_dir):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_counted_bytes_follow_the_algorithms(tmp_path):
-    mp.start_processes(_worker, args=(_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     for rec in (r0, r1):
         assert rec["calls"] == {"all_reduce": 1, "broadcast": 1, "all_gather": 1}

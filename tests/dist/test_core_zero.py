@@ -21,21 +21,19 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded, union_of_grad_names
+from harness import (TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, reference_loader, seeded,
+                     union_of_grad_names)
+from models import corpus, gpt_factory
 from lightning_par import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
-from lightning_par.data import SyntheticCorpus
 from lightning_par.dp.fsdp import local_training_bytes
 from lightning_par.models import GPT
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=16)
+DATA = corpus(val_sequences=16)
 STEPS = 3
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
-def tiny_gpt(**kw):
-    cfg = dict(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
-    cfg.update(kw)
-    return GPT(**cfg)
+tiny_gpt = gpt_factory(n_layer=4)
 
 
 class Bytes(Callback):
@@ -70,9 +68,8 @@ def fit(tmp, name, strategy, devices, *, steps=STEPS, module=tiny_gpt, callbacks
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("one")
-    return fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp), max_steps=STEPS)[0]
+def one_process():
+    return one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +174,7 @@ def test_consolidated_checkpoint_loads_on_one_device_and_resumes(tmp_path, layou
 def test_zero3_clipping_and_accumulation(tmp_path, layout):
     """Accumulate 2 batches, clip at a global norm over stages, shards and replicas' FSDP shards."""
     kw = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "ref"),
-                         max_steps=2, **kw)[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=2, **kw)
     factory, devices = LAYOUTS[layout]
     recs, _ = fit(tmp_path, "z3", factory(3), devices, steps=2, **kw)
     assert_as_one_process(ref, recs)
@@ -215,8 +211,7 @@ def test_zero3_bf16_mixed_gathers_bf16(tmp_path):
     [Note: the bf16-mixed tolerance] (tests/harness.py) for this 4-block GPT."""
     from harness import bf16_bound
 
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "ref"),
-                         max_steps=STEPS, precision="bf16-mixed")[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=STEPS, precision="bf16-mixed")
     recs, _ = fit(tmp_path, "bf16", LAYOUTS["pp"][0](3), 4, precision="bf16-mixed", callbacks=[Dtypes()])
     for rec in recs:
         for step, (got, want) in enumerate(zip(rec["losses"], ref["losses"])):
@@ -242,16 +237,14 @@ def test_distributed_checkpoint_moves_from_zero3_pipeline_to_zero2_tensor_layout
     """A DCP directory saved by dp2 × pp2 at zero 3 (each rank writes its FSDP shards of its stage) resumes under
     dp2 × tp2 at zero 2 (FSDP over tensor shards) as one device resumes from the same checkpoint converted to
     one file: losses and gradients of the continued steps at 1e-5."""
-    import subprocess
-    import sys
+    from lightning_par.checkpoint import cli
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last", every_n_train_steps=STEPS)
     fit(tmp_path, "saved", LAYOUTS["pp"][0](3, save_distributed_checkpoint=True), 4, callbacks=[ckpt],
         enable_checkpointing=True)
     path = tmp_path / "ckpt" / "last.ckpt"
     assert path.is_dir()
-    subprocess.run([sys.executable, "-m", "lightning_par.checkpoint.cli", "convert", str(path),
-                    str(tmp_path / "one.ckpt")], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert cli.main(["convert", str(path), str(tmp_path / "one.ckpt")]) == 0  # the command, in this process
     moved, _ = fit(tmp_path, "moved", LAYOUTS["tp"][0](2), 4, steps=STEPS + 2, ckpt_path=str(path))
     single = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "single"),
                             max_steps=STEPS + 2, ckpt_path=str(tmp_path / "one.ckpt"))[0]

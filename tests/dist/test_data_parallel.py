@@ -17,9 +17,10 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, assert_ranks_close, fit_and_record, reference_loader, seeded
+from harness import (TIMEOUT_S, assert_close_records, assert_ranks_close, fit_and_record, one_process_fit,
+                     reference_loader, seeded)
+from models import corpus, gpt_factory
 from lightning_par import DataParallelStrategy
-from lightning_par.data import SyntheticCorpus
 from lightning_par.dp.zero import optimizer_state_bytes
 from lightning_par.models import GPT
 
@@ -28,14 +29,7 @@ STEPS = 6
 EXACT = dict(atol=0.0, rtol=0.0)
 
 
-def tiny_gpt(**overrides):
-    kw = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=2, lr_decay_steps=10)
-    kw.update(overrides)
-    return GPT(**kw)
-
-
-def corpus(train_sequences=64):
-    return SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=train_sequences, val_sequences=8)
+tiny_gpt = gpt_factory(warmup_steps=2)
 
 
 def ours(**kw):
@@ -228,7 +222,7 @@ def test_two_ranks_accumulate_two_equals_one_process(tmp_path):
     data = corpus()
     # Optimizer step j: each rank takes its loader batches 2j and 2j+1 of 2 samples; together these are
     # exactly the one-process step-j batch of 8 of the same sampler (see harness.reference_loader).
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(data.train_set, 8), str(tmp_path / "ref"))[0]
+    ref = one_process_fit(tiny_gpt, data.train_set, 8)
     got = fit_two_ranks(tmp_path, "acc", ours(), max_steps=3, per_rank=2, accumulate_grad_batches=2, data=data)
     # The loss a callback sees under accumulation is divided by k: the step's loss is the sum over the
     # k micro-batches of the mean over ranks.

@@ -12,15 +12,14 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from harness import (TIMEOUT_S, assert_close_records, assert_ranks_close, bf16_bound, fit_and_record, reference_loader,
-                     seeded, trainer_kwargs, U_BF16)
+from harness import (TIMEOUT_S, U_BF16, assert_close_records, assert_ranks_close, bf16_bound, fit_and_record,
+                     one_process_fit, reference_loader, seeded, trainer_kwargs)
+from models import causal_lm, corpus, gpt_factory
 from lightning_par import DataParallelStrategy
-from lightning_par.data import SyntheticCorpus
 from lightning_par.dp.fsdp import local_training_bytes
 from lightning_par.models import GPT
 
@@ -30,47 +29,13 @@ FP32 = dict(atol=1e-5, rtol=1e-5)
 EXACT = dict(atol=0.0, rtol=0.0)
 
 
-def tiny_gpt(**overrides):
-    kw = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=2, lr_decay_steps=10)
-    kw.update(overrides)
-    return GPT(**kw)
+tiny_gpt = gpt_factory(warmup_steps=2)
 
 
-class LlamaLM(pl.LightningModule):
-    """How a user wraps a Hugging Face causal LM: nothing in it knows about parallelism; its parameters live
-    in ``self.model`` and its step never calls ``self(...)``."""
-
-    def __init__(self):
-        super().__init__()
-        import transformers
-
-        cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                       attn_implementation="sdpa")
-        self.model = transformers.LlamaForCausalLM(cfg)
-
-    def _loss(self, batch):
-        idx, targets = batch
-        logits = self.model(input_ids=idx, use_cache=False).logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch), sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
+LlamaLM = causal_lm("llama", attn_implementation="sdpa", lr=3e-3, weight_decay=0.1, call={"use_cache": False})
 
 
 MODELS = {"gpt": tiny_gpt, "llama": LlamaLM}
-
-
-def corpus(train_sequences=64):
-    return SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=train_sequences, val_sequences=8)
 
 
 def zero(stage, **kw):
@@ -316,8 +281,7 @@ def test_zero3_clipping_and_accumulation_equal_one_process(tmp_path, algorithm):
     clip = dict(gradient_clip_val=CLIP if algorithm == "norm" else CLIP / 20, gradient_clip_algorithm=algorithm)
     # Optimizer step j: each rank takes its loader batches 2j and 2j+1 of 2 samples; together these are the
     # one-process step-j batch of 8 of the same sampler (see harness.reference_loader).
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(data.train_set, 8), str(tmp_path / "ref"),
-                         max_steps=3, **clip)[0]
+    ref = one_process_fit(tiny_gpt, data.train_set, 8, max_steps=3, **clip)
     got = fit_two_ranks(tmp_path, "z3", zero(3), max_steps=3, per_rank=2, accumulate_grad_batches=2, data=data,
                         validate=False, **clip)
     # The loss a callback sees under accumulation is divided by k: a step's loss is the sum over its k
@@ -418,8 +382,7 @@ def test_zero3_manual_optimization_equals_one_process(tmp_path):
     data = corpus()
     manual = lambda: ManualGPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16,  # noqa: E731
                                warmup_steps=2, lr_decay_steps=10)
-    ref = fit_and_record(seeded(manual), reference_loader(data.train_set, 2 * PER_RANK), str(tmp_path / "ref"),
-                         max_steps=3)[0]
+    ref = one_process_fit(manual, data.train_set, 2 * PER_RANK, max_steps=3)
     got = fit_two_ranks(tmp_path, "z3", zero(3), model=manual, max_steps=3, data=data, validate=False)
     assert_matches_one_process(ref, got, **FP32)
 

@@ -30,6 +30,7 @@ def _launch(tmp_path, *, steps: int, sleep: float, max_restarts: int, kill_after
     return codes, job.summarize_kill(tmp_path, survivor=0, killed=1, kill_time=kill_time, kill_step=kill_step), steps
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_killed_replica_rejoins_with_the_survivors_exact_state(tmp_path):
@@ -61,6 +62,7 @@ def test_killed_replica_rejoins_with_the_survivors_exact_state(tmp_path):
     assert "train_loss" in text and f",{steps - 1}," in text
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S)
 def test_survivor_trains_to_the_end_when_the_lost_replica_never_returns(tmp_path):
@@ -76,6 +78,7 @@ def test_survivor_trains_to_the_end_when_the_lost_replica_never_returns(tmp_path
     assert res["steps_alone"] == steps - res["kill_step"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S)
 def test_replica_groups_average_gradients_as_ddp(tmp_path):
@@ -107,6 +110,7 @@ def test_replica_groups_average_gradients_as_ddp(tmp_path):
     torch.testing.assert_close(ft_state["state_dict"], ddp_state["state_dict"], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S)
 def test_whole_job_restart_resumes_every_group_from_its_checkpoint(tmp_path):

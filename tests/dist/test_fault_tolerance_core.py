@@ -17,12 +17,14 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S
+from models import corpus, tiny_gpt
 from lightning_par.recipes import _ft_job as job
 
 RUN_S = 200
 PP = ["--pp", "2", "--width", "16"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_killed_stage_rejoins_with_its_coordinates_state(tmp_path):
@@ -59,6 +61,7 @@ def test_killed_stage_rejoins_with_its_coordinates_state(tmp_path):
     assert "train_loss" in text and f",{steps - 1}," in text  # Lightning kept logging in the rejoined group
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_two_pipeline_groups_train_as_dp2_pp2(tmp_path):
@@ -142,12 +145,10 @@ def test_a_tensor_parallel_rank_takes_its_peers_shard_state(tmp_path):
     """tp2 (no torchft processes): the state a rank sends a recovering peer of its coordinate holds its DTensor
     shards as local tensors, and loading it restores parameters and AdamW state exactly, DTensors as DTensors."""
     from lightning_par import TensorParallelStrategy
-    from lightning_par.data import SyntheticCorpus
-    from lightning_par.models import GPT
 
     torch.manual_seed(0)
-    module = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=16, warmup_steps=1, lr_decay_steps=10)
-    data = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=32, val_sequences=8)
+    module = tiny_gpt(n_head=4)
+    data = corpus(train_sequences=32)
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[_ShareRoundTrip(tmp_path)],
                          strategy=TensorParallelStrategy(tensor_parallel_size=2, start_method="fork", timeout=120))

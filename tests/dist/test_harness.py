@@ -1,22 +1,19 @@
-"""The harness itself: Lightning's DDP on 2 forked ranks equals one process on the same global batches."""
+"""The harness itself: Lightning's DDP on 2 forked ranks equals one process on the same global batches, and the
+session's cache of one-process references hands out what a fresh fit records."""
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
-
-
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
+import harness
+from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, reference_loader, seeded
+from models import corpus, gpt_factory, tiny_gpt
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_lightning_ddp_matches_one_process(tmp_path):
-    data = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=8)
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(data.train_set, 8), str(tmp_path / "ref"))[0]
+    data = corpus()
+    ref = one_process_fit(tiny_gpt, data.train_set, 8)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(data.train_set, batch_size=4), str(tmp_path / "ddp"),
                          strategy=DDPStrategy(start_method="fork"), devices=2)
     assert len(got) == 2
@@ -24,3 +21,23 @@ def test_lightning_ddp_matches_one_process(tmp_path):
     torch.testing.assert_close(mean_losses, torch.tensor(ref["losses"]), atol=1e-5, rtol=1e-5)
     for rec in got:
         assert_close_records(ref, rec, losses=False)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_one_process_references_are_fitted_once_per_configuration(tmp_path, monkeypatch):
+    data = corpus(train_sequences=16)
+    fits = []
+    monkeypatch.setattr(harness, "fit_and_record", lambda *a, **kw: fits.append(1) or fit_and_record(*a, **kw))
+    monkeypatch.setattr(harness, "_ONE_PROCESS", {})
+    first = one_process_fit(gpt_factory(n_layer=1), data.train_set, 8, max_steps=1)
+    again = one_process_fit(gpt_factory(n_layer=1), corpus(train_sequences=16).train_set, 8, max_steps=1)
+    assert len(fits) == 1  # equal factory, equal samples, equal settings: one fit
+    again["losses"].append(0.0)  # each caller holds its own copy
+    assert len(one_process_fit(gpt_factory(n_layer=1), data.train_set, 8, max_steps=1)["losses"]) == 1
+    fresh = fit_and_record(seeded(gpt_factory(n_layer=1)), reference_loader(data.train_set, 8), str(tmp_path),
+                           max_steps=1)[0]
+    assert_close_records(fresh, first, atol=0.0, rtol=0.0)
+    one_process_fit(lambda: tiny_gpt(n_layer=1), data.train_set, 8, max_steps=1)  # no content key: fitted, not kept
+    assert len(fits) == 2 and len(harness._ONE_PROCESS) == 1
+    with pytest.raises(TypeError, match="no content key"):
+        harness._key(lambda: None)

@@ -5,18 +5,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded, union_of_grad_names
+from harness import (TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded,
+                     union_of_grad_names)
+from models import corpus, gpt_factory
 from lightning_par import HybridParallelStrategy
-from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=16)
+DATA = corpus(val_sequences=16)
 
 
-def tiny_gpt(**kw):
-    cfg = dict(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
-    cfg.update(kw)
-    return GPT(**cfg)
+tiny_gpt = gpt_factory(n_layer=4)
 
 
 def hybrid(**kw):
@@ -37,7 +35,7 @@ def assert_matches(ref: dict, got: list[dict], *, atol=1e-5, rtol=1e-5):
                                                       ("zero_bubble", 1)])
 def test_pp2_tp2_matches_one_process(tmp_path, schedule, stages_per_rank):
     """Ranks (pp, dp, tp): 0=(0,0,0) 1=(0,0,1) 2=(1,0,0) 3=(1,0,1)."""
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"))[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 8)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
                                          microbatches=4, schedule=schedule, stages_per_rank=stages_per_rank),
@@ -57,8 +55,7 @@ def test_pp2_tp2_matches_one_process(tmp_path, schedule, stages_per_rank):
 def test_dp2_pp2_tp2_matches_one_process(tmp_path, schedule, stages_per_rank, mesh_order):
     """8 ranks; each replica sees half of the global batch of 16. With mesh_order="dp_pp_tp" the replicas are
     the outermost axis: ranks 0-3 hold replica 0's pipeline."""
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "ref"),
-                         max_steps=2)[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=2)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
                                          microbatches=4, schedule=schedule, stages_per_rank=stages_per_rank,
@@ -80,8 +77,7 @@ def test_3d_clipping_accumulation_and_validation(tmp_path):
     sync_dist val_loss, equal to one process."""
     settings = dict(max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05, limit_val_batches=2,
                     val_check_interval=4)
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"),
-                         val_loader=DataLoader(DATA.val_set, batch_size=8), **settings)[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 8, val_loader=DataLoader(DATA.val_set, batch_size=8), **settings)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "h"),
                          strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
                                          microbatches=2),

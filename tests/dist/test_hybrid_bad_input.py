@@ -5,11 +5,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, trainer_kwargs
+from models import corpus
 from lightning_par import HybridParallelStrategy
 from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=32, val_sequences=8)
+DATA = corpus(train_sequences=32)
 
 
 def test_sizes_whose_product_is_not_the_world_fail_at_trainer_construction():

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from harness import SavePredictions, TIMEOUT_S, fit_and_record, reference_loader, seeded
+from harness import TIMEOUT_S, fit_and_record, one_process_fit, SavePredictions, seeded
+from models import CausalLM, hf_model
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.pipeline.p2p import _HEADER_BYTES
 from lightning_par.tensor.boundary import StageBoundary
@@ -26,33 +26,13 @@ FLAGS = {"sp": dict(sequence_parallel=True), "lp": dict(loss_parallel=True),
 SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2}  # schedule -> stages_per_rank
 
 
-class LitLlama(pl.LightningModule):
+class LitLlama(CausalLM):
     """A user's wrapper of a Hugging Face Llama built from a config (grouped-query attention, rotary tables
     passed to every layer, untied head); nothing in it knows about parallelism."""
 
     def __init__(self):
-        super().__init__()
-        import transformers
-
-        config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                          tie_word_embeddings=False, attn_implementation="sdpa")
-        self.model = transformers.LlamaForCausalLM(config)
-
-    def training_step(self, batch, batch_idx):
-        idx, targets = batch
-        logits = self.model(input_ids=idx, use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        idx, targets = batch
-        logits = self.model(input_ids=idx, use_cache=False).logits
-        self.log("val_loss", F.cross_entropy(logits.flatten(0, 1), targets.flatten()), sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        super().__init__(hf_model("llama", num_hidden_layers=4, tie_word_embeddings=False,
+                                  attn_implementation="sdpa"), call={"use_cache": False})
 
 
 MODELS = {"gpt": tiny_gpt, "llama": LitLlama}
@@ -74,8 +54,7 @@ def test_pp2_tp2_matches_one_process(tmp_path, model, schedule, flags):
     factory = MODELS[model]
     val = DataLoader(DATA.val_set, batch_size=8)
     settings = dict(limit_val_batches=2, check_val_every_n_epoch=None, val_check_interval=3)
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"),
-                         val_loader=val, **settings)[0]
+    ref = one_process_fit(factory, DATA.train_set, 8, val_loader=val, **settings)
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
                                          microbatches=4, schedule=schedule, stages_per_rank=SCHEDULES[schedule],
@@ -92,7 +71,7 @@ def test_pp2_tp2_matches_one_process(tmp_path, model, schedule, flags):
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
 def test_other_schedules_match_one_process(tmp_path, schedule):
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"))[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 8)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
                                          microbatches=4, schedule=schedule, **FLAGS["sp+lp"]), devices=4)
@@ -141,8 +120,7 @@ def test_checkpoint_validate_and_predict_under_sequence_and_loss_parallel(tmp_pa
 @pytest.mark.timeout(TIMEOUT_S)
 def test_dp2_pp2_tp2_sequence_and_loss_parallel_match_one_process(tmp_path):
     """8 ranks, each replica half of the global batch of 16, gradients clipped at the global norm."""
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "ref"),
-                         max_steps=3, gradient_clip_val=0.05)[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=3, gradient_clip_val=0.05)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
                                          microbatches=2, sequence_parallel=True, loss_parallel=True),

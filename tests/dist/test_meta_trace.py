@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, Recorder, trainer_kwargs
+from models import hf_model
 from lightning_par import HybridParallelStrategy, PipelineParallelStrategy
 from lightning_par.pipeline.flow import trace_flow
 from lightning_par.pipeline.stand_ins import StandIns
@@ -23,9 +24,7 @@ from lightning_par.materialize import meta_parameters
 from test_meta_weights import DATA, Block, Share, fit_and_record_one, save_weights
 from test_pipeline import assert_pipeline_matches
 
-transformers = pytest.importorskip("transformers")
-SMALL = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=32)
+pytest.importorskip("transformers")
 
 
 class LitHF(pl.LightningModule):
@@ -49,26 +48,20 @@ class LitHF(pl.LightningModule):
 
 
 def llama(use_cache):
-    return lambda: LitHF(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **SMALL, tie_word_embeddings=False, use_cache=use_cache)))
+    return lambda: LitHF(hf_model("llama", num_hidden_layers=4, tie_word_embeddings=False, use_cache=use_cache))
 
 
 def qwen2():
-    return LitHF(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=True,
-                                                                        use_cache=False)))
+    return LitHF(hf_model("qwen2", num_hidden_layers=4, tie_word_embeddings=True, use_cache=False))
 
 
 def mixtral():
-    return LitHF(transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **SMALL, num_local_experts=4, num_experts_per_tok=2, use_cache=False)))
+    return LitHF(hf_model("mixtral", num_hidden_layers=4, use_cache=False))
 
 
 class LitT5(LitHF):
     def __init__(self):
-        super().__init__(transformers.T5ForConditionalGeneration(transformers.T5Config(
-            vocab_size=32, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
-            relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-            use_cache=False)))
+        super().__init__(hf_model("t5", vocab_size=32, use_cache=False))
 
     def loss(self, batch):
         src, tgt = batch

@@ -14,41 +14,23 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, Recorder, assert_close_records, reference_loader, trainer_kwargs
+from models import CausalLM, corpus, gpt_factory, hf_model
 from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
-from lightning_par.data import SyntheticCorpus
 from lightning_par.materialize import initialize, materialize, meta_parameters
-from lightning_par.models import GPT
 from lightning_par.peak_memory import TensorPeak, held_bytes
 from test_pipeline import assert_pipeline_matches
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=8)
+DATA = corpus()
 
 
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
+tiny_gpt = gpt_factory(n_layer=4)
 
 
-class LitLlama(pl.LightningModule):
+class LitLlama(CausalLM):
     """A user's wrapper of a Hugging Face Llama built from a config (untied head: only the last stage holds it)."""
 
     def __init__(self):
-        super().__init__()
-        import transformers
-
-        config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                          tie_word_embeddings=False)
-        self.model = transformers.LlamaForCausalLM(config)
-
-    def training_step(self, batch, batch_idx):
-        idx, targets = batch
-        logits = self.model(input_ids=idx).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        super().__init__(hf_model("llama", num_hidden_layers=4, tie_word_embeddings=False))
 
 
 class Block(nn.Module):

@@ -11,11 +11,11 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, _full, seeded, trainer_kwargs
+from models import corpus
 from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
-from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=8)
+DATA = corpus()
 PARAM = "blocks.1.mlp.fc.weight"  # on pipeline stage 1 of 2, column-sharded under tensor parallelism
 STEP = 1
 

@@ -4,18 +4,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded, union_of_grad_names
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
+from harness import (TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded,
+                     union_of_grad_names)
+from models import corpus, gpt_factory
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=16)
+DATA = corpus(val_sequences=16)
 
 
-def tiny_gpt(**kw):
-    cfg = dict(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
-    cfg.update(kw)
-    return GPT(**cfg)
+tiny_gpt = gpt_factory(n_layer=4)  # two blocks per stage
 
 
 def pp(**kw):
@@ -34,7 +31,7 @@ def assert_pipeline_matches(ref: dict, got: list[dict], *, atol=1e-5, rtol=1e-5)
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("schedule,balance", [("gpipe", "time"), ("1f1b", "params"), ("zero_bubble", "params")])
 def test_two_stages_match_one_process(tmp_path, schedule, balance):
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"))[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 8)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=2, microbatches=4, schedule=schedule, balance=balance),
                          devices=2)
@@ -52,8 +49,7 @@ def test_accumulation_clipping_validation_and_partial_batches(tmp_path):
     settings = dict(max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.05, limit_val_batches=3,
                     val_check_interval=4, num_sanity_val_steps=1)
     val = DataLoader(DATA.val_set, batch_size=6)
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 12), str(tmp_path / "ref"),
-                         val_loader=val, **settings)[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 12, val_loader=val, **settings)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=12), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=2, microbatches=4), devices=2, val_loader=val, **settings)
     assert len(ref["losses"]) == 6 and len(ref["grads"]) == 3
@@ -67,7 +63,7 @@ def test_accumulation_clipping_validation_and_partial_batches(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_four_stages_1f1b(tmp_path):
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"), max_steps=2)[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 8, max_steps=2)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=4, microbatches=4, balance="uniform"), devices=4,
                          max_steps=2)
@@ -80,7 +76,7 @@ def test_four_stages_1f1b(tmp_path):
 @pytest.mark.timeout(300)
 def test_two_stages_times_two_replicas(tmp_path):
     """Ranks (pp, dp): 0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1); each replica sees half of the global batch of 8."""
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"), max_steps=2)[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 8, max_steps=2)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=2, data_parallel_size=2, microbatches=2), devices=4,
                          max_steps=2)
@@ -134,7 +130,7 @@ class ArgLM(__import__("lightning").pytorch.LightningModule):
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_blocks_with_extra_args_kwargs_and_shared_parameter(tmp_path, schedule):
-    ref = fit_and_record(seeded(ArgLM), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"))[0]
+    ref = one_process_fit(ArgLM, DATA.train_set, 8)
     got = fit_and_record(seeded(ArgLM), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=2, microbatches=2, blocks="layers", balance=[3, 2],
                                      schedule=schedule),
@@ -155,7 +151,7 @@ def test_dropout_is_reproducible_across_schedules(tmp_path):
             for s in ("gpipe", "1f1b")]
     for a, b in zip(*runs):
         assert_close_records(a, b, atol=0, rtol=0)
-    no_dropout = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"))[0]
+    no_dropout = one_process_fit(tiny_gpt, DATA.train_set, 8)
     assert runs[0][0]["losses"][0] != pytest.approx(no_dropout["losses"][0], abs=1e-4)  # dropout is active
 
 
@@ -174,8 +170,7 @@ def test_torchmetrics_validate_and_predict(tmp_path):
     make = lambda: MLPClassifier(in_features=8, num_classes=4, width=16, depth=4)  # noqa: E731
     val = DataLoader(data.val_set, batch_size=12)
     settings = dict(max_steps=3, limit_val_batches=4, val_check_interval=3)
-    ref = fit_and_record(seeded(make), reference_loader(data.train_set, 12), str(tmp_path / "ref"),
-                         val_loader=val, **settings)[0]
+    ref = one_process_fit(make, data.train_set, 12, val_loader=val, **settings)
     got = fit_and_record(seeded(make), DataLoader(data.train_set, batch_size=12), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=2, microbatches=3), devices=2, val_loader=val, **settings)
     assert_pipeline_matches(ref, got)
@@ -219,7 +214,7 @@ def test_interleaved_1f1b_two_chunks_per_rank_and_a_partial_last_batch(tmp_path)
     from torch.utils.data import Subset
 
     train = Subset(DATA.train_set, range(19))
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(train, 8), str(tmp_path / "ref"))[0]
+    ref = one_process_fit(tiny_gpt, train, 8)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(train, batch_size=8), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=2, microbatches=4, schedule="interleaved_1f1b",
                                      stages_per_rank=2, balance="uniform"), devices=2)

@@ -9,16 +9,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Subset
 
 from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded
+from models import corpus, gpt_factory
 from test_pipeline import assert_pipeline_matches
-from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 
-TRAIN = Subset(SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=16, val_sequences=8).train_set, range(16))
+TRAIN = Subset(corpus(train_sequences=16).train_set, range(16))
 
 
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
+tiny_gpt = gpt_factory(n_layer=4)
 
 
 def pp():

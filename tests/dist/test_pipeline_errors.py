@@ -3,7 +3,6 @@ mid-step makes the survivors fail within the collective timeout, and ranks launc
 (as under its default popen launcher, where rank 0 is the user's own process) reuse one Trainer."""
 import multiprocessing
 import os
-import socket
 import time
 
 import lightning.pytorch as pl
@@ -12,16 +11,12 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 import torch
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, seeded, trainer_kwargs
-from lightning_par.data import SyntheticCorpus
+from harness import TIMEOUT_S, free_port, seeded, trainer_kwargs
+from models import corpus, tiny_gpt
 from lightning_par.models import GPT
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=32, val_sequences=8)
-
-
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
+DATA = corpus(train_sequences=32)
 
 
 class ManualGPT(GPT):
@@ -70,9 +65,7 @@ def _rank_main(rank, port, timeout):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_a_dead_rank_makes_the_other_fail_within_the_timeout():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_rank_main, args=(r, port, 15)) for r in range(2)]
     start = time.monotonic()
@@ -110,9 +103,7 @@ def _fit_then_evaluate(rank, port, out_dir):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_one_trainer_fits_then_validates_and_tests_in_process(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_fit_then_evaluate, args=(r, port, str(tmp_path))) for r in range(2)]
     for p in procs:

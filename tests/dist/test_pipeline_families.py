@@ -4,7 +4,6 @@ Hugging Face T5 (the first block's relative position bias travels to every later
 against one process on the same global batches (fp32, 1e-5, several AdamW steps). And what the setup trace
 refuses ([Note: block flow] in lightning_par/pipeline/flow.py), each with its message."""
 import os
-import socket
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -17,7 +16,8 @@ from torch import nn
 from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded, trainer_kwargs
+from harness import TIMEOUT_S, fit_and_record, free_port, one_process_fit, seeded, trainer_kwargs
+from models import hf_model
 from lightning_par.data import SyntheticCorpus
 from lightning_par.pipeline import p2p
 from lightning_par.pipeline.discovery import find_blocks
@@ -53,12 +53,7 @@ class LitLM(pl.LightningModule):
 class LitT5(LitLM):
     def __init__(self, layers=2):
         super().__init__()
-        import transformers
-
-        config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
-                                       relative_attention_num_buckets=8, relative_attention_max_distance=16,
-                                       dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
-        self.model = transformers.T5ForConditionalGeneration(config)
+        self.model = hf_model("t5", num_layers=layers)
 
     def loss(self, batch):
         src, tgt = batch
@@ -82,11 +77,7 @@ class LitDemoTransformer(LitLM):
 class LitGPT2(LitLM):
     def __init__(self):
         super().__init__()
-        import transformers
-
-        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=4,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        self.model = transformers.GPT2LMHeadModel(config)
+        self.model = hf_model("gpt2")
 
     def loss(self, batch):
         idx, targets = batch
@@ -96,12 +87,7 @@ class LitGPT2(LitLM):
 class LitBert(LitLM):
     def __init__(self):
         super().__init__()
-        import transformers
-
-        config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                                         intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                         attention_probs_dropout_prob=0.0)
-        self.model = transformers.BertForMaskedLM(config)
+        self.model = hf_model("bert")
 
     def loss(self, batch):
         idx, targets = batch
@@ -111,8 +97,7 @@ class LitBert(LitLM):
 def compare(tmp_path, factory, stages=2, **strategy_kw):
     """Fit ``factory()`` on one process and on ``stages`` pipeline ranks; assert they match; return every
     rank's record (the largest loss difference is printed for the record)."""
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"),
-                         max_steps=STEPS)[0]
+    ref = one_process_fit(factory, DATA.train_set, 8, max_steps=STEPS)
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=stages, start_method="fork",
                                                            timeout=120, **strategy_kw),
@@ -152,8 +137,7 @@ def test_lightning_demo_transformer(tmp_path, blocks):
     attention); validation (no grad, eval mode: the fast-path checks) matches too."""
     settings = dict(max_steps=STEPS, val_check_interval=STEPS, limit_val_batches=2)
     val = DataLoader(DATA.val_set, batch_size=8)
-    ref = fit_and_record(seeded(LitDemoTransformer), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"),
-                         val_loader=val, **settings)[0]
+    ref = one_process_fit(LitDemoTransformer, DATA.train_set, 8, val_loader=val, **settings)
     got = fit_and_record(seeded(LitDemoTransformer), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, blocks=blocks,
                                                            start_method="fork", timeout=120),
@@ -362,9 +346,7 @@ def _bundle_worker(rank, port, out_dir):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_bundles_deliver_every_entry_and_their_gradients(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     mp.start_processes(_bundle_worker, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
     received = torch.load(tmp_path / "got1.pt")
     assert len(received) == len(BUNDLES)

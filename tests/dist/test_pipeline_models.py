@@ -2,41 +2,22 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
+from harness import TIMEOUT_S, fit_and_record, one_process_fit, reference_loader, seeded
+from models import CausalLM, corpus, gpt_factory, hf_model
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 from test_pipeline import assert_pipeline_matches
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=8)
+DATA = corpus()
 
 
-class LitQwen2(pl.LightningModule):
+class LitQwen2(CausalLM):
     """How a user wraps a Hugging Face causal LM: the model's own forward (rotary tables, causal mask,
     position ids computed before the decoder layers and passed to each), a tied lm head."""
 
     def __init__(self, use_cache=False):
-        super().__init__()
-        import transformers
-
-        config = transformers.Qwen2Config(
-            vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, use_cache=use_cache,
-        )
-        self.model = transformers.Qwen2ForCausalLM(config)
-
-    def training_step(self, batch, batch_idx):
-        idx, targets = batch
-        logits = self.model(input_ids=idx).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        super().__init__(hf_model("qwen2", num_hidden_layers=4, tie_word_embeddings=True, use_cache=use_cache))
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -44,7 +25,7 @@ class LitQwen2(pl.LightningModule):
 def test_hugging_face_qwen2_decoder(tmp_path, use_cache):
     pytest.importorskip("transformers")
     factory = lambda: LitQwen2(use_cache)  # noqa: E731
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"), max_steps=2)[0]
+    ref = one_process_fit(factory, DATA.train_set, 8, max_steps=2)
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2,
                                                            start_method="fork", timeout=120),
@@ -53,16 +34,14 @@ def test_hugging_face_qwen2_decoder(tmp_path, use_cache):
     assert any(n.startswith("model.model.layers.3.") for n in got[1]["grads"][0])
 
 
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
+tiny_gpt = gpt_factory(n_layer=4)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_bf16_mixed_equals_one_process_accumulating_the_same_microbatches(tmp_path):
     """Under bf16 autocast a micro-batch of 2 and a batch of 8 round differently, so the exact reference is
     one process running the same micro-batches as accumulation steps (4 × 2 samples per optimizer step)."""
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 2), str(tmp_path / "ref"),
-                         max_steps=2, accumulate_grad_batches=4, precision="bf16-mixed")[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 2, max_steps=2, accumulate_grad_batches=4, precision="bf16-mixed")
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=4,
                                                            start_method="fork", timeout=120),

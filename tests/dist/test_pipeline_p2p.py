@@ -3,7 +3,6 @@ before the send ([Note: speculative receive] in lightning_par/pipeline/p2p.py) e
 the next activation keeps the previous shape and dtype or not; the result mailbox ([Note: result mailbox])
 delivers small and oversized payloads, with or without an early post."""
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -11,19 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import TIMEOUT_S
+from harness import TIMEOUT_S, free_port
 from lightning_par.pipeline import p2p
 from lightning_par.pipeline.mailbox import ResultMailbox
 
 # one step's activations: equal shapes, a smaller last micro-batch, a dtype change, then equal again
 SHAPES = [((4, 3, 8), torch.float32), ((4, 3, 8), torch.float32), ((2, 3, 8), torch.float32),
           ((2, 3, 8), torch.bfloat16), ((2, 3, 8), torch.bfloat16), ((5, 7), torch.float64)]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _activation(i: int) -> torch.Tensor:
@@ -57,7 +50,7 @@ def _worker(rank, port, out_dir):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_speculative_receives_deliver_every_shape_and_dtype(tmp_path):
-    mp.start_processes(_worker, args=(_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
     got = torch.load(tmp_path / "received.pt")
     assert len(got) == len(SHAPES)
     for i, x in enumerate(got):
@@ -99,7 +92,7 @@ def _mailbox_worker(rank, port, out_dir):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_the_result_mailbox_delivers_every_payload_to_every_other_rank(tmp_path):
-    mp.start_processes(_mailbox_worker, args=(_port(), str(tmp_path)), nprocs=3, start_method="fork")
+    mp.start_processes(_mailbox_worker, args=(free_port(), str(tmp_path)), nprocs=3, start_method="fork")
     expected = _payloads()
     for rank in (0, 1):
         got = torch.load(tmp_path / f"got{rank}.pt", weights_only=False)

@@ -20,6 +20,7 @@ def run_quick(name, tmp_path, capsys, overrides=()) -> dict:
     return json.loads((tmp_path / "results.json").read_text())
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("name", [n for n in RECIPES if n != "capacity"])  # capacity: its own test below
@@ -84,6 +85,7 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
             assert rows[(2, strategy)][6] > 0  # gradients were communicated
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(2 * TIMEOUT_S)  # ~20 fits of 1-4 ranks, each a fresh process; ~1.5 min on 2 idle cores
 def test_capacity_model_parallel_layouts_train_a_larger_gpt_within_the_budget(tmp_path, capsys):

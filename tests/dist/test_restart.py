@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+pytestmark = pytest.mark.e2e  # launches processes (pyproject's markers)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 EPOCHS = 6

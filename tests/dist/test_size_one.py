@@ -8,17 +8,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
+from models import corpus, gpt_factory
 from lightning_par import DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=16)
+DATA = corpus(val_sequences=16)
 EXACT = dict(atol=0, rtol=0)
-
-
-def tiny_gpt(**kw):
-    return lambda: GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=1,
-                       lr_decay_steps=10, **kw)
 
 
 STRATEGIES = {
@@ -37,7 +31,7 @@ def loader(batch_size: int, shuffle: bool) -> DataLoader:
 
 def fit(name: str, data: DataLoader, **kw) -> list[dict]:
     torch.manual_seed(1)  # a shuffled loader draws its order from the global generator, as in plain Lightning
-    return fit_and_record(seeded(tiny_gpt()), data, name, **kw)
+    return fit_and_record(seeded(gpt_factory()), data, name, **kw)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -91,7 +85,7 @@ def test_two_replicas_of_a_size_one_model_axis_are_lightning_ddp(tmp_path, strat
 def test_pipeline_dropout_at_size_one_is_the_two_stage_run(tmp_path):
     """Dropout masks are drawn per (step, micro-batch, block) at every pipeline size, so a laptop at size 1
     reproduces the node's run (not plain Lightning's masks, which come from one stream in another order)."""
-    make = tiny_gpt(dropout=0.2)
+    make = gpt_factory(dropout=0.2)
     two = fit_and_record(seeded(make), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp2"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2,
                                                            start_method="fork", timeout=120), devices=2)
@@ -101,7 +95,7 @@ def test_pipeline_dropout_at_size_one_is_the_two_stage_run(tmp_path):
     for rec in two:
         owned = {n: rec["params"][n] for n in rec["grads"][-1]}
         assert_close_records(one, {**rec, "params": owned}, atol=1e-6, rtol=0, require_all_grads=False)
-    no_dropout = fit_and_record(seeded(tiny_gpt()), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"))[0]
+    no_dropout = fit_and_record(seeded(gpt_factory()), reference_loader(DATA.train_set, 8), str(tmp_path / "ref"))[0]
     assert one["losses"][0] != pytest.approx(no_dropout["losses"][0], abs=1e-4)  # dropout is active
 
 

@@ -8,8 +8,9 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded, trainer_kwargs
-from lightning_par.data import SyntheticCorpus
+from harness import (TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded,
+                     trainer_kwargs)
+from models import corpus
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 
@@ -25,7 +26,7 @@ def test_sizes_that_do_not_fit_the_devices_fail_at_trainer_construction():
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_head_count_not_divisible_fails_on_every_rank_without_hanging(tmp_path):
-    data = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=16, val_sequences=4)
+    data = corpus(train_sequences=16, val_sequences=4)
     module = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=3, n_embd=18)
     trainer = pl.Trainer(**trainer_kwargs(strategy=tp(), devices=2, max_steps=1))
     # under start_method="fork" the rank's ValueError reaches the caller inside torch's ProcessRaisedException,
@@ -58,7 +59,7 @@ class MHAClassifier(pl.LightningModule):
 def test_multihead_attention_stays_replicated_and_trains_like_one_process(tmp_path):
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 8, 16, generator=g), torch.randint(0, 3, (32,), generator=g))
-    ref = fit_and_record(seeded(MHAClassifier), reference_loader(data, 4), str(tmp_path / "ref"), max_steps=2)[0]
+    ref = one_process_fit(MHAClassifier, data, 4, max_steps=2)
     with pytest.warns(UserWarning, match="MultiheadAttention 'attn' is left replicated"):
         from lightning_par.tensor.plan import build_plan
 

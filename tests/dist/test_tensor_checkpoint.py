@@ -12,14 +12,14 @@ from torch.utils.data import DataLoader
 
 from harness import (SavePredictions, TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded,
                      trainer_kwargs)
-from lightning_par.data import SyntheticCorpus
+from models import corpus
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 
 HP = dict(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=16, warmup_steps=1, lr_decay_steps=10)
 # 8 sequences, batch 4: an epoch is 2 steps, and checkpoints are taken at the epoch's end, so a resumed run
 # starts the next epoch (Lightning does not fast-forward a plain DataLoader resumed mid-epoch).
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=8, val_sequences=16)
+DATA = corpus(train_sequences=8, val_sequences=16)
 VAL = dict(limit_val_batches=2, val_check_interval=2)
 
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, seeded, trainer_kwargs
-from lightning_par.data import SyntheticCorpus
+from models import corpus
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 
@@ -54,7 +54,7 @@ class Measure(pl.Callback):
 
 
 def fit_measure(tmp_path, tp=2, factory=None, **strategy_kw):
-    data = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=32, val_sequences=8)
+    data = corpus(train_sequences=32)
     module = seeded(factory or (lambda: GPT(vocab_size=32, block_size=16, n_layer=N_LAYER, n_head=4, n_embd=16)))
     strategy = TensorParallelStrategy(tensor_parallel_size=tp, start_method="fork", timeout=120, **strategy_kw)
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=tp, max_steps=2,

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
+from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded
+from models import hf_model
 from lightning_par.data import SyntheticCorpus
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.tensor.plan import build_plan
@@ -51,17 +52,12 @@ class HFLM(pl.LightningModule):
 
     def __init__(self, kind: str):
         super().__init__()
-        import transformers
-
         if kind == "bert":
-            cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=HEADS,
-                                          intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                          attention_probs_dropout_prob=0.0)
-            self.model = transformers.BertForMaskedLM(cfg)
-        else:
-            cfg = transformers.T5Config(vocab_size=VOCAB, d_model=WIDTH, d_kv=WIDTH // HEADS, d_ff=64, num_layers=2,
-                                        num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
-            self.model = transformers.T5ForConditionalGeneration(cfg)
+            self.model = hf_model("bert", vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2,
+                                  num_attention_heads=HEADS, max_position_embeddings=32)
+        else:  # T5's own relative-attention buckets (32 up to distance 128)
+            self.model = hf_model("t5", vocab_size=VOCAB, d_model=WIDTH, d_kv=WIDTH // HEADS, num_heads=HEADS,
+                                  relative_attention_num_buckets=32, relative_attention_max_distance=128)
 
     def training_step(self, batch, batch_idx):
         inputs, targets = batch
@@ -160,7 +156,7 @@ class PlanRecorder(pl.Callback):
 
 
 def run_pair(tmp_path, factory, steps=3):
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=steps)[0]
+    ref = one_process_fit(factory, DATA.train_set, 4, max_steps=steps)
     plan_file = str(tmp_path / "plan.pt")
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=TensorParallelStrategy(tensor_parallel_size=2, start_method="fork", timeout=120),

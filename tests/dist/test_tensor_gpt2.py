@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
+from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded
 from lightning_par.data import SyntheticCorpus
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.tensor.plan import build_plan
@@ -85,7 +85,7 @@ def test_gpt2_matches_one_process(tmp_path, sp, lp):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    ref = fit_and_record(seeded(GPT2LM), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=3)[0]
+    ref = one_process_fit(GPT2LM, DATA.train_set, 4, max_steps=3)
     strategy = TensorParallelStrategy(tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=lp,
                                       start_method="fork", timeout=120)
     got = fit_and_record(seeded(GPT2LM), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),

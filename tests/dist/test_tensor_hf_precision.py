@@ -1,41 +1,23 @@
 """TensorParallelStrategy on a tiny Hugging Face Qwen2 decoder built from a config (its base_model_tp_plan,
 views with -1, Hugging Face SDPA attention, grouped-query heads) and under mixed precision."""
-import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
-from lightning_par.data import SyntheticCorpus
-from lightning_par.models import GPT
+from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, reference_loader, seeded
+from models import CausalLM, corpus, gpt_factory, hf_model
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 
-DATA = SyntheticCorpus(vocab_size=32, seq_len=16, train_sequences=32, val_sequences=8)
+DATA = corpus(train_sequences=32)
 
 
-class QwenLM(pl.LightningModule):
+class QwenLM(CausalLM):
     """How a user wraps a Hugging Face causal LM: nothing in it knows about parallelism."""
 
     def __init__(self, kv_heads=2):
-        super().__init__()
-        import transformers
-
-        cfg = transformers.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32,
-                                       attn_implementation="sdpa")
-        self.model = transformers.Qwen2ForCausalLM(cfg)
-
-    def training_step(self, batch, batch_idx):
-        idx, targets = batch
         # use_cache=False here; QwenWithLabels below calls the model the other usual way, KV cache included
-        logits = self.model(input_ids=idx, use_cache=False).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        super().__init__(hf_model("qwen2", num_key_value_heads=kv_heads, attn_implementation="sdpa"),
+                         call={"use_cache": False})
 
 
 def tp2(n=2, **kw):
@@ -53,7 +35,7 @@ def test_qwen2_matches_one_process(tmp_path, plan):
                                           "model.model.layers.*.mlp.gate_proj": "colwise",
                                           "model.model.layers.*.mlp.up_proj": "colwise",
                                           "model.model.layers.*.mlp.down_proj": "rowwise"}
-    ref = fit_and_record(seeded(QwenLM), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=2)[0]
+    ref = one_process_fit(QwenLM, DATA.train_set, 4, max_steps=2)
     got = fit_and_record(seeded(QwenLM), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=tp2(plan=user, sequence_parallel=plan.endswith("sequence_parallel"),
                                       loss_parallel=plan.endswith("loss_parallel")), devices=2,
@@ -66,7 +48,7 @@ def test_qwen2_matches_one_process(tmp_path, plan):
 def test_qwen2_tp4_sequence_and_loss_parallel(tmp_path):
     pytest.importorskip("transformers")
     factory = lambda: QwenLM(kv_heads=4)  # noqa: E731  (4 key/value heads: divisible by tp=4)
-    ref = fit_and_record(seeded(factory), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=2)[0]
+    ref = one_process_fit(factory, DATA.train_set, 4, max_steps=2)
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=tp2(4, sequence_parallel=True, loss_parallel=True), devices=4, max_steps=2)
     for rec in got:
@@ -107,9 +89,7 @@ K_ROUNDINGS, LR, PARAM_TOL_LR, CLIP = 8, 1e-4, 0.12, 0.05
 ZERO_GRAD = ("blocks.0.attn.k_proj.bias", "blocks.1.attn.k_proj.bias")
 
 
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=16, warmup_steps=1, lr_decay_steps=10,
-               lr=LR)
+tiny_gpt = gpt_factory(n_head=4, lr=LR)
 
 
 def replay_adamw(grads: list[dict], clip: float | None) -> dict:
@@ -169,8 +149,7 @@ def assert_mixed_precision_close(ref: dict, got: dict, u: float, clip: float | N
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_bf16_mixed(tmp_path):
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=2,
-                         precision="bf16-mixed")[0]
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 4, max_steps=2, precision="bf16-mixed")
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=tp2(), devices=2, max_steps=2, precision="bf16-mixed")
     for rec in got:
@@ -210,8 +189,7 @@ class QwenWithLabels(QwenLM):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_hugging_face_default_call_with_its_kv_cache(tmp_path):
-    ref = fit_and_record(seeded(QwenWithLabels), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"),
-                         max_steps=2)[0]
+    ref = one_process_fit(QwenWithLabels, DATA.train_set, 4, max_steps=2)
     got = fit_and_record(seeded(QwenWithLabels), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=tp2(), devices=2, max_steps=2)
     for rec in got:

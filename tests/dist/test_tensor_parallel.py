@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, reference_loader, seeded
+from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded
+from models import gpt_factory
 from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
@@ -12,20 +13,16 @@ from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 DATA = dict(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=16)
 
 
-def tiny_gpt(**kw):
-    cfg = dict(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=16, warmup_steps=1, lr_decay_steps=10)
-    cfg.update(kw)
-    return lambda: GPT(**cfg)
+tiny_gpt = gpt_factory(n_head=4)  # 2 heads per rank at tp=2
 
 
 def strategy(**kw):
     return TensorParallelStrategy(start_method="fork", timeout=120, **kw)
 
 
-def run_pair(tmp_path, *, tp, dp=1, batch=4, steps=3, factory=tiny_gpt(), strategy_kw=None, **overrides):
+def run_pair(tmp_path, *, tp, dp=1, batch=4, steps=3, factory=tiny_gpt, strategy_kw=None, **overrides):
     data = SyntheticCorpus(**DATA)
-    ref = fit_and_record(seeded(factory), reference_loader(data.train_set, batch * dp), str(tmp_path / "ref"),
-                         max_steps=steps, **overrides)[0]
+    ref = one_process_fit(factory, data.train_set, batch * dp, max_steps=steps, **overrides)
     got = fit_and_record(seeded(factory), DataLoader(data.train_set, batch_size=batch), str(tmp_path / "tp"),
                          strategy=strategy(tensor_parallel_size=tp, **(strategy_kw or {})), devices=tp * dp, max_steps=steps, **overrides)
     assert len(got) == tp * dp
@@ -104,7 +101,7 @@ def test_dropout_keeps_tensor_parallel_peers_consistent(tmp_path, sp):
     # drop the same elements of the activations they both hold, i.e. they report the same loss and the
     # same (gathered) gradients.
     data = SyntheticCorpus(**DATA)
-    got = fit_and_record(seeded(tiny_gpt(dropout=0.2)), DataLoader(data.train_set, batch_size=4), str(tmp_path),
+    got = fit_and_record(seeded(gpt_factory(n_head=4, dropout=0.2)), DataLoader(data.train_set, batch_size=4), str(tmp_path),
                          strategy=strategy(tensor_parallel_size=2, sequence_parallel=sp), devices=2, max_steps=3)
     a, b = got
     assert a["losses"] == pytest.approx(b["losses"], abs=1e-6)

@@ -1,5 +1,4 @@
 """The mesh's axis groups give up within the strategy's timeout when a peer never joins (no hang)."""
-import socket
 import time
 from datetime import timedelta
 
@@ -8,14 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import TIMEOUT_S
+from harness import TIMEOUT_S, free_port
 from lightning_par.topology import Topology
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, out):
@@ -35,5 +28,5 @@ def _worker(rank, port, out):
 def test_axis_group_collective_times_out_with_the_given_timeout():
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    mp.start_processes(_worker, args=(_port(), out), nprocs=2, start_method="fork")
+    mp.start_processes(_worker, args=(free_port(), out), nprocs=2, start_method="fork")
     assert 2.5 < out.get(timeout=30) < 7.5  # the 3 s given, not torch's 30-minute default

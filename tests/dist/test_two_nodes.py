@@ -21,6 +21,8 @@ from lightning_par.recipes._node_job import case_dir, load_records
 from lightning_par.recipes.netns import TwoNodeLink
 from lightning_par.recipes.network import global_losses, job_args
 
+pytestmark = pytest.mark.e2e  # launches processes (pyproject's markers)
+
 # 4 blocks of width 16: 2 per pipeline stage; 8 sequences × 16 tokens per step, 4 steps of AdamW
 CFG = SimpleNamespace(steps=4, global_batch=8, microbatches=4, timeout_s=120, delay_ms=0,
                       model={"vocab_size": 32, "block_size": 16, "n_layer": 4, "n_head": 2, "n_embd": 16})

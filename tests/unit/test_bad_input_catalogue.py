@@ -221,6 +221,7 @@ CLI_CASES = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(CLI_CASES))
 def test_the_app_prints_one_clear_message(tmp_path, case):

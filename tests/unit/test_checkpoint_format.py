@@ -102,6 +102,7 @@ def _peak_kib(*args) -> int:
     return int(out.stdout.split()[-1])
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="peak memory read from /proc (Linux)")
 def test_conversion_streams_tensor_by_tensor(tmp_path):

@@ -11,12 +11,11 @@ import lightning_par.peak_memory as peak_memory_module
 import lightning_par.pipeline.ends as ends_module
 from lightning_par.materialize import (free_parameters, initialize, materialize, meta_parameters, open_module_weights,
                                        read_weights)
-from lightning_par.models import GPT
 from lightning_par.pipeline.ends import first_owner, record_uses, stage_needs
+from models import gpt_factory
 
 
-def tiny_gpt():
-    return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16)
+tiny_gpt = gpt_factory(n_layer=4)
 
 
 @pytest.mark.parametrize("module", [meta_module, ends_module, peak_memory_module])

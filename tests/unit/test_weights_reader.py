@@ -4,7 +4,6 @@ read, and a rank's box of a tensor reads exactly the box's bytes (checked agains
 the reads are this package's own). The DCP directories are written by two real gloo ranks (one fork)."""
 import doctest
 import os
-import socket
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -20,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_par._compat as compat
 import lightning_par.weights.reader as reader_module
 import lightning_par.weights.regions as regions_module
-from harness import TIMEOUT_S
+from harness import TIMEOUT_S, free_port
 from lightning_par.models import GPT
 from lightning_par.weights import (expected_state, open_weights, region_slices, shard_region,
                                    split_region)
@@ -40,12 +39,6 @@ def gpt_state() -> dict[str, torch.Tensor]:
 def meta_gpt() -> GPT:
     with torch.device("meta"):
         return GPT(**GPT_CONFIG)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rchar() -> int:
@@ -122,7 +115,7 @@ def _dcp_worker(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def dcp_dirs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dcp")
-    mp.start_processes(_dcp_worker, args=(_port(), str(out)), nprocs=2, start_method="fork")
+    mp.start_processes(_dcp_worker, args=(free_port(), str(out)), nprocs=2, start_method="fork")
     return out
 
 

@@ -1,0 +1,103 @@
+"""The models and corpora of the tests, each defined once: the tiny reference GPT, tiny Hugging Face models by
+family with the wrapper a user writes around a causal LM, and the synthetic corpus at the tests' sizes.
+
+A file states only what it changes: ``tiny_gpt = gpt_factory(n_layer=4)`` is that file's GPT (four layers, two
+per pipeline stage), still called as ``seeded(tiny_gpt)`` or ``tiny_gpt(dropout=0.2)``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_par.data import SyntheticCorpus
+from lightning_par.models import GPT
+
+GPT_SIZES = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=1, lr_decay_steps=10)
+
+
+def tiny_gpt(**overrides) -> GPT:
+    """The reference GPT at the tests' sizes (vocabulary 32, 16 positions, width 16), any argument overridden."""
+    return GPT(**{**GPT_SIZES, **overrides})
+
+
+def gpt_factory(**overrides) -> Callable[..., GPT]:
+    """:func:`tiny_gpt` with ``overrides`` bound: a factory for ``seeded`` that still takes further overrides."""
+    return functools.partial(tiny_gpt, **overrides)
+
+
+def corpus(train_sequences: int = 64, val_sequences: int = 8, **overrides) -> SyntheticCorpus:
+    """The synthetic corpus of :func:`tiny_gpt`'s vocabulary and block size."""
+    return SyntheticCorpus(**{"vocab_size": 32, "seq_len": 16, "train_sequences": train_sequences,
+                              "val_sequences": val_sequences, **overrides})
+
+
+_DECODER = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=32)
+# family: (config class, model class, tiny config); every name is transformers' own
+HF_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _DECODER),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _DECODER),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**_DECODER, "num_local_experts": 4,
+                                                        "num_experts_per_tok": 2}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=4,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "bert": ("BertConfig", "BertForMaskedLM", dict(vocab_size=64, hidden_size=32, num_hidden_layers=4,
+                                                   num_attention_heads=4, intermediate_size=64,
+                                                   max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                                   attention_probs_dropout_prob=0.0)),
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                          num_heads=4, relative_attention_num_buckets=8,
+                                                          relative_attention_max_distance=16, dropout_rate=0.0,
+                                                          decoder_start_token_id=0, pad_token_id=0)),
+}
+
+
+def hf_model(family: str, **overrides) -> nn.Module:
+    """A tiny Hugging Face model of ``family`` (a key of :data:`HF_FAMILIES`) built from its config, random weights
+    (nothing is downloaded); ``overrides`` are config fields."""
+    import transformers
+
+    if family not in HF_FAMILIES:
+        raise ValueError(f"hf_model(family={family!r}): the families are {sorted(HF_FAMILIES)}")
+    config_cls, model_cls, sizes = HF_FAMILIES[family]
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**sizes, **overrides}))
+
+
+class CausalLM(pl.LightningModule):
+    """How a user wraps a Hugging Face causal LM: nothing in it knows about parallelism; its parameters live in
+    ``self.model`` and its step never calls ``self(...)``. The loss is the cross-entropy of the logits; AdamW
+    (torch's defaults unless given). ``call`` holds further keywords of the model's forward (``use_cache=False``)."""
+
+    def __init__(self, model: nn.Module, *, lr: float = 1e-3, weight_decay: float = 0.01, eps: float = 1e-8,
+                 call: dict | None = None):
+        super().__init__()
+        self.model = model
+        self.lr, self.weight_decay, self.eps = lr, weight_decay, eps
+        self.call_kw = dict(call or {})
+
+    def loss(self, batch):
+        idx, targets = batch
+        logits = self.model(input_ids=idx, **self.call_kw).logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, eps=self.eps)
+
+
+def causal_lm(family: str, *, lr: float = 1e-3, weight_decay: float = 0.01, eps: float = 1e-8,
+              call: dict | None = None, **config) -> Callable[[], CausalLM]:
+    """A factory for ``seeded``: :class:`CausalLM` around ``hf_model(family, **config)``."""
+    return lambda: CausalLM(hf_model(family, **config), lr=lr, weight_decay=weight_decay, eps=eps, call=call)
