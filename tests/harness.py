@@ -25,6 +25,14 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler, default_collate
 
+# What a launch leaves in this process's environment (Lightning's launchers and `_init_dist_connection` set
+# MASTER_ADDR / MASTER_PORT, a cluster environment may set NODE_RANK / LOCAL_RANK): a later test's subprocess
+# inherits it, and a LOCAL_RANK there makes Lightning believe its ranks were launched externally, so the script
+# starts no ranks of its own and waits for them until its timeout.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE",
+                    "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+
 TIMEOUT_S = 240  # per distributed test; hangs are the usual failure
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import LAUNCH_VARIABLES
 
 pytestmark = pytest.mark.e2e  # launches processes (pyproject's markers)
 
@@ -15,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, *args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    # a user's shell holds no launch variables (see conftest.LAUNCH_VARIABLES)
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "examples" / script), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
