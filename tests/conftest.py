@@ -1,5 +1,8 @@
+import faulthandler
 import os
+import signal
 import sys
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -13,6 +16,66 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 import pytest  # noqa: E402
+
+# A forked rank inherits this handler: SIGUSR1 makes it print every thread's Python stack (what a hung rank
+# was waiting on), which the reaper below asks for before it ends a rank a test left behind.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def _descendants(root: int) -> list:
+    """Every live process below ``root`` (from /proc: children, their children, ...), zombies left out."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, ...: after the parenthesized name
+        if fields[0] != "Z":
+            parent_of[int(entry)] = int(fields[1])
+    found, frontier = [], {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent_of.items() if ppid in frontier}
+        found.extend(sorted(frontier))
+    return found
+
+
+def _end(pids: list, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind():
+    """No rank a test started outlives it. A hung test (pytest-timeout ends only the test, in this process)
+    used to leave its forked ranks waiting, and multiprocessing's exit handler then joined them forever, so
+    the session never ended after its summary. Left-over ranks print their stacks (SIGUSR1, above), then get
+    SIGTERM, then SIGKILL."""
+    me = os.getpid()
+    before = set(_descendants(me))
+    yield
+    left = [pid for pid in _descendants(me) if pid not in before]
+    if not left:
+        return
+    _end(left, signal.SIGUSR1)
+    time.sleep(1.0)
+    _end(left, signal.SIGTERM)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(pid in set(_descendants(me)) for pid in left):
+        time.sleep(0.1)
+    _end([pid for pid in left if pid in set(_descendants(me))], signal.SIGKILL)
+    for pid in left:  # reap our own children; a grandchild is its parent's to reap
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    sys.stderr.write(f"conftest: ended {len(left)} process(es) this test left behind: {left}\n")
 
 
 @pytest.fixture(autouse=True)
