@@ -43,6 +43,24 @@ def _descendants(root: int) -> list:
     return found
 
 
+def _where(pid: int) -> str:
+    """What each thread of ``pid`` waits in, as the kernel tells it (state and wait channel per thread)."""
+    lines = []
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                wchan = f.read()
+            lines.append(f"  thread {tid}: {stat[stat.index('(') + 1:stat.rindex(')')]} "
+                         f"state {stat[stat.rindex(')') + 2]} waits in {wchan or '-'}")
+    except OSError:
+        return f"process {pid}: gone\n"
+    return f"process {pid} ({cmd}):\n" + "\n".join(lines) + "\n"
+
+
 def _end(pids: list, sig: int) -> None:
     for pid in pids:
         try:
@@ -63,6 +81,7 @@ def _no_process_left_behind():
     left = [pid for pid in _descendants(me) if pid not in before]
     if not left:
         return
+    sys.stderr.write("".join(_where(pid) for pid in left))
     _end(left, signal.SIGUSR1)
     time.sleep(1.0)
     _end(left, signal.SIGTERM)
