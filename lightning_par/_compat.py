@@ -74,7 +74,8 @@ def shard_aware_zero_optimizer() -> type:
     from the rank that stepped it sends a tensor-parallel ``DTensor``'s local shard: its data-parallel peers
     hold the same shard, and c10d collectives take no DTensor. Overrides the private
     ``_broadcast_params_from_rank`` of the per-parameter path (``parameters_as_bucket_view=False``, the
-    default, which the strategies use); plain parameters are broadcast exactly as torch does."""
+    default, which the strategies use); plain parameters are broadcast exactly as torch does. Its ``step``
+    carries the LR schedulers' mark, so a scheduler rebound to it sees its steps."""
     global _ZERO_CLASS
     if _ZERO_CLASS is not None:
         return _ZERO_CLASS
@@ -87,6 +88,16 @@ def shard_aware_zero_optimizer() -> type:
                            "zero_stage=1 with tensor-parallel (DTensor) parameters needs lightning_par updated.")
 
     class ShardAwareZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+        def step(self, closure=None, **kwargs):
+            # What torch's LRScheduler wraps an optimizer's ``step`` with at the scheduler's construction, here
+            # on the class: a scheduler rebound to this optimizer (dp.zero.rebind_scheduler) was made before it
+            # and did not wrap it, and its "lr_scheduler.step() before optimizer.step()" check reads the mark
+            # and the flag. Private to torch's lr_scheduler, hence here.
+            self._opt_called = True
+            return super().step(closure=closure, **kwargs)
+
+        step._wrapped_by_lr_sched = True
+
         def _broadcast_params_from_rank(self, rank: int):
             if self.parameters_as_bucket_view:
                 return super()._broadcast_params_from_rank(rank)

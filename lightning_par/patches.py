@@ -4,7 +4,11 @@ Behaviour is attached through what torch and Lightning provide: module forward (
 (:mod:`lightning_par.tensor.parallelize`), ``distribute_module``'s input / output functions
 (:mod:`lightning_par.tensor.transposed`), subclass copies of Lightning's precision plugin and torch's
 ``GradScaler`` that the strategy installs in setup and gives back at teardown
-(:mod:`lightning_par.strategies._precision`). What no hook serves is listed in :data:`PATCHES` below.
+(:mod:`lightning_par.strategies._precision`), torch's optimizer step hooks for DTensor and plain parameters
+stepped apart (:class:`lightning_par.tensor.mixed.StepByKind`, removed at teardown), a ZeRO optimizer class
+whose ``step`` carries the LR schedulers' mark (:func:`lightning_par._compat.shard_aware_zero_optimizer`),
+and what a parallelized module is read from the module itself (no registry of modules). What no hook serves
+is listed in :data:`PATCHES` below.
 
 A patch that outlives one call is recorded here when it is installed (:func:`record`, under its name in
 :data:`PATCHES`: an unlisted patch cannot be recorded) and undone at teardown (:func:`undo`, newest first);
@@ -43,13 +47,6 @@ PATCHES: dict[str, Patch] = {
         why="a block of an inactive chunk must not compute; a forward pre-hook can change a module's inputs "
             "but not skip its forward",
         undone="not: it lives as long as the pipelined model, whose other stages' blocks are Ghosts"),
-    "optimizer-step": Patch(
-        target="`optimizer.step` of the user's optimizer",
-        by="lightning_par.tensor.mixed.split_step_by_kind, lightning_par.dp.zero.rebind_scheduler",
-        why="torch's optimizers refuse a parameter group that mixes DTensor and plain parameters, and an LR "
-            "scheduler rebound to ZeRO's optimizer looks for its mark on `step`; to become one optimizer "
-            "wrapper owned by the strategy",
-        undone="not: the optimizer is rebuilt by the next run's `configure_optimizers`"),
     "module-log": Patch(
         target="`LightningModule.log` of the user's module (an instance attribute shadowing the method)",
         by="lightning_par.pipeline.routing.LogCapture",

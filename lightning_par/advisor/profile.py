@@ -46,8 +46,8 @@ class ModuleProfile:
 
 def _num_heads(block: nn.Module) -> int | None:
     """The attention head count of the first module of ``block`` that stores one (the plan's own reading:
-    :func:`lightning_par.tensor.plan.query_heads`)."""
-    from lightning_par.tensor.plan import query_heads
+    :func:`lightning_par.tensor.layers.query_heads`)."""
+    from lightning_par.tensor.layers import query_heads
 
     return next((n for n in map(query_heads, block.modules()) if n is not None), None)
 

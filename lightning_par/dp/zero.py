@@ -33,8 +33,6 @@ With one replica there is nothing to shard: every stage trains as stage 0.
 from __future__ import annotations
 
 import inspect
-import weakref
-from functools import wraps
 from typing import Any
 
 from torch.optim import Optimizer
@@ -102,25 +100,13 @@ def shard_optimizers(optimizers: list, scheduler_configs=(), process_group: Any 
 
 
 def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
-    """Point ``scheduler`` (and the schedulers it drives) at ``optimizer``, and mark ``optimizer.step``
-    the way torch's ``LRScheduler`` does at construction, so its "lr_scheduler.step() before
-    optimizer.step()" check keeps working instead of warning about an overridden ``step``."""
+    """Point ``scheduler`` (and the schedulers it drives) at ``optimizer``. ZeRO's optimizer class carries the
+    mark torch's ``LRScheduler`` puts on ``step`` at construction (``shard_aware_zero_optimizer`` in
+    ``_compat``), so the scheduler's "lr_scheduler.step() before optimizer.step()" check keeps working
+    instead of warning about an overridden ``step``; nothing is changed on the optimizer object."""
     scheduler.optimizer = optimizer
     for child in getattr(scheduler, "_schedulers", None) or []:
         rebind_scheduler(child, optimizer)
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    step, opt_ref = optimizer.step, weakref.ref(optimizer)
-
-    @wraps(step)
-    def tracked_step(*args, **kwargs):
-        opt = opt_ref()
-        if opt is not None:
-            opt._opt_called = True
-        return step(*args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True
-    optimizer.step = tracked_step
 
 
 def local_optimizer(optimizer: Optimizer) -> Optimizer:

@@ -21,7 +21,6 @@ returns and what it logs are turned into plain tensors (the loss is replicated: 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any
 
 import torch
@@ -35,12 +34,9 @@ from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._engine import Engine, optimizer_params as _params
 from lightning_par.strategies._precision import PrecisionHooks
 from lightning_par.tensor.mixed import average_grads, clip_grad_norm_, clip_grad_value_, reduce_partial_grads
-from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules, to_plain
+from lightning_par.tensor.parallelize import (backward_context, broadcast_state, parallelize, parallelized_size,
+                                             register_rules, to_plain)
 from lightning_par.tensor.plan import build_plan
-
-# modules this process parallelized, and their plans (weakly: a module that is gone takes its entry along);
-# a later Trainer of the same module finds its plan here instead of on the module
-_PARALLELIZED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
 class SpmdEngine(Engine):
@@ -51,6 +47,7 @@ class SpmdEngine(Engine):
         super().__init__(strategy, options, groups, host)
         self.s = strategy  # its public Lightning attributes only
         self.plan = None
+        self.planned = None  # the module this engine applied ``plan`` to
         self.steps = None  # zero_stage 2 / 3: runs each step through FSDP's root unit
 
     def setup(self, trainer) -> None:
@@ -93,8 +90,7 @@ class SpmdEngine(Engine):
         s, o, g = self.s, self.options, self.groups
         module = s.lightning_module
         register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
-        if module in _PARALLELIZED:
-            self.plan = _PARALLELIZED[module]
+        if self._parallelized_before(module):
             return
         # Pure: raises the same ValueError on every rank before any collective.
         plan = build_plan(module, s.topology.tensor_parallel_size, o.plan,
@@ -108,9 +104,29 @@ class SpmdEngine(Engine):
             fsdp.shard_module(module, g.mesh["dp"], zero_stage=o.zero_stage, broadcast=False,
                               precision=s.precision_plugin.precision)
         self.host.place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
-        _PARALLELIZED[module] = self.plan = plan
+        self.plan, self.planned = plan, module
         if s.is_global_zero:
             rank_zero_info(f"{s.topology}\n{plan.describe(module)}")
+
+    def _parallelized_before(self, module) -> bool:
+        """Whether an earlier setup parallelized ``module``: this engine's (a later fit / test of the same
+        Trainer) or another Trainer's (the module stays sharded after teardown), read from the module itself.
+        Of another Trainer's the plan is on that Trainer's strategy, not here; a different tensor-parallel size
+        is refused."""
+        size = parallelized_size(module)
+        if size is None and not fsdp.is_sharded(module):
+            return False
+        tp = self.s.topology.tensor_parallel_size
+        if size is not None and size != tp:
+            raise ValueError(f"{type(module).__name__} was parallelized by an earlier Trainer with "
+                             f"tensor_parallel_size={size}, and this strategy has tensor_parallel_size={tp}; a "
+                             f"parallelized module keeps its shards. Use tensor_parallel_size={size}, or build the "
+                             f"module anew for this run.")
+        if self.planned is not module:
+            self.plan = self.planned = None
+            if self.s.is_global_zero:
+                rank_zero_info(f"{self.s.topology}\n{type(module).__name__} was parallelized by an earlier Trainer")
+        return True
 
     def _sync_rng(self) -> None:
         """Every rank continues rank 0's random stream: tensor-parallel peers hold the same replicated

@@ -136,6 +136,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         self._engine: Optional[Engine] = None  # chosen with the layout (setup_environment)
         self._user_precision = None  # the precision plugin this run got, given back at teardown
         self._restore_loader = lambda: None
+        self._step_hooks: list = []  # split_step_by_kind's optimizer hooks of this run, taken out at teardown
         self._init_fault_tolerance(fault_tolerance, min_replicas, ft_timeout)
 
     # -- layout -----------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
     def plan(self):
         """The :class:`~lightning_par.tensor.plan.TensorPlan` this rank applied at setup."""
         if self._engine is None or self._engine.plan is None:
-            raise RuntimeError("The tensor-parallel plan is applied in Trainer setup; it does not exist yet.")
+            raise RuntimeError("The tensor plan exists after Trainer setup (an earlier Trainer's, on its strategy).")
         return self._engine.plan
 
     @property
@@ -256,8 +257,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         if self._zero_stage == 1 and self.topology.data_parallel_size > 1:  # [Note: ZeRO on the core's data axis]
             self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs, self._groups.dp)
         if self._groups.mesh is not None:  # DTensor and plain parameters stepped apart ([Note: mixed DTensor ...])
-            for opt in self.optimizers:
-                split_step_by_kind(zero.local_optimizer(opt.optimizer if isinstance(opt, LightningOptimizer) else opt))
+            self._step_hooks = [split_step_by_kind(zero.local_optimizer(
+                opt.optimizer if isinstance(opt, LightningOptimizer) else opt)) for opt in self.optimizers]
 
     def _install_precision(self, hooks) -> None:
         """The layout's subclass of the precision plugin ([Note: precision subclasses])."""
@@ -271,6 +272,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         self._stop_replica()
         self._close_checkpointing()  # a background save finishes first
         self._restore_loader()
+        while self._step_hooks:
+            self._step_hooks.pop().remove()
         if self._groups.mesh is not None:
             restore_rules()  # DTensor's propagator is process-global: no rule of ours outlives the run
         if self._engine is not None:

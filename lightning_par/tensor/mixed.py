@@ -7,14 +7,14 @@ DTensor would put every norm and embedding through DTensor dispatch (slower, and
 weight directly would then mix kinds itself). Instead the replicated parameters stay plain and:
 
 - the optimizer steps each param group as one group per kind (and per mesh: FSDP over tensor-parallel
-  shards adds a second one), with the same hyper-parameters (:func:`split_step_by_kind`); ``param_groups`` and ``state_dict()`` keep the user's layout, so LR
-  schedulers and checkpoints see exactly what ``configure_optimizers`` built;
+  shards adds a second one), with the same hyper-parameters (:func:`split_step_by_kind`, through torch's
+  optimizer step hooks); outside ``step`` its ``param_groups`` and ``state_dict()`` keep the user's layout, so
+  LR schedulers and checkpoints see exactly what ``configure_optimizers`` built;
 - the gradient norm is computed per kind and mesh and combined (a sharded DTensor's norm is already global):
   :func:`clip_grad_norm_` / :func:`clip_grad_value_`.
 """
 from __future__ import annotations
 
-import types
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -31,31 +31,40 @@ def by_layout(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def split_step_by_kind(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Make ``optimizer.step`` step DTensor and plain parameters of a group separately (in place, idempotent)."""
-    if getattr(getattr(optimizer.step, "__func__", None), "splits_by_kind", False):
-        return optimizer
-    inner = optimizer.step
+class StepByKind:
+    """torch's step hooks on ``optimizer`` (a pre-hook and a post-hook) that step DTensor and plain parameters
+    of a param group as separate groups: the pre-hook puts the split groups in, the post-hook the user's back.
+    The strategy holds it for its run and takes it out at teardown (:meth:`remove`)."""
 
-    def step(self, *args, **kwargs):
-        groups = self.param_groups
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.groups: Optional[list] = None  # the user's groups while a split step is under way
+        self.handles = [optimizer.register_step_pre_hook(self._split), optimizer.register_step_post_hook(self._join)]
+
+    def _split(self, optimizer, args, kwargs) -> None:
+        self._join(optimizer, args, kwargs)  # a step that raised ran no post-hook: its groups come back first
         split = []
-        for g in groups:
+        for g in optimizer.param_groups:
             parts = by_layout(g["params"])
             split += [{**g, "params": part} for part in parts] if len(parts) > 1 else [g]
-        if len(split) == len(groups):
-            return inner(*args, **kwargs)
-        self.param_groups = split
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            self.param_groups = groups
+        if len(split) != len(optimizer.param_groups):
+            self.groups, optimizer.param_groups = optimizer.param_groups, split
 
-    # an LR scheduler made earlier wrapped ``step`` to see it called; ``inner`` is that wrapper, so keep its mark
-    step._wrapped_by_lr_sched = getattr(inner, "_wrapped_by_lr_sched", False)
-    step.splits_by_kind = True  # the mark of idempotence sits on our function, not on the user's optimizer
-    optimizer.step = types.MethodType(step, optimizer)
-    return optimizer
+    def _join(self, optimizer, args, kwargs) -> None:
+        if self.groups is not None:
+            optimizer.param_groups, self.groups = self.groups, None
+
+    def remove(self) -> None:
+        self._join(self.optimizer, (), {})
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def split_step_by_kind(optimizer: torch.optim.Optimizer) -> StepByKind:
+    """Make ``optimizer.step`` step DTensor and plain parameters of a group separately, through torch's step
+    hooks (:class:`StepByKind`; ``optimizer.step`` itself is left as it is); the caller removes the hooks."""
+    return StepByKind(optimizer)
 
 
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:

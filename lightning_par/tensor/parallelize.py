@@ -260,6 +260,16 @@ def register_rules() -> None:
     register_fused_rules()
 
 
+def parallelized_size(module: nn.Module) -> int | None:
+    """The tensor-parallel size of the mesh an earlier :func:`parallelize` put ``module``'s parameters on (read
+    from the module itself: its DTensor parameters on a mesh with a ``"tp"`` axis), or ``None``."""
+    for p in module.parameters():
+        names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None
+        if names and "tp" in names:
+            return p.device_mesh.size(names.index("tp"))
+    return None
+
+
 def parallelize(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
                 check: bool = True) -> nn.Module:
     """Apply ``plan`` in place (parents before children) and return ``module``. With ``check``, every kind of

@@ -40,7 +40,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.materialize import has_meta, initialize, materialize, release
 from lightning_par.tensor.mixed import reduce_partial_grads
-from lightning_par.tensor.plan import FUSED, PREPARE, TensorPlan, add_islands
+from lightning_par.tensor.plan import FUSED, PREPARE, TensorPlan
+from lightning_par.tensor.regions import add_islands
 from lightning_par.tensor.trace import required_positional
 from lightning_par.weights.regions import dtensor_region, region_slices
 

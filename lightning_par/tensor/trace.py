@@ -13,7 +13,7 @@ column-wise layers that all read its output width: ``q, k, v → o``; ``gate, up
 this replaces the shape rule for every Linear the block called (a fused q/k/v the shape rule found keeps its
 fused style); a block that cannot be called with hidden states alone (Hugging Face Llama's layers take the
 rotary tables) keeps the shape rule. The region each pair runs in is then the smallest module holding both
-sides (:func:`~lightning_par.tensor.plan.finalize`), and :mod:`.probe` checks it on the real mesh.
+sides (:func:`~lightning_par.tensor.regions.finalize`), and :mod:`.probe` checks it on the real mesh.
 
 Example::
 
@@ -47,7 +47,7 @@ def traced_roles(module: nn.Module, is_linear=None) -> dict[str, dict[str, str |
     """``{block: {linear: "col" | "row" | None}}`` for one block of each kind in every block stack of ``module``,
     for every Linear that block called (``None``: in no pair); blocks that could not be run are absent.
     Blocks of the same kind as a traced one get its roles under their own names."""
-    from lightning_par.tensor.plan import _is_plain_linear
+    from lightning_par.tensor.layers import _is_plain_linear
 
     is_linear = is_linear or _is_plain_linear
     found: dict[str, dict[str, str | None]] = {}

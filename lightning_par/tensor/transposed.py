@@ -20,7 +20,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard, distribute_mod
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
-from lightning_par.tensor.plan import is_transposed_linear
+from lightning_par.tensor.layers import is_transposed_linear
 
 
 def output_dim(module: nn.Module, param_name: str) -> int:

@@ -1,8 +1,10 @@
 """A layout strategy leaves nothing behind in the objects the user or Lightning own: the precision plugin and its
 scaler come back as they were (the layout's subclass copies are taken out at teardown, [Note: precision
 subclasses]), and no global state stays behind: DTensor's sharding tables and dispatcher flag, torch's global
-module hooks, the trainer's flags and the module's attributes are as before the fit, and no patch of
-lightning_par.patches is still installed."""
+module hooks, the trainer's flags and the module's attributes are as before the fit, no patch of
+lightning_par.patches is still installed, the optimizer keeps its own ``step`` and no step hook, and nothing of
+the package (a cache, a registry) holds the module: a second Trainer of the same module finds out from the
+module itself that it is parallelized already."""
 import os
 import subprocess
 import sys
@@ -48,6 +50,7 @@ def test_precision_plugin_and_scaler_come_back_unchanged(kind):
 
 
 CHECKS = textwrap.dedent("""
+    import weakref
     from torch.nn.modules import module as nn_module
     from lightning_par import patches
     from lightning_par._compat import op_dispatcher, sharding_propagator
@@ -62,6 +65,21 @@ CHECKS = textwrap.dedent("""
                  and isinstance(getattr(nn_module, name), dict)}
         return {**tables, **hooks, "implicit replication": op_dispatcher()._allow_implicit_replication,
                 "patches": patches.pending(), "registered": (attention._registered, fused._registered)}
+
+    def held_by_package(objects):  # module-level names of lightning_par whose container holds one of objects
+        ids, found = {id(o) for o in objects}, []
+        for name, mod in list(sys.modules.items()):
+            if name.split(".")[0] != "lightning_par":
+                continue
+            for attr, value in list(vars(mod).items()):
+                if isinstance(value, (dict, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)):
+                    items = [*value.keys(), *value.values()]
+                elif isinstance(value, (list, set, frozenset, tuple, weakref.WeakSet)):
+                    items = list(value)
+                else:
+                    continue
+                found += [f"{name}.{attr}"] if any(id(i) in ids for i in items) else []
+        return found
 
     plugin = MixedPrecision("16-mixed", "cpu", scaler)
     before = (type(plugin), dict(vars(plugin)), type(scaler), set(vars(scaler)))
@@ -83,5 +101,17 @@ CHECKS = textwrap.dedent("""
     assert (type(plugin), dict(vars(plugin)), type(scaler), set(vars(scaler))) == before
     assert plugin.scaler is scaler
     assert strategy_of(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default) is rules_before
+    # the optimizer's step is its class's (under the wrapper torch's LR scheduler puts on it), and no step hook
+    # of the run is left on it
+    for opt in trainer.optimizers:
+        step = vars(opt).get("step")
+        assert step is None or getattr(step, "__wrapped__", None) is type(opt).step, step
+        assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    # no container of the package's modules (a cache, a registry) holds the module, its parts or its optimizer
+    assert not held_by_package([model, *model.modules(), *trainer.optimizers])
+    # a later Trainer of the same module (parallelized in place by the first) finds that out from the module
+    again = pl.Trainer(**trainer_kwargs(devices=1, strategy=make(), max_steps=1))
+    again.fit(model, DataLoader(DATA.train_set, batch_size=4))
+    assert global_state() == global_before and not held_by_package([model, *model.modules(), *again.optimizers])
     print("unchanged")
 """)

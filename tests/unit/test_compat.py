@@ -53,12 +53,6 @@ ALLOWED_ATTRIBUTES = {
     "_parameters", "_buffers", "_modules",
     "_exit",  # os._exit: public API of the os module (a worker that must not run atexit handlers)
     "_replace", "_fields", "_asdict",  # namedtuple's public API
-    # attributes of our own strategies (set by the Lightning base class), read by the engines that hold the
-    # strategy as ``s``: they go when the engines get the values they need passed in
-    "_timeout", "_forward_redirection",
-    # Lightning's and torch's markers that the optimizer-step wrappers of tensor/mixed.py and dp/zero.py carry over
-    # to the step they install, so that LR schedulers keep recognising a wrapped step
-    "_wrapped_by_lr_sched", "_opt_called",
 }
 
 
