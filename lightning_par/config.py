@@ -86,7 +86,9 @@ def strategy_schema(name: str, cls: type) -> type:
     [Note: strategy schemas are generated]
     A keyword added to a strategy's constructor is settable from the command line with no second edit:
     the schema is read off the signature when this module is imported, so its keys, defaults and
-    checkable types are the constructor's by construction (``tests/unit/test_configs.py`` checks it).
+    checkable types are the constructor's by construction (``tests/unit/test_configs.py`` checks it). Our
+    strategies' keywords are in turn the fields of their frozen option groups ([Note: flat keywords, grouped
+    options] in :mod:`lightning_par.options`; ``tests/unit/test_options.py`` checks the schemas against them).
     """
     hints = get_type_hints(cls.__init__)
     fields = [("_target_", str, field(default=f"{cls.__module__}.{cls.__qualname__}"))]

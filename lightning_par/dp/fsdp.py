@@ -114,26 +114,6 @@ def check_precision(precision: str, zero_stage: int) -> None:
                      f"`precision='bf16-mixed'` (no loss scaling needed) or `zero_stage=0` / `1`.")
 
 
-def check_ddp_options(zero_stage: int, **options: Any) -> None:
-    """Refuse DDP's options (``comm_hook``, buckets, ...) under stages 2 / 3: FSDP has no DDP reducer to apply
-    them to. Each option is compared with its default.
-
-    Example:
-        >>> check_ddp_options(3, comm_hook=None, static_graph=False)
-        >>> check_ddp_options(3, comm_hook="fp16")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: `zero_stage=3` shards with FSDP, which has no DDP communication hooks or buckets: ...
-    """
-    defaults = dict(comm_hook=None, find_unused_parameters=False, bucket_cap_mb=None, gradient_as_bucket_view=False,
-                    static_graph=False)
-    given = [f"{k}={v!r}" for k, v in options.items() if v != defaults[k]]
-    if given:
-        raise ValueError(f"`zero_stage={zero_stage}` shards with FSDP, which has no DDP communication hooks or "
-                         f"buckets: {', '.join(given)} cannot apply. Drop {'them' if len(given) > 1 else 'it'}, or "
-                         f"use zero_stage=0 or 1 (DDP).")
-
-
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     """FSDP's policy for Lightning's ``precision`` (see [Note: mixed precision under FSDP]).
 
@@ -287,5 +267,5 @@ def local_training_bytes(module: nn.Module, optimizers=()) -> dict[str, int]:
             "optimizer": sum(optimizer_state_bytes(o) for o in optimizers)}
 
 
-__all__ = ["PRECISIONS", "check_precision", "check_ddp_options", "mixed_precision_policy", "is_sharded",
+__all__ = ["PRECISIONS", "check_precision", "mixed_precision_policy", "is_sharded",
            "shard_module", "StepRunner", "StageShards", "reshard", "local_training_bytes"]

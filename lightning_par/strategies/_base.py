@@ -1,55 +1,27 @@
-"""What the strategies share: the checks of the arguments every strategy takes, and for the strategies that
-lay ranks out on a :class:`~lightning_par.topology.Topology` (pipeline, tensor) the layout, one process
-group per mesh axis and the checkpoint hooks (:mod:`lightning_par.strategies._checkpoint`).
+"""What the strategies share (the checks of their arguments are the option groups', in :mod:`lightning_par.options`),
+and for the strategies that lay ranks out on a :class:`~lightning_par.topology.Topology` (pipeline, tensor) the
+layout, one process group per mesh axis and the checkpoint hooks (:mod:`lightning_par.strategies._checkpoint`).
 """
 from __future__ import annotations
 
 import inspect
-import math
 import os
 import tempfile
-from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par._compat import multiprocessing_launcher
-from lightning_par.dp.zero import validate_zero_stage
 from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._checkpoint_io import AtomicSaves
-from lightning_par.strategies._materialize import HeldTensorsLauncher, MaterializingStrategy, check_weights
+from lightning_par.strategies._materialize import HeldTensorsLauncher, MaterializingStrategy
 from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.strategies._optimizer_step import OptimizerStep
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.strategies._waits import NamedWaits
 from lightning_par.topology import Topology
-
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
-
-def check_start_method(start_method: str) -> str:
-    if start_method not in START_METHODS:
-        raise ValueError(f"`start_method={start_method!r}` must be one of "
-                         f"{', '.join(repr(m) for m in START_METHODS)} ('popen' is Lightning's default; "
-                         f"'fork' starts CPU ranks fastest).")
-    return start_method
-
-
-def as_timeout(timeout: Union[float, timedelta]) -> timedelta:
-    """The collective timeout as a ``timedelta``: seconds or a ``timedelta``, finite and positive."""
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"`timeout={timeout!r}` must be a finite positive number of seconds (or a timedelta): "
-                         f"every collective must give up eventually. The default is 1800.0 (30 minutes).")
-    return timedelta(seconds=seconds)
-
-
-def check_zero_stage(zero_stage: int) -> int:
-    """``zero_stage`` is a ZeRO stage: one meaning on every strategy's data axis (:mod:`lightning_par.dp.zero`)."""
-    validate_zero_stage(zero_stage)
-    return zero_stage
 
 
 def size_names(cls: type) -> tuple[str, ...]:
@@ -66,12 +38,6 @@ def check_accumulation(trainer) -> None:
                          f"accumulation, k: one optimizer step every k batches).")
 
 
-def check_flags(**flags: Any) -> None:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"`{name}={value!r}` must be True or False.")
-
-
 class LayoutStrategy(OptimizerStep, CheckpointMixin, AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName,
                      MaterializingStrategy, DDPStrategy):
     """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
@@ -80,18 +46,19 @@ class LayoutStrategy(OptimizerStep, CheckpointMixin, AtomicSaves, NonFiniteCheck
     ``save_distributed_checkpoint=True`` a DCP directory; ``async_save=True`` writes in the background; both
     atomic), meta builds and ``weights=`` (:class:`MaterializingStrategy`), ``nonfinite`` and named waits."""
 
-    def __init__(self, *, save_distributed_checkpoint: bool, start_method: str, timeout: Union[float, timedelta],
-                 async_save: bool = False, weights=None, weights_prefix: str = "", accelerator=None,
-                 parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None,
-                 process_group_backend: Optional[str] = None, nonfinite: str = "error") -> None:
-        self._init_checkpointing(save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save)
-        check_weights(weights, weights_prefix)
-        self._set_nonfinite(nonfinite)
+    def __init__(self, options, *, accelerator=None, parallel_devices=None, cluster_environment=None,
+                 checkpoint_io=None, precision_plugin=None) -> None:
+        """``options``: the strategy's frozen groups, checked ([Note: flat keywords, grouped options] in
+        :mod:`lightning_par.options`); this base reads ``checkpointing``, ``weights``, ``steps`` and ``launch``."""
+        self._init_checkpointing(save_distributed_checkpoint=options.checkpointing.save_distributed_checkpoint,
+                                 async_save=options.checkpointing.async_save)
+        self._set_nonfinite(options.steps.nonfinite)
+        launch = options.launch
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         start_method=check_start_method(start_method), timeout=as_timeout(timeout))
-        self._set_weights(weights, weights_prefix)
+                         precision_plugin=precision_plugin, process_group_backend=launch.process_group_backend,
+                         start_method=launch.start_method, timeout=launch.collective_timeout)
+        self._set_weights(options.weights.weights, options.weights.weights_prefix)
         self._topology: Optional[Topology] = None
 
     @property

@@ -90,9 +90,6 @@ class CheckpointMixin:
     """Checkpoint hooks for a Lightning ``Strategy`` (see the module docstring for the interface)."""
 
     def _init_checkpointing(self, *, save_distributed_checkpoint: bool, async_save: bool) -> None:
-        for name, value in (("save_distributed_checkpoint", save_distributed_checkpoint), ("async_save", async_save)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}={value!r}` must be True or False.")
         self._save_distributed_checkpoint, self._async_save = save_distributed_checkpoint, async_save
         self._ckpt_source: Optional[str] = None  # a DCP directory being restored
         self._ckpt_where = "the checkpoint"

@@ -5,9 +5,9 @@ user's step run by Lightning as it is).
 
 [Note: engines behind one interface]
 An engine is built once per strategy (in ``setup_environment``, when the layout is known) from three frozen
-objects: :class:`EngineOptions` (the layout options, resolved for this layout), :class:`Groups` (the process
-groups and the mesh it needs) and :class:`Host` (the strategy's own services it calls back: weights, the precision
-subclass, Lightning's DDP setup). Beyond those it reads only the strategy's public Lightning attributes
+objects: :class:`EngineOptions` (the strategy's frozen option groups, resolved for this layout), :class:`Groups`
+(the process groups and the mesh it needs) and :class:`Host` (the strategy's own services it calls back: weights,
+the precision subclass, Lightning's DDP setup). Beyond those it reads only the strategy's public Lightning attributes
 (``lightning_module``, ``root_device``, ``precision_plugin``, ``topology``, ...), never its private ones. The
 strategy picks the engine class once and calls every hook through :class:`Engine`'s methods, with no
 ``isinstance``. A hook that Lightning's default implementation serves for one engine receives that default as
@@ -18,26 +18,44 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
+
+from lightning_par.options import PipelineOptions, ShardingOptions, TensorOptions
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """The layout options an engine runs with, resolved for the layout (``microbatches``: a number)."""
+    """The strategy's frozen option groups an engine reads (:mod:`lightning_par.options`), with what the layout
+    resolves in them: ``microbatches`` a number (2 x stages when not given), ``stages_per_rank`` 1 with one stage
+    (nothing to interleave)."""
 
-    zero_stage: int = 0
-    microbatches: int = 2
-    given_microbatches: Optional[int] = None  # as the user gave it (None: 2 x stages), checked against the batch
-    schedule: str = "1f1b"
-    stages_per_rank: int = 1
-    blocks: Optional[str] = None
-    balance: Union[str, tuple] = "params"
-    strict_batch_semantics: bool = False
-    plan: Union[str, Mapping[str, str]] = "auto"
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
+    pipeline: PipelineOptions = PipelineOptions()
+    tensor: TensorOptions = TensorOptions()
+    sharding: ShardingOptions = ShardingOptions()
+    stages: int = 1  # the layout's pipeline_parallel_size
+
+    @property
+    def microbatches(self) -> int:
+        return self.pipeline.microbatches or 2 * self.stages
+
+    @property
+    def given_microbatches(self) -> Optional[int]:  # as the user gave it (None: 2 x stages), checked against the batch
+        return self.pipeline.microbatches
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.pipeline.stages_per_rank if self.stages > 1 else 1
+
+    schedule = property(lambda self: self.pipeline.schedule)
+    blocks = property(lambda self: self.pipeline.blocks)
+    balance = property(lambda self: self.pipeline.balance)
+    strict_batch_semantics = property(lambda self: self.pipeline.strict_batch_semantics)
+    plan = property(lambda self: self.tensor.plan)
+    sequence_parallel = property(lambda self: self.tensor.sequence_parallel)
+    loss_parallel = property(lambda self: self.tensor.loss_parallel)
+    zero_stage = property(lambda self: self.sharding.zero_stage)
 
 
 @dataclass(frozen=True)

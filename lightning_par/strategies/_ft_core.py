@@ -27,36 +27,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par import _compat
 from lightning_par.dp import ft
+from lightning_par.options import one_replica_per_job
 from lightning_par.strategies._checkpoint import _unwrap
 from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
-
-
-def check_core_fault_tolerance(fault_tolerance: Optional[str], min_replicas: int, ft_timeout: float, *,
-                               zero_stage: int, data_parallel_size, nonfinite: str) -> None:
-    """The core's arguments checked at construction, before any process."""
-    ft.validate_fault_tolerance(fault_tolerance, min_replicas, ft_timeout, zero_stage=0, comm_hook=None,
-                                static_graph=False, lr_scaling="none")
-    if fault_tolerance is None:
-        return
-    if zero_stage != 0:
-        raise ValueError(f"`fault_tolerance='torchft'` does not support `zero_stage={zero_stage}` on the hybrid core: "
-                         f"ZeRO shards over the data-parallel axis, which under torchft is the set of live replica "
-                         f"groups (a lost group would take its shards along), and a recovering rank receives its "
-                         f"whole state from one peer. Use zero_stage=0.")
-    if data_parallel_size not in ("auto", 1):
-        raise ValueError(_one_replica_per_job(data_parallel_size))
-    if nonfinite == "skip":
-        raise ValueError("`fault_tolerance='torchft'` does not support `nonfinite='skip'` on the hybrid core: a group "
-                         "decides a skip on its own batch's loss, and the other groups would step without it (their "
-                         "weights would part silently). Use nonfinite='error' (a group that stops rejoins from a "
-                         "peer).")
-
-
-def _one_replica_per_job(size) -> str:
-    return (f"`fault_tolerance='torchft'` makes each torchrun job one replica group holding the whole pipeline x "
-            f"tensor-parallel model, so `data_parallel_size` inside a job must be 1 (got {size}): the replicas are "
-            f"the jobs (NUM_REPLICA_GROUPS). Launch one torchrun per replica group with --nproc-per-node = "
-            f"pipeline_parallel_size x tensor_parallel_size.")
 
 
 class FaultTolerantCore(FaultTolerantReplicas):
@@ -72,7 +45,7 @@ class FaultTolerantCore(FaultTolerantReplicas):
 
     def _configure_launcher(self) -> None:
         if self._fault_tolerance is not None and self._resolve().data_parallel_size != 1:
-            raise ValueError(_one_replica_per_job(self._resolve().data_parallel_size))
+            raise ValueError(one_replica_per_job(self._resolve().data_parallel_size))
         super()._configure_launcher()
 
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Generator, Mapping, Optional
+from typing import Generator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,15 +17,6 @@ from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
 from lightning_par.materialize import (assign_state, free_parameters, has_meta, initialize, is_meta, materialize,
                                        meta_parameters, move_real, open_module_weights, read_weights)
 from lightning_par.weights import WeightsReader
-
-
-def check_weights(weights: Any, weights_prefix: Any) -> None:
-    if weights is not None and not isinstance(weights, (str, os.PathLike)):
-        raise ValueError(f"`weights={weights!r}` must be a path (a safetensors file or sharded directory, a torch "
-                         f"state-dict file, a Lightning .ckpt or a torch.distributed.checkpoint directory) or None.")
-    if not isinstance(weights_prefix, str):
-        raise ValueError(f"`weights_prefix={weights_prefix!r}` must be a string: what the module's names have before "
-                         f"the file's (e.g. 'net.' for a LightningModule holding the model as `self.net`).")
 
 
 class MaterializingStrategy:
@@ -39,8 +30,7 @@ class MaterializingStrategy:
     _weights_read = False
     _restore_decision: Optional[bool] = None
 
-    def _set_weights(self, weights, weights_prefix: str) -> None:
-        check_weights(weights, weights_prefix)
+    def _set_weights(self, weights, weights_prefix: str) -> None:  # checked by WeightsOptions
         self._weights = None if weights is None else os.fspath(weights)
         self._weights_prefix = weights_prefix
 

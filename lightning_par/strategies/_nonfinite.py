@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_par.nonfinite import NonFiniteError, agree, check_nonfinite, find_nonfinite, message
+from lightning_par.nonfinite import NonFiniteError, agree, find_nonfinite, message
 
 
 class SkipStep(BaseException):
@@ -27,7 +27,7 @@ class NonFiniteChecks:
     _nonfinite = "error"
 
     def _set_nonfinite(self, nonfinite: str) -> None:
-        self._nonfinite = check_nonfinite(nonfinite)
+        self._nonfinite = nonfinite  # checked by StepOptions
         self.skipped_steps: list[int] = []  # global steps skipped by nonfinite="skip"
 
     def _check_finite(self, optimizer, loss) -> None:

@@ -24,8 +24,7 @@ receives the whole trained weights. Loss reporting is DDP's: rank-local.
 """
 from __future__ import annotations
 
-import datetime
-from typing import Any, Literal
+from typing import Any
 
 import torch.distributed
 from lightning.pytorch.strategies import DDPStrategy
@@ -34,10 +33,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
-from lightning_par.dp import comm_hooks, fsdp, ft, zero
+from lightning_par.dp import comm_hooks, fsdp, zero
 from lightning_par.materialize import move_real
-from lightning_par.strategies._base import (ConsolidatingLauncher, as_timeout, check_accumulation,
-                                           check_start_method)
+from lightning_par.options import DataParallelOptions, takes_options
+from lightning_par.strategies._base import ConsolidatingLauncher, check_accumulation
 from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
 from lightning_par.strategies._nonfinite import NonFiniteChecks
@@ -104,72 +103,30 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
     strategy_name = "data_parallel"
     strategy_description = "lightning_par data parallel (DDP + comm hooks, ZeRO-1, LR scaling)"
 
-    def __init__(
-        self,
-        *,
-        comm_hook: Literal["fp16", "bf16", "powersgd"] | None = None,
-        powersgd_rank: int = 1,
-        powersgd_start_iter: int = 1000,
-        zero_stage: int = 0,
-        lr_scaling: Literal["none", "linear", "sqrt"] = "none",
-        reference_batch_size: int | None = None,
-        weights: str | None = None,
-        weights_prefix: str = "",
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        timeout: float | datetime.timedelta = 1800.0,
-        nonfinite: Literal["error", "skip"] = "error",
-        find_unused_parameters: bool = False,
-        bucket_cap_mb: float | None = None,
-        gradient_as_bucket_view: bool = False,
-        static_graph: bool = False,
-        process_group_backend: str | None = None,
-        fault_tolerance: Literal["torchft"] | None = None,
-        min_replicas: int = 1,
-        ft_timeout: float = 60.0,
-        save_distributed_checkpoint: bool = False,
-        async_save: bool = False,
-    ) -> None:
-        # 1. validate everything before any process or collective exists
-        comm_hooks.validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
-        zero.validate_zero_stage(zero_stage)
-        if zero_stage >= 2:
-            fsdp.check_ddp_options(zero_stage, comm_hook=comm_hook, find_unused_parameters=find_unused_parameters,
-                                bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
-                                static_graph=static_graph)
-        scaling.validate_lr_scaling(lr_scaling, reference_batch_size)
-        ft.validate_fault_tolerance(fault_tolerance, min_replicas, ft_timeout, zero_stage=zero_stage,
-                                    comm_hook=comm_hook, static_graph=static_graph, lr_scaling=lr_scaling)
-        check_start_method(start_method)
-        self._set_nonfinite(nonfinite)
-        self._init_checkpointing(save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save)
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
-                                          or not bucket_cap_mb > 0):
-            raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB or None (DDP's "
-                             f"default: 25 MiB buckets after a 1 MiB first bucket).")
-        for name, value in (("find_unused_parameters", find_unused_parameters),
-                            ("gradient_as_bucket_view", gradient_as_bucket_view),
-                            ("static_graph", static_graph)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}={value!r}` must be True or False.")
-        # [Note: forcing DDP's unused-parameter search] in lightning_par.dp.ft
-        ddp_kwargs: dict[str, Any] = dict(find_unused_parameters=find_unused_parameters or bool(fault_tolerance),
-                                          gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
-        if bucket_cap_mb is not None:  # None leaves DDP's own bucketing (as Lightning's DDPStrategy does)
-            ddp_kwargs["bucket_cap_mb"] = float(bucket_cap_mb)
-        super().__init__(process_group_backend=process_group_backend, timeout=as_timeout(timeout),
-                         start_method=start_method, **ddp_kwargs)
-        self._comm_hook = comm_hook
-        self._powersgd_rank = powersgd_rank
-        self._powersgd_start_iter = powersgd_start_iter
-        self._zero_stage = zero_stage
-        self._set_weights(weights, weights_prefix)  # meta builds (zero_stage 2 / 3) and weights=: MaterializingStrategy
-        self._lr_scaling = lr_scaling
-        self._reference_batch_size = reference_batch_size
+    __init__ = takes_options(DataParallelOptions, plumbing=False)  # [Note: flat keywords, grouped options]
+
+    def _init_options(self, options: DataParallelOptions) -> None:
+        self._options = o = options  # frozen and checked, every group and across them
+        self._set_nonfinite(o.steps.nonfinite)
+        self._init_checkpointing(save_distributed_checkpoint=o.checkpointing.save_distributed_checkpoint,
+                                 async_save=o.checkpointing.async_save)
+        launch, fault_tolerance = o.launch, o.fault_tolerance
+        super().__init__(process_group_backend=launch.process_group_backend, timeout=launch.collective_timeout,
+                         start_method=launch.start_method,
+                         **o.replicas.ddp_kwargs(fault_tolerant=bool(fault_tolerance.fault_tolerance)))
+        self._comm_hook = o.replicas.comm_hook
+        self._powersgd_rank = o.replicas.powersgd_rank
+        self._powersgd_start_iter = o.replicas.powersgd_start_iter
+        self._zero_stage = o.sharding.zero_stage
+        self._set_weights(o.weights.weights, o.weights.weights_prefix)  # meta builds (zero_stage 2 / 3) and weights=
+        self._lr_scaling = o.lr_scaling.lr_scaling
+        self._reference_batch_size = o.lr_scaling.reference_batch_size
         self._lr_scale_factor: float | None = None
         self._restore_loader = lambda: None
         self._fsdp_units: list[str] | None = None  # set once the module is sharded (zero_stage >= 2)
         self._steps: fsdp.StepRunner | None = None
-        self._init_fault_tolerance(fault_tolerance, min_replicas, ft_timeout)
+        self._init_fault_tolerance(fault_tolerance.fault_tolerance, fault_tolerance.min_replicas,
+                                   fault_tolerance.ft_timeout)
 
     # -- public state -------------------------------------------------------------------------------
 

@@ -27,25 +27,23 @@ interface ([Note: engines behind one interface] in :mod:`~lightning_par.strategi
 """
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
 from lightning_par.dp import fsdp, zero
-from lightning_par.pipeline.options import check_layout, check_options
+from lightning_par.options import CoreOptions, takes_options
+from lightning_par.pipeline.options import check_layout
 from lightning_par.pipeline.stage import StageRuntime
-from lightning_par.strategies._base import (LayoutStrategy, check_accumulation, check_flags, check_zero_stage,
-                                           size_names)
+from lightning_par.strategies._base import LayoutStrategy, check_accumulation, size_names
 from lightning_par.strategies._engine import Engine, EngineOptions, Groups, Host
-from lightning_par.strategies._ft_core import FaultTolerantCore, check_core_fault_tolerance
+from lightning_par.strategies._ft_core import FaultTolerantCore
 from lightning_par.strategies._pipeline_engine import PipelineEngine
 from lightning_par.strategies._spmd_engine import SpmdEngine
 from lightning_par.tensor.mixed import split_step_by_kind
-from lightning_par.tensor.plan import check_user_plan
 from lightning_par.tensor.rules import restore_rules
-from lightning_par.topology import ORDERS, Topology, check_sizes, keep_loader_on_one_process
+from lightning_par.topology import ORDERS, Topology, keep_loader_on_one_process
 
 
 class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
@@ -73,71 +71,19 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
     strategy_description = "lightning_par data × pipeline × tensor parallel (unchanged module)"
     _model_axis: Optional[str] = None  # the axis an "auto" size fills (the presets: "pp" or "tp")
 
-    def __init__(
-        self,
-        *,
-        data_parallel_size: Union[int, str] = "auto",
-        pipeline_parallel_size: Union[int, str] = 1,
-        tensor_parallel_size: Union[int, str] = 1,
-        zero_stage: int = 0,
-        mesh_order: str = "pp_dp_tp",
-        microbatches: Optional[int] = None,
-        schedule: str = "1f1b",
-        stages_per_rank: int = 1,
-        blocks: Optional[str] = None,
-        balance: Union[str, Sequence[int]] = "params",
-        strict_batch_semantics: bool = False,
-        plan: Union[str, Mapping[str, str]] = "auto",
-        sequence_parallel: bool = False,
-        loss_parallel: bool = False,
-        weights: Optional[str] = None,
-        weights_prefix: str = "",
-        nonfinite: str = "error",
-        fault_tolerance: Optional[str] = None,
-        min_replicas: int = 1,
-        ft_timeout: float = 60.0,
-        save_distributed_checkpoint: bool = False,
-        async_save: bool = False,
-        start_method: str = "popen",
-        timeout: Union[float, timedelta] = 1800.0,
-        accelerator=None,
-        parallel_devices=None,
-        cluster_environment=None,
-        checkpoint_io=None,
-        precision_plugin=None,
-        process_group_backend: Optional[str] = None,
-    ):
-        check_sizes(pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
-                    tensor_parallel_size=tensor_parallel_size)
-        check_options(microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank, blocks=blocks,
-                      balance=balance, strict_batch_semantics=strict_batch_semantics)
-        check_core_fault_tolerance(fault_tolerance, min_replicas, ft_timeout, zero_stage=zero_stage,
-                                   data_parallel_size=data_parallel_size, nonfinite=nonfinite)
-        check_zero_stage(zero_stage)
-        check_flags(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        if mesh_order not in ORDERS:
-            raise ValueError(f"`mesh_order={mesh_order!r}` must be one of {sorted(ORDERS)}: 'pp_dp_tp' (pipelines "
-                             f"span nodes, as Megatron and torchtitan) or 'dp_pp_tp' (replicas span nodes).")
-        self._plan_arg = check_user_plan(plan) if plan != "auto" else plan
-        super().__init__(
-            save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method, timeout=timeout,
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-            nonfinite=nonfinite, weights=weights, weights_prefix=weights_prefix, async_save=async_save,
-        )
-        self._sizes = {"data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
-                       "tensor_parallel_size": tensor_parallel_size}
-        self._order, self._zero_stage = ORDERS[mesh_order], zero_stage
-        self._microbatches, self._schedule, self._stages_per_rank = microbatches, schedule, stages_per_rank
-        self._blocks, self._balance = blocks, list(balance) if not isinstance(balance, str) else balance
-        self._strict_batch_semantics = strict_batch_semantics  # [Note: losses that couple samples]
-        self._sequence_parallel, self._loss_parallel = sequence_parallel, loss_parallel
+    __init__ = takes_options(CoreOptions)  # every option a keyword: [Note: flat keywords, grouped options]
+
+    def _init_options(self, options: CoreOptions, **plumbing: Any) -> None:
+        super().__init__(options, **plumbing)
+        self._options = options  # frozen; the engine's options are built from its groups
+        self._order = ORDERS[options.layout.mesh_order]
         self._groups = Groups()
         self._engine: Optional[Engine] = None  # chosen with the layout (setup_environment)
         self._user_precision = None  # the precision plugin this run got, given back at teardown
         self._restore_loader = lambda: None
         self._step_hooks: list = []  # split_step_by_kind's optimizer hooks of this run, taken out at teardown
-        self._init_fault_tolerance(fault_tolerance, min_replicas, ft_timeout)
+        f = options.fault_tolerance
+        self._init_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout)
 
     # -- layout -----------------------------------------------------------------------------------
     @property
@@ -180,38 +126,33 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
 
     def _sharded_replicas(self) -> bool:
         """zero_stage 2 / 3 with several replicas: FSDP2 over the ``dp`` axis."""
-        return self._zero_stage >= 2 and self.topology.data_parallel_size > 1
-
-    def _num_microbatches(self) -> int:
-        return self._microbatches or 2 * self.topology.pipeline_parallel_size
+        return self._options.sharding.zero_stage >= 2 and self.topology.data_parallel_size > 1
 
     def _resolve(self) -> Topology:
         world = self.num_nodes * len(self.parallel_devices or [None])
         return Topology.resolve(world, model_axis=self._model_axis, order=self._order, named=size_names(type(self)),
-                                **self._sizes)
+                                **self._options.layout.sizes)
 
     def _configure_launcher(self) -> None:  # in the launching process: bad sizes fail before any process starts
         self._resolve()
-        if self._zero_stage >= 2:  # FSDP's precisions ([Note: mixed precision under FSDP] in dp/fsdp.py)
-            fsdp.check_precision(self.precision_plugin.precision, self._zero_stage)
+        zero_stage = self._options.sharding.zero_stage
+        if zero_stage >= 2:  # FSDP's precisions ([Note: mixed precision under FSDP] in dp/fsdp.py)
+            fsdp.check_precision(self.precision_plugin.precision, zero_stage)
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
         self._topology = topo = self._resolve()
         pp = topo.pipeline_parallel_size
         pipelined = pp > 1 or self._model_axis == "pp"
-        check_layout(schedule=self._schedule, microbatches=self._microbatches, pipeline_parallel_size=pp)
+        pipeline = self._options.pipeline
+        check_layout(schedule=pipeline.schedule, microbatches=pipeline.microbatches, pipeline_parallel_size=pp)
         super().setup_environment()
         if self._engine is not None:  # a later fit / validate / test of the same Trainer keeps the installed stage
             return
         engine = PipelineEngine if pipelined else SpmdEngine
         self._groups = groups = self._build_groups(pipelined)
-        options = EngineOptions(
-            zero_stage=self._zero_stage, microbatches=self._num_microbatches(), given_microbatches=self._microbatches,
-            schedule=self._schedule, stages_per_rank=self._stages_per_rank if pp > 1 else 1,  # one stage: nothing
-            blocks=self._blocks, strict_batch_semantics=self._strict_batch_semantics,  # to interleave
-            balance=self._balance if isinstance(self._balance, str) else tuple(self._balance), plan=self._plan_arg,
-            sequence_parallel=self._sequence_parallel, loss_parallel=self._loss_parallel)
+        o = self._options
+        options = EngineOptions(pipeline=o.pipeline, tensor=o.tensor, sharding=o.sharding, stages=pp)
         host = Host(open_weights=self._open_weights, place_share=self._place_share,
                     install_precision=self._install_precision, record_one_device_order=self._record_one_device_order,
                     lightning_setup=super().setup, lightning_teardown=super().teardown,
@@ -229,7 +170,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
             pp = self._new_groups("pp")
             # activations up, gradients down, and with several chunks per rank the same to a lower / higher
             # rank (the ring wraps around): [Note: one direction per group] in pipeline/p2p.py
-            chunks = self._stages_per_rank if topo.pipeline_parallel_size > 1 else 1
+            chunks = self._options.pipeline.stages_per_rank if topo.pipeline_parallel_size > 1 else 1
             p2p = tuple(self._new_groups("pp") for _ in range(2 if chunks == 1 else 4))
             result = self._new_groups("pp")  # the last stage's step results: [Note: result mailbox]
         mesh = tp = None
@@ -254,7 +195,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
-        if self._zero_stage == 1 and self.topology.data_parallel_size > 1:  # [Note: ZeRO on the core's data axis]
+        zero_stage = self._options.sharding.zero_stage
+        if zero_stage == 1 and self.topology.data_parallel_size > 1:  # [Note: ZeRO on the core's data axis]
             self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs, self._groups.dp)
         if self._groups.mesh is not None:  # DTensor and plain parameters stepped apart ([Note: mixed DTensor ...])
             self._step_hooks = [split_step_by_kind(zero.local_optimizer(

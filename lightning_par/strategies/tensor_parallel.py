@@ -17,12 +17,8 @@ by :func:`lightning_par.tensor.mixed.average_grads` instead), so DDP's hooks sta
 """
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Literal, Mapping, Optional, Union
-
+from lightning_par.options import CoreOptions, takes_options
 from lightning_par.strategies.hybrid_parallel import HybridParallelStrategy
-
-Size = Union[int, Literal["auto"]]
 
 
 class TensorParallelStrategy(HybridParallelStrategy):
@@ -54,42 +50,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
     strategy_description = "lightning_par tensor parallel (DTensor, auto Megatron plan)"
     _model_axis = "tp"
 
-    def __init__(
-        self,
-        *,
-        tensor_parallel_size: Size = "auto",
-        data_parallel_size: Size = "auto",
-        plan: Union[str, Mapping[str, str]] = "auto",
-        sequence_parallel: bool = False,
-        loss_parallel: bool = False,
-        zero_stage: int = 0,
-        weights: Optional[str] = None,
-        weights_prefix: str = "",
-        nonfinite: str = "error",
-        fault_tolerance: Optional[str] = None,
-        min_replicas: int = 1,
-        ft_timeout: float = 60.0,
-        save_distributed_checkpoint: bool = False,
-        async_save: bool = False,
-        start_method: str = "popen",
-        timeout: Union[float, int, timedelta] = 1800.0,
-        process_group_backend: Optional[str] = None,
-        accelerator=None,
-        parallel_devices=None,
-        cluster_environment=None,
-        checkpoint_io=None,
-        precision_plugin=None,
-    ) -> None:
-        super().__init__(
-            data_parallel_size=data_parallel_size, pipeline_parallel_size=1, tensor_parallel_size=tensor_parallel_size,
-            zero_stage=zero_stage, plan=plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-            nonfinite=nonfinite, fault_tolerance=fault_tolerance, min_replicas=min_replicas, ft_timeout=ft_timeout,
-            weights=weights, weights_prefix=weights_prefix, async_save=async_save,
-            save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
-            timeout=timeout,
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-        )
-
+    # the core with one stage ([Note: flat keywords, grouped options] in lightning_par.options)
+    __init__ = takes_options(CoreOptions, fixed={"pipeline_parallel_size": 1},
+                             defaults={"tensor_parallel_size": "auto"}, without=("pipeline",))
 
 __all__ = ["TensorParallelStrategy"]
