@@ -35,7 +35,9 @@ class LitT5(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         src, tgt = batch
-        return self.model(input_ids=src, labels=tgt).loss
+        # use_cache=False, as Hugging Face's own gradient checkpointing forces: a block that appends to a KV cache
+        # would find its own entries there when it recomputes (docs/limitations.md)
+        return self.model(input_ids=src, labels=tgt, use_cache=False).loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, eps=1e-6)
