@@ -59,6 +59,8 @@ LAYOUTS = {  # name: (strategy class, its keywords, devices)
     "tp2": (TensorParallelStrategy, {"tensor_parallel_size": 2}, 2),
     "pp2_tp2": (HybridParallelStrategy, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2,
                                          "data_parallel_size": 1, "microbatches": 4}, 4),
+    "pp2_dp2_zero3": (HybridParallelStrategy, {"pipeline_parallel_size": 2, "data_parallel_size": 2,
+                                               "zero_stage": 3, "microbatches": 2}, 4),
 }
 _WITHOUT: dict = {}  # (model, layout): the records of the run without checkpointing, once per session
 
@@ -95,7 +97,8 @@ def assert_equal_runs(expected: list[dict], got: list[dict], steps: int = STEPS)
 CASES = [("gpt", "one_device", "full"), ("gpt", "dp2", "full"), ("gpt", "dp2", 2), ("gpt", "dp2", "selective"),
          ("gpt", "dp2_zero3", "full"), ("gpt", "pp2_1f1b", "full"), ("gpt", "pp2_1f1b", "selective"),
          ("gpt", "pp2_interleaved", "full"), ("gpt", "pp2_zero_bubble", "full"), ("gpt", "tp2", "full"),
-         ("gpt", "tp2", "selective"), ("gpt", "pp2_tp2", "full"), ("llama", "pp2_1f1b", "full"),
+         ("gpt", "tp2", "selective"), ("gpt", "pp2_tp2", "full"), ("gpt", "pp2_dp2_zero3", "full"),
+         ("llama", "pp2_1f1b", "full"),
          ("llama", "tp2", "full"), ("t5", "pp2_1f1b", "full"), ("t5", "tp2", "full")]
 
 
