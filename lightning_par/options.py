@@ -1,6 +1,6 @@
-"""The strategies' options, each defined once: frozen groups (layout, pipeline, tensor, sharding, DDP replicas,
-learning-rate scaling, weights, steps, fault tolerance, checkpointing, launch), each with its fields' types and
-defaults and the check of its own values, composed per strategy (:class:`CoreOptions`,
+"""The strategies' options, each defined once: frozen groups (layout, pipeline, tensor, sharding, block stack,
+memory, DDP replicas, learning-rate scaling, weights, steps, fault tolerance, checkpointing, launch), each with its
+fields' types and defaults and the check of its own values, composed per strategy (:class:`CoreOptions`,
 :class:`DataParallelOptions`) and spelled as flat keywords by the constructors (:func:`takes_options`).
 
     >>> o = CoreOptions.from_flat({"microbatches": 8, "zero_stage": 1})
@@ -31,8 +31,9 @@ Why flat keywords over group arguments (``pipeline=PipelineOptions(...)``): ever
 change, and the command line would read ``strategy.pipeline.microbatches``; with the mapping by name the flat
 spelling costs nothing. The cost: an editor that reads source rather than ``inspect.signature`` shows
 ``**options`` (``help()`` and the docs tables show the keywords). A new option is one field in its group (and a
-row in docs/strategies.md); a new group, e.g. the memory options (``activation_checkpointing``, ``offload``), is
-one frozen dataclass here and one field of each composite that takes it, beside ``sharding``.
+row in docs/strategies.md); a new group is one frozen dataclass here and one field of each composite that takes
+it. A group one composite extends is a subclass (DataParallelStrategy's memory group adds ``offload`` to the
+core's ``activation_checkpointing``); an option two composites need (``blocks``) is a group of its own.
 """
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ import os
 from datetime import timedelta
 from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_type_hints
 
-from lightning_par.dp import comm_hooks, ft, lr_scaling, zero
+from lightning_par.dp import comm_hooks, fsdp, ft, lr_scaling, zero
+from lightning_par.memory.checkpointing import check_activation_checkpointing
 from lightning_par.nonfinite import check_nonfinite
-from lightning_par.pipeline.options import check_options
+from lightning_par.pipeline.options import check_blocks, check_options
 from lightning_par.tensor.plan import check_user_plan
 from lightning_par.topology import ORDERS, check_sizes
 
@@ -118,13 +120,12 @@ class PipelineOptions:
     microbatches: Optional[int] = None  # None: 2 x pipeline_parallel_size
     schedule: str = "1f1b"
     stages_per_rank: int = 1
-    blocks: Optional[str] = None
     balance: Union[str, Sequence[int]] = "params"  # a list is kept as a tuple
     strict_batch_semantics: bool = False  # [Note: losses that couple samples] in lightning_par.pipeline.coupling
 
     def __post_init__(self) -> None:
         check_options(microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank,
-                      blocks=self.blocks, balance=self.balance, strict_batch_semantics=self.strict_batch_semantics)
+                      balance=self.balance, strict_batch_semantics=self.strict_batch_semantics)
         if not isinstance(self.balance, str):
             object.__setattr__(self, "balance", tuple(self.balance))
 
@@ -151,6 +152,35 @@ class ShardingOptions:
 
     def __post_init__(self) -> None:
         zero.validate_zero_stage(self.zero_stage)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockOptions:
+    """The block stack (None: found, :func:`~lightning_par.pipeline.discovery.find_blocks`; or its dotted name):
+    the pipeline's cut points, the units activation checkpointing recomputes and FSDP shards."""
+
+    blocks: Optional[str] = None
+    def __post_init__(self) -> None:
+        check_blocks(self.blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryOptions:
+    """Activation memory: which blocks recompute their forward in backward (:mod:`lightning_par.memory`)."""
+
+    activation_checkpointing: Union[None, int, str] = None  # None | "full" | k (every k-th block) | "selective"
+    def __post_init__(self) -> None:
+        check_activation_checkpointing(self.activation_checkpointing)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelMemoryOptions(MemoryOptions):
+    """:class:`MemoryOptions` and FSDP's CPU offload (``zero_stage=3`` only: :class:`DataParallelOptions`)."""
+    offload: Optional[Literal["cpu"]] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fsdp.check_offload(self.offload)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,6 +341,8 @@ class CoreOptions(Options):
     pipeline: PipelineOptions = PipelineOptions()
     tensor: TensorOptions = TensorOptions()
     sharding: ShardingOptions = ShardingOptions()
+    stack: BlockOptions = BlockOptions()
+    memory: MemoryOptions = MemoryOptions()
     weights: WeightsOptions = WeightsOptions()
     steps: StepOptions = StepOptions()
     fault_tolerance: FaultToleranceOptions = FaultToleranceOptions()
@@ -327,6 +359,8 @@ class DataParallelOptions(Options):
 
     replicas: ReplicaOptions = ReplicaOptions()
     sharding: ShardingOptions = ShardingOptions()
+    stack: BlockOptions = BlockOptions()
+    memory: DataParallelMemoryOptions = DataParallelMemoryOptions()
     lr_scaling: LrScalingOptions = LrScalingOptions()
     weights: WeightsOptions = WeightsOptions()
     steps: StepOptions = StepOptions()
@@ -341,6 +375,7 @@ class DataParallelOptions(Options):
             raise ValueError(f"`zero_stage={zero_stage}` shards with FSDP, which has no DDP communication hooks or "
                              f"buckets: {given} cannot apply. Drop {'them' if len(changed) > 1 else 'it'}, or "
                              f"use zero_stage=0 or 1 (DDP).")
+        fsdp.check_offload_stage(self.memory.offload, zero_stage)
         f = self.fault_tolerance
         ft.validate_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout, zero_stage=zero_stage,
                                     comm_hook=self.replicas.comm_hook, static_graph=self.replicas.static_graph,

@@ -8,7 +8,7 @@ from lightning_par.pipeline.partition import BALANCES
 from lightning_par.pipeline.schedules import SCHEDULES
 
 
-def check_options(*, microbatches: Optional[int], schedule: str, stages_per_rank: int, blocks: Optional[str],
+def check_options(*, microbatches: Optional[int], schedule: str, stages_per_rank: int,
                   balance: Union[str, Sequence[int]], strict_batch_semantics: bool = False) -> None:
     """A ``ValueError`` naming the value and the fix for a bad pipeline option."""
     if not isinstance(strict_batch_semantics, bool):
@@ -31,13 +31,17 @@ def check_options(*, microbatches: Optional[int], schedule: str, stages_per_rank
             f"`stages_per_rank={stages_per_rank}` needs `schedule='interleaved_1f1b'`; `{schedule}` runs one stage "
             f"per rank."
         )
-    if blocks is not None and (not isinstance(blocks, str) or not blocks):
-        raise ValueError(f"`blocks={blocks!r}` must be the dotted name of the block container, e.g. 'model.layers'.")
     if isinstance(balance, str):
         if balance not in BALANCES:
             raise ValueError(f"`balance={balance!r}` must be one of {BALANCES} or a list of blocks per stage.")
     elif not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in balance):
         raise ValueError(f"`balance={list(balance)!r}` must list positive block counts, one per stage.")
+
+
+def check_blocks(blocks: Optional[str]) -> None:
+    """``blocks``: None (found) or the dotted name of the block stack (the pipeline's, FSDP's units, recompute's)."""
+    if blocks is not None and (not isinstance(blocks, str) or not blocks):
+        raise ValueError(f"`blocks={blocks!r}` must be the dotted name of the block container, e.g. 'model.layers'.")
 
 
 def check_layout(*, schedule: str, microbatches: Optional[int], pipeline_parallel_size: int) -> None:

@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from lightning_par.options import PipelineOptions, ShardingOptions, TensorOptions
+from lightning_par.memory.checkpointing import Checkpointed, apply_activation_checkpointing
+from lightning_par.options import BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, TensorOptions
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class EngineOptions:
     pipeline: PipelineOptions = PipelineOptions()
     tensor: TensorOptions = TensorOptions()
     sharding: ShardingOptions = ShardingOptions()
+    stack: BlockOptions = BlockOptions()
+    memory: MemoryOptions = MemoryOptions()  # lightning_par.memory.checkpointing
     stages: int = 1  # the layout's pipeline_parallel_size
 
     @property
@@ -49,13 +52,14 @@ class EngineOptions:
         return self.pipeline.stages_per_rank if self.stages > 1 else 1
 
     schedule = property(lambda self: self.pipeline.schedule)
-    blocks = property(lambda self: self.pipeline.blocks)
+    blocks = property(lambda self: self.stack.blocks)
     balance = property(lambda self: self.pipeline.balance)
     strict_batch_semantics = property(lambda self: self.pipeline.strict_batch_semantics)
     plan = property(lambda self: self.tensor.plan)
     sequence_parallel = property(lambda self: self.tensor.sequence_parallel)
     loss_parallel = property(lambda self: self.tensor.loss_parallel)
     zero_stage = property(lambda self: self.sharding.zero_stage)
+    activation_checkpointing = property(lambda self: self.memory.activation_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class Engine:
     plan = None  # the tensor plan this rank applied
     stand_ins = None  # the trace's stand-ins of a meta-built module
     runner = None  # the schedule runner (the pipeline engine)
+    checkpointed: Optional[Checkpointed] = None  # the blocks activation_checkpointing recomputes
 
     def __init__(self, strategy, options: EngineOptions, groups: Groups, host: Host) -> None:
         self.strategy, self.options, self.groups, self.host = strategy, options, groups, host
@@ -107,6 +112,18 @@ class Engine:
 
     def install(self) -> None:
         """``configure_ddp`` (DDPStrategy.setup, before the optimizers): what must exist before them."""
+
+    def checkpoint_blocks(self, module: torch.nn.Module, blocks: Optional[str]) -> None:
+        """``activation_checkpointing`` on ``module``'s block stacks (``blocks``: the main one's name), taken out at
+        teardown (:mod:`lightning_par.memory.checkpointing`)."""
+        self.uncheckpoint_blocks()
+        self.checkpointed = apply_activation_checkpointing(module, self.options.activation_checkpointing,
+                                                           blocks=blocks, owner=type(self.strategy).__name__)
+
+    def uncheckpoint_blocks(self) -> None:
+        if self.checkpointed is not None:
+            self.checkpointed.undo()
+            self.checkpointed = None
 
     def use_replica_average(self, average: Callable) -> None:
         """torchft: gradients are averaged over the live replica groups with ``average`` (a flat tensor, in place)."""
@@ -157,6 +174,7 @@ class Engine:
         """After forward-only passes and before checkpoints: the module at rest."""
 
     def teardown(self) -> None:
+        self.uncheckpoint_blocks()
         self.host.lightning_teardown()
 
 

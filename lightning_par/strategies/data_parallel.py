@@ -45,6 +45,7 @@ from lightning_par.strategies._waits import NamedWaits
 from lightning_par.dp import lr_scaling as scaling
 from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._materialize import MaterializingStrategy
+from lightning_par.strategies._memory import ActivationMemory
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology, keep_loader_on_one_process
 
@@ -62,7 +63,7 @@ def _step_through_root(name: str, context: str):
 
 
 class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin, AtomicSaves, NonFiniteChecks,
-                           NamedWaits, RegisteredByName, MaterializingStrategy, DDPStrategy):
+                           NamedWaits, RegisteredByName, MaterializingStrategy, ActivationMemory, DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -75,6 +76,8 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
       parameters gathered once per step) or ``3`` (FSDP2: parameters sharded as well, gathered per block in
       forward and again in backward); see [Note: what stages 2 and 3 keep and shard] in
       :mod:`lightning_par.dp.fsdp`. Stages 2 and 3 take no DDP option (comm hook, buckets...).
+    - ``activation_checkpointing`` (``None``, ``"full"``, k, ``"selective"``; ``blocks``: the stack's name, also
+      FSDP's units) and ``offload="cpu"`` (``zero_stage=3`` on CUDA): :mod:`lightning_par.strategies._memory`.
     - ``save_distributed_checkpoint``: ``False`` (one file in one device's format) or ``True`` (a DCP
       directory, each rank writing its shards); ``async_save``: write in the background. Either loads under
       any layout (:mod:`lightning_par.strategies._checkpoint`).
@@ -181,6 +184,7 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
         check_accumulation(trainer)
         # [Note: one process keeps the user's loader] in lightning_par/topology.py
         self._restore_loader = keep_loader_on_one_process(trainer, self.distributed_sampler_kwargs["num_replicas"])
+        self._checkpoint_blocks()  # activation_checkpointing, before DDP / FSDP wrap the blocks (strategies/_memory.py)
         if self._zero_stage < 2:
             super().setup(trainer)
             return self._join_replicas()
@@ -195,7 +199,7 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
         mesh = Topology.resolve(self.world_size, data_parallel_size=self.world_size).build_mesh(
             self.root_device.type, timeout=self._timeout)["dp"]
         self._fsdp_units = fsdp.shard_module(module, mesh, zero_stage=self._zero_stage,
-                                             precision=self.precision_plugin.precision)
+                                             precision=self.precision_plugin.precision, **self._shard_options(module))
         if not sharded:
             self._place_share(module, reader)  # each rank's FSDP shards: storage, init, weights=
         self._steps = fsdp.StepRunner(module)
@@ -235,6 +239,7 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
     def teardown(self) -> None:
         self._stop_replica()
         self._restore_loader()
+        self._uncheckpoint_blocks()
         if self._fsdp_units is None:
             return super().teardown()
         # As Lightning's ModelParallelStrategy: the sharded module stays where it is (see TensorParallelStrategy).

@@ -53,9 +53,10 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
 
     Every pipeline option (``microbatches``, ``schedule``, ``stages_per_rank``, ``blocks``, ``balance``,
     ``strict_batch_semantics``: refuse a loss that micro-batching changes, see [Note: losses that couple samples]
-    in :mod:`lightning_par.pipeline.coupling`, instead of warning) and
-    tensor option (``plan``, ``sequence_parallel``, ``loss_parallel``) of the two presets; with one stage the
-    pipeline options are accepted and ignored, so one config spans layouts. With several stages under
+    in :mod:`lightning_par.pipeline.coupling`, instead of warning), tensor option (``plan``, ``sequence_parallel``,
+    ``loss_parallel``) and ``activation_checkpointing`` (:mod:`lightning_par.memory`) of the presets; with one stage the
+    pipeline options are accepted and ignored, so one config spans layouts (``blocks`` still names the stack that
+    ``activation_checkpointing`` recomputes). With several stages under
     ``sequence_parallel`` each tensor-parallel rank sends only its sequence chunk to the next stage
     ([Note: sequence-sharded stage boundaries] in :mod:`lightning_par.tensor.boundary`), and under
     ``loss_parallel`` the last stage computes the loss on vocabulary shards. With data-parallel replicas every
@@ -84,6 +85,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         self._step_hooks: list = []  # split_step_by_kind's optimizer hooks of this run, taken out at teardown
         f = options.fault_tolerance
         self._init_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout)
+
+    _ac = property(lambda self: self._options.memory.activation_checkpointing)  # the setting, from the group
 
     # -- layout -----------------------------------------------------------------------------------
     @property
@@ -152,7 +155,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         engine = PipelineEngine if pipelined else SpmdEngine
         self._groups = groups = self._build_groups(pipelined)
         o = self._options
-        options = EngineOptions(pipeline=o.pipeline, tensor=o.tensor, sharding=o.sharding, stages=pp)
+        options = EngineOptions(pipeline=o.pipeline, tensor=o.tensor, sharding=o.sharding, stack=o.stack,
+                                memory=o.memory, stages=pp)
         host = Host(open_weights=self._open_weights, place_share=self._place_share,
                     install_precision=self._install_precision, record_one_device_order=self._record_one_device_order,
                     lightning_setup=super().setup, lightning_teardown=super().teardown,

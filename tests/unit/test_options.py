@@ -15,7 +15,8 @@ from lightning_par.strategies._engine import EngineOptions
 # The keywords (and defaults) each constructor took when its signature was written out by hand.
 TODAY = {
     DataParallelStrategy: dict(
-        comm_hook=None, powersgd_rank=1, powersgd_start_iter=1000, zero_stage=0, lr_scaling="none",
+        comm_hook=None, powersgd_rank=1, powersgd_start_iter=1000, zero_stage=0, offload=None,
+        activation_checkpointing=None, blocks=None, lr_scaling="none",
         reference_batch_size=None, weights=None, weights_prefix="", start_method="popen", timeout=1800.0,
         nonfinite="error", find_unused_parameters=False, bucket_cap_mb=None, gradient_as_bucket_view=False,
         static_graph=False, process_group_backend=None, fault_tolerance=None, min_replicas=1, ft_timeout=60.0,
@@ -23,23 +24,27 @@ TODAY = {
     HybridParallelStrategy: dict(
         data_parallel_size="auto", pipeline_parallel_size=1, tensor_parallel_size=1, zero_stage=0,
         mesh_order="pp_dp_tp", microbatches=None, schedule="1f1b", stages_per_rank=1, blocks=None, balance="params",
-        strict_batch_semantics=False, plan="auto", sequence_parallel=False, loss_parallel=False, weights=None,
+        strict_batch_semantics=False, plan="auto", sequence_parallel=False, loss_parallel=False,
+        activation_checkpointing=None, weights=None,
         weights_prefix="", nonfinite="error", fault_tolerance=None, min_replicas=1, ft_timeout=60.0,
         save_distributed_checkpoint=False, async_save=False, start_method="popen", timeout=1800.0,
         process_group_backend=None),
     PipelineParallelStrategy: dict(
         pipeline_parallel_size="auto", data_parallel_size="auto", microbatches=None, schedule="1f1b",
-        stages_per_rank=1, blocks=None, balance="params", strict_batch_semantics=False, zero_stage=0, weights=None,
+        stages_per_rank=1, blocks=None, balance="params", strict_batch_semantics=False,
+        activation_checkpointing=None, zero_stage=0, weights=None,
         weights_prefix="", nonfinite="error", fault_tolerance=None, min_replicas=1, ft_timeout=60.0,
         save_distributed_checkpoint=False, async_save=False, start_method="popen", timeout=1800.0,
         process_group_backend=None),
     TensorParallelStrategy: dict(
         tensor_parallel_size="auto", data_parallel_size="auto", plan="auto", sequence_parallel=False,
-        loss_parallel=False, zero_stage=0, weights=None, weights_prefix="", nonfinite="error", fault_tolerance=None,
+        loss_parallel=False, activation_checkpointing=None, zero_stage=0, weights=None, weights_prefix="",
+        nonfinite="error", fault_tolerance=None,
         min_replicas=1, ft_timeout=60.0, save_distributed_checkpoint=False, async_save=False, start_method="popen",
         timeout=1800.0, process_group_backend=None),
 }
-ADDED = {PipelineParallelStrategy: {"mesh_order"}, TensorParallelStrategy: {"mesh_order"}}  # the core's, now taken
+ADDED = {PipelineParallelStrategy: {"mesh_order"},  # the core's, now taken
+         TensorParallelStrategy: {"mesh_order", "blocks"}}  # blocks: the stack activation_checkpointing recomputes
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
 COMPOSITE = {DataParallelStrategy: options.DataParallelOptions}  # the others: CoreOptions
@@ -110,6 +115,9 @@ def test_a_preset_fixes_the_size_its_name_excludes_and_nothing_else(preset):
     (options.LaunchOptions, dict(timeout=-1), r"`timeout=-1` must be a finite positive number of seconds"),
     (options.CheckpointOptions, dict(async_save=1), r"`async_save=1` must be True or False"),
     (options.WeightsOptions, dict(weights_prefix=3), r"`weights_prefix=3` must be a string"),
+    (options.BlockOptions, dict(blocks=3), r"`blocks=3` must be the dotted name of the block container"),
+    (options.MemoryOptions, dict(activation_checkpointing=0), r"`activation_checkpointing=0` is not a setting"),
+    (options.DataParallelMemoryOptions, dict(offload="disk"), r"`offload='disk'` must be None or 'cpu'"),
 ])
 def test_each_group_checks_its_own_values_with_the_strategies_messages(group, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -124,6 +132,8 @@ def test_checks_across_groups_are_the_composites():
         options.CoreOptions.from_flat(dict(fault_tolerance="torchft", zero_stage=1))
     with pytest.raises(ValueError, match=r"`zero_stage=3` shards with FSDP.*comm_hook='fp16', static_graph=True cannot"):
         options.DataParallelOptions.from_flat(dict(zero_stage=3, comm_hook="fp16", static_graph=True))
+    with pytest.raises(ValueError, match=r"`offload='cpu'` needs `zero_stage=3` \(got zero_stage=0\)"):
+        options.DataParallelOptions.from_flat(dict(offload="cpu"))
 
 
 def test_the_engine_options_are_the_strategys_groups_resolved_for_the_layout():
