@@ -368,3 +368,45 @@ def accelerator_connector(trainer):
 def loop_data_source(loop):
     """A fit / evaluation / predict loop's data source (``loop._data_source``: ``dataloader()``, ``is_defined()``)."""
     return loop._data_source
+
+
+# -- torch: composable activation checkpointing -----------------------------------------------------------
+def composable_checkpoint(module, context_fn=None):
+    """Apply ``torch.distributed._composable.checkpoint`` (non-reentrant activation checkpointing installed as
+    forward hooks: no wrapper module, parameter names unchanged) to ``module``, with ``context_fn`` (a selective
+    checkpoint policy's contexts) if given; returns the function that takes it out again.
+
+    [Note: taking composable checkpointing out]
+    torch's composable API has no undo: it registers two hooks without returning their handles and marks the
+    module in its composable-API state (applying it twice is an error). The undo removes exactly the hooks this
+    call added (the keys new in the module's hook dicts) and the mark, so a later run may apply it again, in
+    another mode, or not at all."""
+    import importlib
+
+    from torch.distributed._composable import checkpoint
+
+    contract = importlib.import_module("torch.distributed._composable.contract")
+    dicts = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+             "_forward_hooks_always_called")
+    before = {d: set(getattr(module, d)) for d in dicts}
+    checkpoint(module, **({"context_fn": context_fn} if context_fn is not None else {}))
+    added = {d: set(getattr(module, d)) - before[d] for d in dicts}
+
+    def undo() -> None:
+        for d, keys in added.items():
+            for k in keys:
+                getattr(module, d).pop(k, None)
+        module.__dict__.get(contract.STATE_KEY, {}).pop(checkpoint, None)
+        module.__dict__.get(contract.REGISTRY_KEY, {}).pop("checkpoint", None)
+
+    return undo
+
+
+def is_checkpointed(module) -> bool:
+    """Whether composable activation checkpointing is applied to ``module`` now."""
+    import importlib
+
+    from torch.distributed._composable import checkpoint
+
+    contract = importlib.import_module("torch.distributed._composable.contract")
+    return module.__dict__.get(contract.STATE_KEY, {}).get(checkpoint) is not None

@@ -1,0 +1,170 @@
+"""Activation checkpointing of a module's block stacks: each chosen block keeps only its inputs in forward and
+recomputes its forward in backward.
+
+    >>> check_activation_checkpointing("full"), check_activation_checkpointing(2)
+    ('full', 2)
+    >>> applied = apply_activation_checkpointing(model, "full")     # doctest: +SKIP
+    >>> applied.blocks                                               # doctest: +SKIP
+    ['transformer.h.0', 'transformer.h.1']
+    >>> applied.undo()                                               # doctest: +SKIP
+
+Values (the strategies' ``activation_checkpointing=``):
+
+- ``None``: nothing recomputes.
+- ``"full"``: every block of every stack.
+- an int ``k >= 1``: the blocks whose index in their stack is a multiple of ``k`` (``k = 1`` is ``"full"``); the
+  index counts per stack (T5's encoder and decoder each from 0), never per pipeline stage.
+- ``"selective"``: every block, op by op: the outputs of matrix products, attention kernels and reducing
+  collectives are kept from forward, the rest (norms, activations, softmax, dropout, adds) is recomputed
+  ([Note: the selective policy]).
+
+The stacks are the pipeline's ([Note: which blocks] below). The mechanism is torch's composable, non-reentrant
+checkpoint: forward hooks on each block, no wrapper module, so parameter names and checkpoints are unchanged;
+dropout draws the same masks in recompute (the RNG state is saved at the block's entry); keyword and non-tensor
+arguments pass through; under ``torch.no_grad`` (validation, predict) nothing is saved and nothing recomputes.
+
+[Note: which blocks]
+The block stack is the one the pipeline cuts (:func:`lightning_par.pipeline.discovery.find_blocks`, ``blocks=`` to
+name it), plus every other stack of blocks that have submodules (:func:`~lightning_par.pipeline.discovery.
+other_stacks`: T5's decoder beside its encoder). A pipeline's ghosts (other stages' blocks) hold nothing to
+recompute and are skipped. A block is a unit of recompute: what lies between blocks (embeddings, the head, the
+loss) is kept as always.
+
+[Note: the selective policy]
+torchtitan's op-level selective checkpointing (``_op_sac_save_list``) keeps the outputs of ``mm``, the fused
+attention kernels and ``reduce_scatter``, and recomputes everything else; we keep the same ops and the other
+matrix products a Linear with bias or a batched attention dispatches to on CPU (``addmm``, ``bmm``, ``baddbmm``),
+the CPU flash-attention kernel, and tensor parallelism's all-reduce (keeping its output spares recomputing a
+collective). Unlike torchtitan we keep every matmul output, not every second one: "selective" sits between off and
+full on both memory and time; "every k-th block" is the finer knob. ``torch.utils.checkpoint.
+create_selective_checkpoint_contexts`` with this policy is passed as the composable checkpoint's ``context_fn``
+(checked on torch 2.13: the saved ops are not run again in backward).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lightning_par._compat import composable_checkpoint, is_checkpointed
+from lightning_par.pipeline.discovery import find_blocks, other_stacks
+from lightning_par.pipeline.ghost import Ghost
+
+MODES = ("full", "selective")
+Value = Union[None, int, str]
+
+
+def check_activation_checkpointing(value: Any) -> Value:
+    """``value`` if it is an ``activation_checkpointing`` setting (None, "full", "selective" or an int >= 1), else a
+    ValueError naming it and the choices.
+
+        >>> check_activation_checkpointing(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `activation_checkpointing=0` is not a setting: choose None (off), 'full' (every block recomputes \
+its forward in backward), an int k >= 1 (blocks whose index % k == 0) or 'selective' (keep matmul and attention \
+outputs, recompute the rest).
+    """
+    if value is None or (isinstance(value, str) and value in MODES):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(
+        f"`activation_checkpointing={value!r}` is not a setting: choose None (off), 'full' (every block recomputes "
+        f"its forward in backward), an int k >= 1 (blocks whose index % k == 0) or 'selective' (keep matmul and "
+        f"attention outputs, recompute the rest).")
+
+
+def _ops(*names: str) -> frozenset:
+    """The ``torch.ops`` overloads named ``namespace.op.overload`` that this build of torch has."""
+    found = set()
+    for name in names:
+        ns, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, ns), op, None) if hasattr(torch.ops, ns) else None
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return frozenset(found)
+
+
+# [Note: the selective policy]
+SAVED_OPS = _ops(
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default", "aten._scaled_mm.default",
+    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_reduce.default",
+)
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """The forward and recompute contexts of one checkpointed call under the selective policy (nothing under
+    ``torch.no_grad``: nothing is saved there)."""
+    if not torch.is_grad_enabled():
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return create_selective_checkpoint_contexts(_policy)
+
+
+@dataclass
+class Checkpointed:
+    """What :func:`apply_activation_checkpointing` did: the blocks it checkpointed (dotted names) and the undo."""
+
+    mode: Value = None
+    blocks: list[str] = field(default_factory=list)
+    _undos: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def undo(self) -> None:
+        """Take checkpointing out of every block (the module computes as before it was applied)."""
+        while self._undos:
+            self._undos.pop()()
+        self.blocks = []
+
+
+def block_stacks(module: nn.Module, blocks: Optional[str] = None, *, value: Value = "full",
+                 owner: str = "the strategy") -> list[tuple[str, nn.Module]]:
+    """The stacks whose blocks checkpointing applies to ([Note: which blocks]); a ValueError naming ``blocks=``
+    when there is none."""
+    try:
+        path, stack = find_blocks(module, blocks)
+    except ValueError as err:
+        raise ValueError(
+            f"`activation_checkpointing={value!r}` recomputes the blocks of a repeated block stack, and {err} "
+            f"Name the stack with `blocks='...'` ({owner}'s option: the dotted name of an nn.ModuleList / "
+            f"nn.Sequential of the model's layers), or set activation_checkpointing=None.") from None
+    return [(path, stack), *other_stacks(module, path)]
+
+
+def apply_activation_checkpointing(module: nn.Module, value: Value, *, blocks: Optional[str] = None,
+                                   owner: str = "the strategy") -> Checkpointed:
+    """Checkpoint the blocks of ``module``'s stacks as ``value`` says (see the module docstring); returns what was
+    done, with its undo. ``blocks``: the main stack's dotted name (None: found). Call it before FSDP wraps the
+    blocks, and after a pipeline stage installs its hooks (they then run first: a block's RNG state is saved
+    after the stage reseeds it)."""
+    value = check_activation_checkpointing(value)
+    done = Checkpointed(mode=value)
+    if value is None:
+        return done
+    context_fn = selective_contexts if value == "selective" else None
+    every = value if isinstance(value, int) else 1
+    for path, stack in block_stacks(module, blocks, value=value, owner=owner):
+        for i, block in enumerate(stack):
+            if i % every or isinstance(block, Ghost):
+                continue
+            name = f"{path}.{i}" if path else str(i)
+            if is_checkpointed(block):
+                done.undo()
+                raise RuntimeError(f"Block {name} of {type(module).__name__} is checkpointed already (by another "
+                                   f"run that did not take it out); build a fresh module.")
+            done._undos.append(composable_checkpoint(block, context_fn))
+            done.blocks.append(name)
+    return done
+
+
+__all__ = ["MODES", "SAVED_OPS", "Checkpointed", "apply_activation_checkpointing", "block_stacks",
+           "check_activation_checkpointing", "selective_contexts"]
