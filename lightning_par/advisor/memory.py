@@ -152,8 +152,9 @@ def tp_activation_factor(t: int, sequence_parallel: bool) -> float:
 #   fused kernels). Under tensor parallel t the column-parallel outputs (q, k, v, attention, up: 8sh) are 1/t,
 #   the row-parallel ones (output and down projections, partial sums before their all-reduce: 2sh) whole, so
 #   S_t = S · (8/t + 2) / 10; the input is whole unless sequence parallel splits it.
-# A checkpointed block recomputes its forward in backward, one block at a time: for that block the stage holds
-# A once more, less what it kept (one micro-batch, the largest such block). fp32 doubles every 16-bit byte count
+# A checkpointed block recomputes its forward in backward, one block at a time: while block j does, the stage holds
+# A_j, less what j kept, beyond what the blocks up to j kept (those after j have freed theirs: backward runs from
+# the last block down), for one micro-batch (:func:`recompute_peak`). fp32 doubles every 16-bit byte count
 # (the probe measures bytes in the dtype training runs in). Time: full runs the blocks' forward again (the
 # probe times it against forward + backward, ~1/3 of a step, Korthikanti et al. report 30-40%); selective only
 # the ops it does not keep (the probe's share of the blocks' forward time outside the matmuls and attention).
@@ -168,6 +169,27 @@ def block_kept_bytes(profile: ModuleProfile, index: int, mode, t: int = 1, seque
         return min(inp, full)
     sel = profile.selective_bytes[index] if profile.selective_bytes else 10 * inp
     return min(inp + sel * (8 / t + 2) / 10, full)
+
+
+def recompute_peak(kept, whole, marked) -> float:
+    """What a stage holds beyond every block's ``kept`` bytes while backward recomputes a checkpointed block
+    (``marked``): backward runs from the last block down, so when block ``j`` recomputes its ``whole`` activations
+    the blocks after it have already freed what they kept.
+
+    Example::
+
+        >>> recompute_peak([1, 1, 1, 1], [10] * 4, [True] * 4)   # full: block 3 recomputes beside 0, 1, 2
+        9
+        >>> recompute_peak([1, 10, 1, 10], [10] * 4, [True, False] * 2)  # every 2nd: block 2 beside 0, 1
+        0
+    """
+    held = peak = sum(kept)
+    run = 0
+    for k, w, m in zip(kept, whole, marked):
+        run += k
+        if m:
+            peak = max(peak, run + w - k)
+    return peak - held
 
 
 def recompute_share(profile: ModuleProfile, mode, blocks=None) -> float:
@@ -215,10 +237,11 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
             params += profile.last_params + (profile.tied_params if p > 1 else 0)
         held = m if layout.schedule == "gpipe" else min(p - s, m)
         ac = layout.activation_checkpointing
-        kept = {i: block_kept_bytes(profile, i, ac, t, layout.sequence_parallel) for i in blocks}
-        recompute = max((profile.block_activation_bytes[i] * tp_activation_factor(t, layout.sequence_parallel)
-                         - kept[i] for i in blocks if checkpointed(ac, i)), default=0.0)
-        acts = sum(kept.values())
+        kept = [block_kept_bytes(profile, i, ac, t, layout.sequence_parallel) for i in blocks]
+        whole = [profile.block_activation_bytes[i] * tp_activation_factor(t, layout.sequence_parallel)
+                 for i in blocks]
+        recompute = recompute_peak(kept, whole, [checkpointed(ac, i) for i in blocks])
+        acts = sum(kept)
         acts += (profile.first_activation_bytes if s == 0 else 0) + (profile.last_activation_bytes if s == p - 1 else 0)
         ends = (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)  # root unit
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
@@ -291,18 +314,21 @@ def korthikanti_stack_bytes(n_layers: int, seq_len: int, micro_batch: int, hidde
                             sequence_parallel: bool = False, checkpointing=None) -> float:
     """Peak activation bytes of ``n_layers`` layers in 16-bit under ``checkpointing`` (None, "full", "selective"
     or every k-th layer): what each layer keeps, plus one checkpointed layer's recompute in backward (its
-    activations less what it kept).
+    activations less what it kept, beside the layers before it: :func:`recompute_peak`).
 
     Example::
 
         >>> sbh = 2048 * 4096
-        >>> korthikanti_stack_bytes(4, 2048, 1, 4096, 32, checkpointing=2) / sbh   # 2 whole, 2 inputs, 1 recompute
-        344.0
+        >>> korthikanti_stack_bytes(4, 2048, 1, 4096, 32, checkpointing="full") / sbh   # 3 inputs, 1 layer whole
+        120.0
+        >>> korthikanti_stack_bytes(4, 2048, 1, 4096, 32, checkpointing=2) / sbh   # 2 whole, 2 inputs
+        232.0
     """
     check_checkpointing(checkpointing)
     off = korthikanti_bytes_per_layer(seq_len, micro_batch, hidden, heads, t, sequence_parallel)
     kept = off if checkpointing is None else korthikanti_bytes_per_layer(
         seq_len, micro_batch, hidden, heads, t, sequence_parallel,
         "selective" if checkpointing == "selective" else "full")
-    marked = sum(checkpointed(checkpointing, i) for i in range(n_layers))
-    return (n_layers - marked) * off + marked * kept + (off - kept if marked else 0)
+    marked = [checkpointed(checkpointing, i) for i in range(n_layers)]
+    per_layer = [kept if m else off for m in marked]
+    return sum(per_layer) + recompute_peak(per_layer, [off] * n_layers, marked)

@@ -8,7 +8,7 @@ model assumes.
 
 For activation checkpointing the probe also measures, per block, the bytes of the block's input (what full
 checkpointing keeps) and of the outputs of the matmuls and attention kernels (what selective checkpointing keeps,
-:data:`SELECTIVE_SAVE_OPS`), and times the step a second time: the blocks' forward against forward + backward
+:data:```SAVED_OPS`` of :mod:`lightning_par.memory.checkpointing`), and times the step a second time: the blocks' forward against forward + backward
 (the recompute of full checkpointing) and, inside the blocks, the time of the ops selective checkpointing
 recomputes (everything but those kernels).
 """
@@ -45,7 +45,7 @@ class ModuleProfile:
     selective_bytes: tuple[int, ...] = ()  # bytes per sample of each block's matmul / attention outputs
     step_s_per_sample: float = 0.0   # seconds of forward + backward per sample (0: not timed)
     block_forward_s_per_sample: float = 0.0  # seconds of the blocks' forward per sample
-    selective_recompute_share: float = 0.0   # share of the blocks' forward time outside SELECTIVE_SAVE_OPS
+    selective_recompute_share: float = 0.0   # share of the blocks' forward time outside the kept ops
 
     @property
     def n_blocks(self) -> int:
@@ -57,20 +57,17 @@ class ModuleProfile:
 
 
 # [Note: what selective checkpointing keeps]
-# torchtitan's op-level selective checkpointing (and torch's ``create_selective_checkpoint_contexts`` policies
-# built like it) saves the outputs of the expensive ops, the matmuls and the fused attention kernels, and
-# recomputes the rest (layer norms, activations, dropout, adds) in backward. The probe counts those ops' output
-# bytes inside each block (a dispatch mode sees the aten ops below autograd, where ``nn.Linear`` is an
-# ``addmm`` / ``mm``), which is what such a policy caches, whether or not autograd would have saved them.
-SELECTIVE_SAVE_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-                      "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-                      "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math")
-
-
+# The strategies' selective checkpointing (:mod:`lightning_par.memory.checkpointing`, as torchtitan's op-level
+# one) saves the outputs of the expensive ops, the matmuls, the fused attention kernels and the reducing
+# collectives (its ``SAVED_OPS``), and recomputes the rest (layer norms, activations, dropout, adds) in backward.
+# The probe counts those same ops' output bytes inside each block (a dispatch mode sees the aten ops below
+# autograd, where ``nn.Linear`` is an ``addmm`` / ``mm``), which is what the policy caches, whether or not
+# autograd would have saved them.
 def _op_ledger():
-    """A dispatch mode that adds up, per :attr:`tag`, the output bytes of :data:`SELECTIVE_SAVE_OPS` and the
-    seconds spent in them and in every other op."""
+    """A dispatch mode that adds up, per :attr:`tag`, the output bytes of the ops selective checkpointing keeps
+    and the seconds spent in them and in every other op."""
     from lightning_par._compat import torch_dispatch_mode, tree_flatten
+    from lightning_par.memory.checkpointing import SAVED_OPS
 
     class OpLedger(torch_dispatch_mode()):
         def __init__(self):
@@ -82,7 +79,7 @@ def _op_ledger():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             t0 = time.perf_counter()
             out = func(*args, **(kwargs or {}))
-            kept = func.overloadpacket.__name__ in SELECTIVE_SAVE_OPS
+            kept = func in SAVED_OPS
             self.seconds["kept" if kept else "other"] += time.perf_counter() - t0
             if kept and self.tag is not None:
                 seen = set()

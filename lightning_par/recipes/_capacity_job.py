@@ -95,6 +95,10 @@ def _fit(spec: dict, layout: dict, model_kw: dict, run_dir: str, limit: int | No
         meter = start_meter(torch.device("cuda", 0) if acc == "gpu" else torch.device("cpu"), limit)
         torch.manual_seed(0)
         module = GPT(**model_kw, warmup_steps=1)
+        if layout.get("args", {}).get("activation_checkpointing") is not None:  # what the strategies apply
+            from lightning_par.memory.checkpointing import apply_activation_checkpointing
+
+            apply_activation_checkpointing(module, layout["args"]["activation_checkpointing"])
         trainer = pl.Trainer(devices=1, strategy="auto", callbacks=[RankPeak(run_dir, meter=meter)], **kw)
     else:  # every rank materializes only its share of the meta-built module
         trainer = pl.Trainer(devices=layout["devices"], strategy=_strategy(layout, acc),
@@ -215,13 +219,28 @@ def run_layout(spec: dict, layout: dict, out_dir: Path) -> dict:
             "largest": None if best is None else ladder[best]}
 
 
+def run_fits(spec: dict, layout: dict, out_dir: Path) -> dict:
+    """The baseline (tiny GPT) and one fit of each of ``layout["fits"]`` (no search; each ``{"model": {...},
+    "args": {...}}`` over the spec's model and the layout's strategy arguments): each fit's records and the busiest
+    rank's peak net of the baseline (``spec["fits"]``: the memory recipe's activation checkpointing)."""
+    tiny = {**spec["model"], **spec["tiny"]}
+    base = measure(spec, layout, tiny, out_dir / f"{layout['name']}-tiny", None)
+    base_net = [r["net"] for r in base]
+    runs = {}
+    for name, fit in layout["fits"].items():
+        recs = measure(spec, {**layout, "args": {**layout.get("args", {}), **fit.get("args", {})}},
+                       {**spec["model"], **fit.get("model", {})}, out_dir / f"{layout['name']}-{name}", None)
+        runs[name] = {"ranks": recs, "model_net": max(r["net"] - b for r, b in zip(recs, base_net))}
+    return {"baseline": base, "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> None:
     spec_path, out_path = (sys.argv[1:] if argv is None else argv)
     spec = json.loads(Path(spec_path).read_text())
     out_dir = Path(out_path).parent / "fits"
     results = {}
     for layout in spec["layouts"]:
-        results[layout["name"]] = run_layout(spec, layout, out_dir)
+        results[layout["name"]] = (run_fits if spec.get("fits") else run_layout)(spec, layout, out_dir)
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 

@@ -43,10 +43,14 @@ def test_korthikanti_stack_keeps_the_inputs_and_recomputes_one_layer():
     s, b, h, a = 2048, 1, 4096, 32
     sbh, off = s * b * h, 114 * s * b * h
     assert korthikanti_stack_bytes(8, s, b, h, a) == 8 * off
-    assert korthikanti_stack_bytes(8, s, b, h, a, checkpointing="full") == 8 * 2 * sbh + off - 2 * sbh
-    # every 3rd of 8: layers 0, 3, 6 keep their input, 5 keep everything, one is recomputed
-    assert korthikanti_stack_bytes(8, s, b, h, a, checkpointing=3) == 5 * off + 3 * 2 * sbh + off - 2 * sbh
-    assert korthikanti_stack_bytes(8, s, b, h, a, checkpointing="selective") == 8 * 22 * sbh + off - 22 * sbh
+    # full: the last layer recomputes its whole activations beside the 7 inputs before it
+    assert korthikanti_stack_bytes(8, s, b, h, a, checkpointing="full") == 7 * 2 * sbh + off
+    # every 3rd of 8: layers 0, 3, 6 keep their input, 5 keep everything; when layer 6 recomputes, layer 7 has
+    # freed its activations already: the peak is at the start of backward
+    assert korthikanti_stack_bytes(8, s, b, h, a, checkpointing=3) == 5 * off + 3 * 2 * sbh
+    # every 2nd of 3: layers 0 and 2 keep inputs; layer 2 recomputes beside layers 0 and 1
+    assert korthikanti_stack_bytes(3, s, b, h, a, checkpointing=2) == 2 * sbh + off + off
+    assert korthikanti_stack_bytes(8, s, b, h, a, checkpointing="selective") == 7 * 22 * sbh + off
     # fp32 doubles it: the same arithmetic with 4-byte elements (the probe measures in the training dtype)
     with pytest.raises(ValueError, match="activation_checkpointing=0 must be None"):
         korthikanti_stack_bytes(8, s, b, h, a, checkpointing=0)
@@ -68,10 +72,10 @@ def test_estimate_per_mode_on_one_device_by_hand():
     prof = ac_profile()
     acts = {mode: estimate(prof, Layout(activation_checkpointing=mode), batch_size=2).activation_bytes
             for mode in (None, "full", 2, "selective")}
-    # kept per sample × 2 samples, + one block's recompute (its 1000 B less what it kept) × 2 samples
+    # kept per sample × 2 samples, + the last block's recompute (its 1000 B less what it kept) × 2 samples
     assert acts[None] == 4 * 1000 * 2
     assert acts["full"] == 4 * 100 * 2 + 900 * 2
-    assert acts[2] == (2 * 100 + 2 * 1000) * 2 + 900 * 2
+    assert acts[2] == (2 * 100 + 2 * 1000) * 2  # block 2 recomputes after block 3 freed its 1000 B
     assert acts["selective"] == 4 * (100 + 300) * 2 + 600 * 2
     # parameters, gradients and optimizer state do not change
     assert len({estimate(prof, Layout(activation_checkpointing=m), 2).param_bytes for m in acts}) == 1
@@ -84,8 +88,8 @@ def test_estimate_under_pipeline_tensor_and_sequence_parallel_by_hand():
     assert pp.activation_bytes == 2 * 100 * 2 * 2 + 900 * 2
     # every 2nd block of the stack: stage 1 holds blocks 2 (checkpointed) and 3 (not), one micro-batch in flight
     lay = Layout(pipeline_parallel_size=2, microbatches=4, schedule="gpipe", activation_checkpointing=2)
-    gpipe = estimate(prof, lay, 8)  # GPipe: 4 micro-batches in flight on both stages
-    assert gpipe.activation_bytes == (100 + 1000) * 2 * 4 + 900 * 2
+    gpipe = estimate(prof, lay, 8)  # GPipe: 4 micro-batches in flight on both stages; block 2's recompute comes
+    assert gpipe.activation_bytes == (100 + 1000) * 2 * 4  # after block 3 freed its activations
     # TP2: a block's share (10 + 24/2) / 34 without checkpointing; the input stays whole, 1/2 with SP
     tp_off = block_kept_bytes(prof, 0, None, t=2)
     assert tp_off == pytest.approx(1000 * 22 / 34)
