@@ -91,14 +91,15 @@ def _fit(spec: dict, layout: dict, model_kw: dict, run_dir: str, limit: int | No
     kw = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               num_sanity_val_steps=0, limit_val_batches=0, max_steps=steps, accelerator=acc,
               precision=spec["precision"])
+    ac = layout.get("args", {}).get("activation_checkpointing")
+    if ac is not None:  # imported before the meter starts: its code pages are not the model's memory
+        from lightning_par.memory.checkpointing import apply_activation_checkpointing
     if layout["kind"] == "single":  # one device builds the whole module, as a user would; measured from before
         meter = start_meter(torch.device("cuda", 0) if acc == "gpu" else torch.device("cpu"), limit)
         torch.manual_seed(0)
         module = GPT(**model_kw, warmup_steps=1)
-        if layout.get("args", {}).get("activation_checkpointing") is not None:  # what the strategies apply
-            from lightning_par.memory.checkpointing import apply_activation_checkpointing
-
-            apply_activation_checkpointing(module, layout["args"]["activation_checkpointing"])
+        if ac is not None:  # what the strategies apply
+            apply_activation_checkpointing(module, ac)
         trainer = pl.Trainer(devices=1, strategy="auto", callbacks=[RankPeak(run_dir, meter=meter)], **kw)
     else:  # every rank materializes only its share of the meta-built module
         trainer = pl.Trainer(devices=layout["devices"], strategy=_strategy(layout, acc),
@@ -197,8 +198,10 @@ def _aim(peaks: dict[int, int | None], predicted: list[int], budget: int, lo: in
 
 def run_layout(spec: dict, layout: dict, out_dir: Path) -> dict:
     """The baseline (tiny GPT) and the search over the ladder for one layout; each fit's records, the answer."""
-    ladder, budget = spec["n_layers"], spec["budget"]
-    tiny = {**spec["model"], **spec["tiny"]}
+    # a sweep (capacity_sweeps) brings its own axis, ladder and model: the sequence length, or n_layer at a long one
+    ladder, budget, axis = layout.get("ladder", spec["n_layers"]), spec["budget"], layout.get("axis", "n_layer")
+    model = {**spec["model"], **layout.get("model", {})}
+    tiny = {**model, **spec["tiny"], **layout.get("tiny", {})}
     base = measure(spec, layout, tiny, out_dir / f"{layout['name']}-tiny", None)
     base_net = [r["net"] for r in base]
     runs: dict[int, dict] = {}
@@ -206,11 +209,11 @@ def run_layout(spec: dict, layout: dict, out_dir: Path) -> dict:
     def measure_rung(i: int) -> int | None:
         n = ladder[i]
         limit = budget + max(base_net)  # CUDA: the allocator may hold the baseline and the budget
-        recs = measure(spec, layout, {**spec["model"], "n_layer": n}, out_dir / f"{layout['name']}-{n}", limit)
+        recs = measure(spec, layout, {**model, axis: n}, out_dir / f"{layout['name']}-{n}", limit)
         model_net = None if recs is None else max(r["net"] - b for r, b in zip(recs, base_net))
         runs[n] = {"ranks": recs, "model_net": model_net, "oom": recs is None,
                    "fits": model_net is not None and model_net <= budget}
-        print(f"  {layout['name']}: n_layer={n}: " + ("out of memory" if recs is None else
+        print(f"  {layout['name']}: {axis}={n}: " + ("out of memory" if recs is None else
               f"the model's peak {model_net / 2**20:.1f} MiB (budget {budget / 2**20:.1f})"), flush=True)
         return model_net
 

@@ -118,8 +118,18 @@ def run(cfg, out_dir: Path, command: str) -> Report:
             "measured": res["runs"], "baseline": res["baseline"]}
     data = {"budget_gb": cfg.budget_gb, "budget_bytes": budget, "accelerator": cfg.trainer.accelerator,
             "ladder": n_layers, "params": params, "model": dict(cfg.model), "batch_size": cfg.batch_size,
-            "steps": cfg.steps, "layouts": layouts, "wall_s": time.perf_counter() - t0}
-    return _report(cfg, command, out_dir, data)
+            "steps": cfg.steps, "layouts": layouts}
+    if cfg.get("sweeps"):
+        from lightning_par.recipes.capacity_sweeps import run_sweeps
+
+        data["sweeps"] = run_sweeps(cfg, out_dir, budget)
+    data["wall_s"] = time.perf_counter() - t0
+    report = _report(cfg, command, out_dir, data)
+    if data.get("sweeps"):
+        from lightning_par.recipes.capacity_sweeps import report_sweeps
+
+        report_sweeps(report, data["sweeps"], budget, out_dir)
+    return report
 
 
 def _report(cfg, command: str, out_dir: Path, data: dict) -> Report:
