@@ -396,7 +396,9 @@ def composable_checkpoint(module, context_fn=None):
         for d, keys in added.items():
             for k in keys:
                 getattr(module, d).pop(k, None)
-        module.__dict__.get(contract.STATE_KEY, {}).pop(checkpoint, None)
+        states = module.__dict__.get(contract.STATE_KEY, {})  # keyed by the undecorated function
+        for key in [k for k in states if getattr(k, "__name__", None) == "checkpoint"]:
+            del states[key]
         module.__dict__.get(contract.REGISTRY_KEY, {}).pop("checkpoint", None)
 
     return undo
@@ -406,7 +408,5 @@ def is_checkpointed(module) -> bool:
     """Whether composable activation checkpointing is applied to ``module`` now."""
     import importlib
 
-    from torch.distributed._composable import checkpoint
-
     contract = importlib.import_module("torch.distributed._composable.contract")
-    return module.__dict__.get(contract.STATE_KEY, {}).get(checkpoint) is not None
+    return "checkpoint" in module.__dict__.get(contract.REGISTRY_KEY, {})

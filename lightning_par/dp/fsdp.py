@@ -85,7 +85,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_par._compat import broadcast_coalesced
 from lightning_par.comm import local_nbytes
@@ -154,13 +154,15 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def shard_module(module: nn.Module, mesh, *, zero_stage: int, precision: str = "32-true", broadcast: bool = True,
-                 ignored=None, blocks: Optional[list[tuple[str, nn.Module]]] = None) -> list[str]:
+                 ignored=None, blocks: Optional[list[tuple[str, nn.Module]]] = None,
+                 offload: Optional[str] = None) -> list[str]:
     """Shard ``module`` in place over the 1-D ``mesh`` (every rank of it calls this) and return the units'
     names (``""`` is the root). With ``broadcast`` every rank first takes the mesh's first rank's weights and
     buffers, as DDP does at construction (the layout strategies broadcast before they split). ``ignored``:
     parameters FSDP leaves alone (a pipeline stage's copies of what it does not hold). A module that is
     sharded already is left as it is. Parameters may be tensor-parallel DTensors on another axis of the
-    same mesh (FSDP2's 2-D sharding). ``blocks``: the (name, block) units, found here when not given."""
+    same mesh (FSDP2's 2-D sharding). ``blocks``: the (name, block) units, found here when not given.
+    ``offload="cpu"``: shards, gradients and optimizer state in pinned host memory (FSDP2's ``CPUOffloadPolicy``)."""
     if zero_stage not in (2, 3):
         raise ValueError(f"`zero_stage={zero_stage!r}`: FSDP shards for stages 2 and 3 only.")
     if blocks is None:
@@ -176,12 +178,14 @@ def shard_module(module: nn.Module, mesh, *, zero_stage: int, precision: str = "
     policy = mixed_precision_policy(precision)
     reshard = zero_stage == 3
     ignored = set(ignored or ())
+    offload_policy = CPUOffloadPolicy() if offload == "cpu" else OffloadPolicy()
     for _, block in blocks:
         if any(True for _ in block.parameters()):  # a pipeline's ghost of another stage's block holds none
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored,
+                        offload_policy=offload_policy)
     # None: FSDP2's choice for the root (keep its parameters through the step); stage 2 never reshards early
     fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=policy,
-                ignored_params=ignored)
+                ignored_params=ignored, offload_policy=offload_policy)
     return [name for name, _ in blocks] + [""]
 
 

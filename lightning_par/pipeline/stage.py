@@ -141,7 +141,9 @@ class StageRuntime:
 
     def _gate(self, chunk: int, index: int, forward: Callable) -> Callable:
         def gated(*args: Any, **kwargs: Any) -> Any:
-            if chunk != self.active:
+            # outside a stage forward the block computes: activation checkpointing recomputes it in backward,
+            # while another chunk may be the active one
+            if self.running and chunk != self.active:
                 return self.ghost_output(args, kwargs, index)
             return forward(*args, **kwargs)
         return gated

@@ -17,6 +17,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par._compat import multiprocessing_launcher
 from lightning_par.dp.zero import validate_zero_stage
+from lightning_par.memory.checkpointing import check_activation_checkpointing  # noqa: F401  (the strategies')
+from lightning_par.strategies._memory import ActivationMemory  # noqa: F401  (DataParallelStrategy's)
 from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._materialize import HeldTensorsLauncher, MaterializingStrategy, check_weights

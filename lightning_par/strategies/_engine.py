@@ -22,6 +22,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
+from lightning_par.memory.checkpointing import Checkpointed, apply_activation_checkpointing
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -38,6 +40,7 @@ class EngineOptions:
     plan: Union[str, Mapping[str, str]] = "auto"
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    activation_checkpointing: Union[None, int, str] = None  # lightning_par.memory.checkpointing
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class Engine:
     plan = None  # the tensor plan this rank applied
     stand_ins = None  # the trace's stand-ins of a meta-built module
     runner = None  # the schedule runner (the pipeline engine)
+    checkpointed: Optional[Checkpointed] = None  # the blocks activation_checkpointing recomputes
 
     def __init__(self, strategy, options: EngineOptions, groups: Groups, host: Host) -> None:
         self.strategy, self.options, self.groups, self.host = strategy, options, groups, host
@@ -89,6 +93,18 @@ class Engine:
 
     def install(self) -> None:
         """``configure_ddp`` (DDPStrategy.setup, before the optimizers): what must exist before them."""
+
+    def checkpoint_blocks(self, module: torch.nn.Module, blocks: Optional[str]) -> None:
+        """``activation_checkpointing`` on ``module``'s block stacks (``blocks``: the main one's name), taken out at
+        teardown (:mod:`lightning_par.memory.checkpointing`)."""
+        self.uncheckpoint_blocks()
+        self.checkpointed = apply_activation_checkpointing(module, self.options.activation_checkpointing,
+                                                           blocks=blocks, owner=type(self.strategy).__name__)
+
+    def uncheckpoint_blocks(self) -> None:
+        if self.checkpointed is not None:
+            self.checkpointed.undo()
+            self.checkpointed = None
 
     def use_replica_average(self, average: Callable) -> None:
         """torchft: gradients are averaged over the live replica groups with ``average`` (a flat tensor, in place)."""
@@ -139,6 +155,7 @@ class Engine:
         """After forward-only passes and before checkpoints: the module at rest."""
 
     def teardown(self) -> None:
+        self.uncheckpoint_blocks()
         self.host.lightning_teardown()
 
 

@@ -85,6 +85,7 @@ class PipelineEngine(Engine):
                 register_rules()  # taken out at teardown
             s.accelerator.setup(trainer)
             self.host.install_precision(self.precision_hooks)  # given back at the last teardown
+            self.checkpoint_blocks(s.lightning_module, self.block_prefix[:-1])  # taken out at teardown
             s.model_to_device()
             if trainer.state.fn == TrainerFn.FITTING:
                 s.setup_optimizers(trainer)
@@ -168,6 +169,7 @@ class PipelineEngine(Engine):
         if s.world_size > 1:  # after every check that can refuse: every rank starts from rank 0's weights
             broadcast_state(lm, src=0)
         rt.install()
+        self.checkpoint_blocks(lm, path)  # after the stage's hooks (a block's RNG is saved reseeded), before TP / FSDP
         if plan is not None:  # a meta-built stage is parallelized as meta tensors: each rank then makes its shards
             ghosts = [f"{path}.{i}" for i, block in enumerate(container) if isinstance(block, Ghost)]
             self.plan = plan.without(ghosts)

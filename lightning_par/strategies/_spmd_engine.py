@@ -58,6 +58,7 @@ class SpmdEngine(Engine):
         s.accelerator.setup(trainer)
         s.precision_plugin.convert_module(s.model)
         move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
+        self.checkpoint_blocks(s.lightning_module, self.options.blocks)  # inside the blocks TP and FSDP shard next
         self._parallelize()
         if trainer.state.fn == TrainerFn.FITTING:
             s.setup_optimizers(trainer)
@@ -78,6 +79,7 @@ class SpmdEngine(Engine):
         clip_grad_norm_(_params(optimizer), clip_val)
 
     def teardown(self) -> None:
+        self.uncheckpoint_blocks()
         if self.steps is not None:
             self.steps.close()
             self.steps = None

@@ -25,7 +25,7 @@ receives the whole trained weights. Loss reporting is DDP's: rank-local.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Literal
+from typing import Any, Literal, Optional, Union
 
 import torch.distributed
 from lightning.pytorch.strategies import DDPStrategy
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
 from lightning_par.dp import comm_hooks, fsdp, ft, zero
 from lightning_par.materialize import move_real
-from lightning_par.strategies._base import (ConsolidatingLauncher, as_timeout, check_accumulation,
+from lightning_par.strategies._base import (ActivationMemory, ConsolidatingLauncher, as_timeout, check_accumulation,
                                            check_start_method)
 from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
@@ -63,7 +63,7 @@ def _step_through_root(name: str, context: str):
 
 
 class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin, AtomicSaves, NonFiniteChecks,
-                           NamedWaits, RegisteredByName, MaterializingStrategy, DDPStrategy):
+                           NamedWaits, RegisteredByName, MaterializingStrategy, ActivationMemory, DDPStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -110,7 +110,8 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
         comm_hook: Literal["fp16", "bf16", "powersgd"] | None = None,
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 1000,
-        zero_stage: int = 0,
+        zero_stage: int = 0, offload: Optional[Literal["cpu"]] = None,  # offload and the next two: strategies/_memory.py
+        activation_checkpointing: Union[int, str, None] = None, blocks: Optional[str] = None,
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
         reference_batch_size: int | None = None,
         weights: str | None = None,
@@ -140,6 +141,7 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
         ft.validate_fault_tolerance(fault_tolerance, min_replicas, ft_timeout, zero_stage=zero_stage,
                                     comm_hook=comm_hook, static_graph=static_graph, lr_scaling=lr_scaling)
         check_start_method(start_method)
+        self._init_activation_memory(activation_checkpointing, blocks, offload, zero_stage)
         self._set_nonfinite(nonfinite)
         self._init_checkpointing(save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save)
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
@@ -224,6 +226,7 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
         check_accumulation(trainer)
         # [Note: one process keeps the user's loader] in lightning_par/topology.py
         self._restore_loader = keep_loader_on_one_process(trainer, self.distributed_sampler_kwargs["num_replicas"])
+        self._checkpoint_blocks()  # activation_checkpointing, before DDP / FSDP wrap the blocks (strategies/_memory.py)
         if self._zero_stage < 2:
             super().setup(trainer)
             return self._join_replicas()
@@ -238,7 +241,7 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
         mesh = Topology.resolve(self.world_size, data_parallel_size=self.world_size).build_mesh(
             self.root_device.type, timeout=self._timeout)["dp"]
         self._fsdp_units = fsdp.shard_module(module, mesh, zero_stage=self._zero_stage,
-                                             precision=self.precision_plugin.precision)
+                                             precision=self.precision_plugin.precision, **self._shard_options(module))
         if not sharded:
             self._place_share(module, reader)  # each rank's FSDP shards: storage, init, weights=
         self._steps = fsdp.StepRunner(module)
@@ -278,6 +281,7 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
     def teardown(self) -> None:
         self._stop_replica()
         self._restore_loader()
+        self._uncheckpoint_blocks()
         if self._fsdp_units is None:
             return super().teardown()
         # As Lightning's ModelParallelStrategy: the sharded module stays where it is (see TensorParallelStrategy).

@@ -36,8 +36,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning_par.dp import fsdp, zero
 from lightning_par.pipeline.options import check_layout, check_options
 from lightning_par.pipeline.stage import StageRuntime
-from lightning_par.strategies._base import (LayoutStrategy, check_accumulation, check_flags, check_zero_stage,
-                                           size_names)
+from lightning_par.strategies._base import (LayoutStrategy, check_accumulation, check_activation_checkpointing,
+                                           check_flags, check_zero_stage, size_names)
 from lightning_par.strategies._engine import Engine, EngineOptions, Groups, Host
 from lightning_par.strategies._ft_core import FaultTolerantCore, check_core_fault_tolerance
 from lightning_par.strategies._pipeline_engine import PipelineEngine
@@ -55,8 +55,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
 
     Every pipeline option (``microbatches``, ``schedule``, ``stages_per_rank``, ``blocks``, ``balance``,
     ``strict_batch_semantics``: refuse a loss that micro-batching changes, see [Note: losses that couple samples]
-    in :mod:`lightning_par.pipeline.coupling`, instead of warning) and
-    tensor option (``plan``, ``sequence_parallel``, ``loss_parallel``) of the two presets; with one stage the
+    in :mod:`lightning_par.pipeline.coupling`, instead of warning), tensor option (``plan``, ``sequence_parallel``,
+    ``loss_parallel``) and ``activation_checkpointing`` (:mod:`lightning_par.memory`) of the presets; with one stage the
     pipeline options are accepted and ignored, so one config spans layouts. With several stages under
     ``sequence_parallel`` each tensor-parallel rank sends only its sequence chunk to the next stage
     ([Note: sequence-sharded stage boundaries] in :mod:`lightning_par.tensor.boundary`), and under
@@ -90,6 +90,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         plan: Union[str, Mapping[str, str]] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
+        activation_checkpointing: Union[int, str, None] = None,
         weights: Optional[str] = None,
         weights_prefix: str = "",
         nonfinite: str = "error",
@@ -115,6 +116,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
                                    data_parallel_size=data_parallel_size, nonfinite=nonfinite)
         check_zero_stage(zero_stage)
         check_flags(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        self._ac = check_activation_checkpointing(activation_checkpointing)
         if mesh_order not in ORDERS:
             raise ValueError(f"`mesh_order={mesh_order!r}` must be one of {sorted(ORDERS)}: 'pp_dp_tp' (pipelines "
                              f"span nodes, as Megatron and torchtitan) or 'dp_pp_tp' (replicas span nodes).")
@@ -210,7 +212,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
             schedule=self._schedule, stages_per_rank=self._stages_per_rank if pp > 1 else 1,  # one stage: nothing
             blocks=self._blocks, strict_batch_semantics=self._strict_batch_semantics,  # to interleave
             balance=self._balance if isinstance(self._balance, str) else tuple(self._balance), plan=self._plan_arg,
-            sequence_parallel=self._sequence_parallel, loss_parallel=self._loss_parallel)
+            sequence_parallel=self._sequence_parallel, loss_parallel=self._loss_parallel,
+            activation_checkpointing=self._ac)
         host = Host(open_weights=self._open_weights, place_share=self._place_share,
                     install_precision=self._install_precision, record_one_device_order=self._record_one_device_order,
                     lightning_setup=super().setup, lightning_teardown=super().teardown,

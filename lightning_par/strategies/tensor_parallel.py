@@ -62,6 +62,7 @@ class TensorParallelStrategy(HybridParallelStrategy):
         plan: Union[str, Mapping[str, str]] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
+        activation_checkpointing: Union[int, str, None] = None,
         zero_stage: int = 0,
         weights: Optional[str] = None,
         weights_prefix: str = "",
@@ -83,6 +84,7 @@ class TensorParallelStrategy(HybridParallelStrategy):
         super().__init__(
             data_parallel_size=data_parallel_size, pipeline_parallel_size=1, tensor_parallel_size=tensor_parallel_size,
             zero_stage=zero_stage, plan=plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+            activation_checkpointing=activation_checkpointing,
             nonfinite=nonfinite, fault_tolerance=fault_tolerance, min_replicas=min_replicas, ft_timeout=ft_timeout,
             weights=weights, weights_prefix=weights_prefix, async_save=async_save,
             save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
