@@ -150,8 +150,10 @@ def tp_activation_factor(t: int, sequence_parallel: bool) -> float:
 #   down projection (sh): S = 10sh elements, 20sbh bytes in 16-bit, so a layer keeps sbh(2 + 20) = 22sbh against
 #   Korthikanti's 34sbh + 5as²b (the score, softmax and dropout of the attention are recomputed or never stored:
 #   fused kernels). Under tensor parallel t the column-parallel outputs (q, k, v, attention, up: 8sh) are 1/t,
-#   the row-parallel ones (output and down projections, partial sums before their all-reduce: 2sh) whole, so
-#   S_t = S · (8/t + 2) / 10; the input is whole unless sequence parallel splits it.
+#   the row-parallel ones (output and down projections, partial sums before their all-reduce: 2sh) whole, and
+#   the policy keeps the all-reduced outputs too (2sh; reduce-scattered with sequence parallel: 2sh/t), so
+#   S_t = S · (8/t + 2 + 2) / 10 (measured: TP2 keeps as much as this, within 5%); the input is whole unless
+#   sequence parallel splits it.
 # A checkpointed block recomputes its forward in backward, one block at a time: while block j does, the stage holds
 # A_j, less what j kept, beyond what the blocks up to j kept (those after j have freed theirs: backward runs from
 # the last block down), for one micro-batch (:func:`recompute_peak`). fp32 doubles every 16-bit byte count
@@ -168,7 +170,8 @@ def block_kept_bytes(profile: ModuleProfile, index: int, mode, t: int = 1, seque
     if mode != "selective":
         return min(inp, full)
     sel = profile.selective_bytes[index] if profile.selective_bytes else 10 * inp
-    return min(inp + sel * (8 / t + 2) / 10, full)
+    share = 1.0 if t == 1 else (8 / t + 2 + (2 / t if sequence_parallel else 2)) / 10
+    return min(inp + sel * share, full)
 
 
 def recompute_peak(kept, whole, marked) -> float:
@@ -289,7 +292,7 @@ def korthikanti_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, hea
     ``sbh(34 + 5as/h)``, ``sbh(10 + 24/t + 5as/(ht))`` with tensor parallel ``t``, ``sbh(34/t + 5as/(ht))`` with
     sequence parallel; checkpointed (``"full"`` or ``"selective"``, [Note: activations under activation
     checkpointing]): its input ``2sbh`` (``/t`` with sequence parallel), selective plus its matmul and attention
-    outputs ``sbh(16/t + 4)``. Double it for fp32. The stack's peak adds one layer's recompute
+    outputs ``20sbh``, ``sbh(16/t + 8)`` with tensor parallel (``sbh(16/t + 4 + 4/t)`` with sequence parallel). Double it for fp32. The stack's peak adds one layer's recompute
     (:func:`korthikanti_stack_bytes`).
 
     Example::
@@ -303,7 +306,9 @@ def korthikanti_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, hea
     sbh = seq_len * micro_batch * hidden
     if checkpointing in ("full", "selective"):
         kept = 2 * sbh / (t if sequence_parallel else 1)
-        return kept + (sbh * (16 / t + 4) if checkpointing == "selective" else 0)
+        if checkpointing == "full":
+            return kept
+        return kept + (20 * sbh if t == 1 else sbh * (16 / t + 4 + (4 / t if sequence_parallel else 4)))
     score = 5 * heads * seq_len / (hidden * t)
     if sequence_parallel:
         return sbh * (34 / t + score)

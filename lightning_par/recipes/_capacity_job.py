@@ -35,7 +35,7 @@ from typing import Callable
 import lightning.pytorch as pl
 import torch
 
-from lightning_par.peak_memory import PeakMemory, held_bytes
+from lightning_par.peak_memory import PeakMemory, held_bytes, reset_peak
 
 
 class RankPeak(pl.Callback):
@@ -47,6 +47,8 @@ class RankPeak(pl.Callback):
     def setup(self, trainer, pl_module, stage):
         if self.meter is None:  # a rank of a multi-rank fit: the module is still on the meta device
             self.meter = start_meter(trainer.strategy.root_device, self.limit)
+        elif trainer.world_size > 1 and not self.meter.cuda:  # a forked rank of a module built before the fork:
+            reset_peak()  # its peak from here on, net of what the fit's process held before building it
 
     def on_train_end(self, trainer, pl_module):
         rec = {"rank": trainer.global_rank, "net": self.meter.net(), "peak": self.meter.peak(),
@@ -101,6 +103,14 @@ def _fit(spec: dict, layout: dict, model_kw: dict, run_dir: str, limit: int | No
         if ac is not None:  # what the strategies apply
             apply_activation_checkpointing(module, ac)
         trainer = pl.Trainer(devices=1, strategy="auto", callbacks=[RankPeak(run_dir, meter=meter)], **kw)
+    elif layout["kind"] == "dp" and not layout.get("args", {}).get("zero_stage") and acc == "cpu":
+        # replicas hold the whole module (Lightning's empty_init leaves its weights uninitialized, not on meta): built
+        # before the ranks fork, measured from before building it
+        meter = start_meter(torch.device("cpu"), limit)
+        torch.manual_seed(0)
+        module = GPT(**model_kw, warmup_steps=1)
+        trainer = pl.Trainer(devices=layout["devices"], strategy=_strategy(layout, acc),
+                             callbacks=[RankPeak(run_dir, meter=meter)], **kw)
     else:  # every rank materializes only its share of the meta-built module
         trainer = pl.Trainer(devices=layout["devices"], strategy=_strategy(layout, acc),
                              callbacks=[RankPeak(run_dir, limit)], **kw)

@@ -33,7 +33,10 @@ def test_korthikanti_per_layer_in_16_bit_for_every_mode_and_parallelism():
     # full: the layer's 16-bit input; selective: + the matmul and attention outputs, 10sbh elements, 20sbh bytes
     assert korthikanti_bytes_per_layer(s, b, h, a, checkpointing="full") == 2 * sbh
     assert korthikanti_bytes_per_layer(s, b, h, a, checkpointing="selective") == 22 * sbh
-    assert korthikanti_bytes_per_layer(s, b, h, a, t=2, checkpointing="selective") == sbh * (2 + 8 + 4)
+    # TP2: column-parallel outputs halved, the row-parallel partial sums and their all-reduced outputs whole
+    assert korthikanti_bytes_per_layer(s, b, h, a, t=2, checkpointing="selective") == sbh * (2 + 8 + 4 + 4)
+    assert korthikanti_bytes_per_layer(s, b, h, a, t=2, sequence_parallel=True,
+                                       checkpointing="selective") == sbh * (1 + 8 + 4 + 2)
     assert korthikanti_bytes_per_layer(s, b, h, a, t=2, sequence_parallel=True, checkpointing="full") == sbh
     # the example: 0.96 GB (10^9) per layer and sequence at s=2048, h=4096, a=32
     assert korthikanti_bytes_per_layer(s, b, h, a) == pytest.approx(0.956e9, rel=1e-3)
@@ -95,7 +98,9 @@ def test_estimate_under_pipeline_tensor_and_sequence_parallel_by_hand():
     assert tp_off == pytest.approx(1000 * 22 / 34)
     assert block_kept_bytes(prof, 0, "full", t=2) == 100
     assert block_kept_bytes(prof, 0, "full", t=2, sequence_parallel=True) == 50
-    assert block_kept_bytes(prof, 0, "selective", t=2) == pytest.approx(100 + 300 * (8 / 2 + 2) / 10)
+    assert block_kept_bytes(prof, 0, "selective", t=2) == pytest.approx(100 + 300 * (8 / 2 + 2 + 2) / 10)
+    assert block_kept_bytes(prof, 0, "selective", t=2, sequence_parallel=True) == pytest.approx(
+        50 + 300 * (8 / 2 + 2 + 1) / 10)
     tp = estimate(prof, Layout(tensor_parallel_size=2, activation_checkpointing="full"), 2)
     assert tp.activation_bytes == int(4 * 100 * 2 + (tp_off - 100) * 2)
 
