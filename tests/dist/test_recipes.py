@@ -56,7 +56,8 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
                 ratio = res["predicted"]["total"] / res["measured_net"]
                 assert 0.9 <= ratio <= 1.1, (layout, mode, res["predicted"], res["measured_net"])
             off, full = (modes[m]["measured_net"] - modes[m]["predicted"]["states"] for m in ("off", "full"))
-            assert full < 0.5 * off, (layout, off, full)  # full checkpointing keeps the blocks' inputs only
+            # full checkpointing keeps the blocks' inputs and recomputes one block: 2 blocks hold ~0.53 of off
+            assert full < 0.6 * off, (layout, off, full)
         for layout, res in results.items():
             measured = max(sum(r[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"))
                            for r in res["rows"])
