@@ -15,6 +15,13 @@ GPT (8 blocks, d=768, 12 heads, 57 M parameters; sequences of 512 tokens of the 
   2, run one after another, so the loss equals plain Lightning's up to the order of the sums);
 - ``tensor_parallel``: ``TensorParallelStrategy(tensor_parallel_size=1)`` (DTensors on a one-device mesh).
 
+Then, in bf16-mixed, ZeRO-3 without and with CPU offload (``offload``):
+
+- ``zero3``: ``DataParallelStrategy(zero_stage=3)`` (FSDP2 over one process: its shards are the whole model);
+- ``zero3 offload=cpu``: the same with ``offload="cpu"`` (FSDP2's ``CPUOffloadPolicy``: parameters, gradients and
+  optimizer state in pinned host memory, the optimizer step on the host); its peak device memory is the
+  number to read beside ``zero3``'s: only the gathered parameters of the running block and the activations stay.
+
 Each row: the largest loss difference from the first plain run over the steps (and at step 0, before any
 update), the median step time, tokens/s and MFU from ``ParallelMetrics`` (6 x parameters x tokens/s over the
 device's 16-bit peak), and ``torch.cuda.max_memory_allocated`` over the fit. Runs start while less than
@@ -34,6 +41,7 @@ if ROOT not in sys.path:  # run from a checkout without installing the package
 
 PRECISIONS = ("bf16-mixed", "16-mixed")
 SYSTEMS = ("plain", "plain (again)", "data_parallel", "pipeline_parallel", "tensor_parallel")
+OFFLOAD_SYSTEMS = ("zero3", "zero3 offload=cpu")  # bf16-mixed only
 FULL = dict(n_layer=8, n_embd=768, n_head=12, block_size=512, vocab_size=64, batch_size=16, steps=30)
 TINY = dict(n_layer=2, n_embd=32, n_head=4, block_size=32, vocab_size=32, batch_size=8, steps=6)
 # Lightning's FLOP table knows the H200 only as "h200 sxm1" / "h200 nvl1" (as its dense-with-sparsity
@@ -78,7 +86,9 @@ def make_strategy(system: str):
         return "auto"
     return {"data_parallel": lambda: DataParallelStrategy(),
             "pipeline_parallel": lambda: PipelineParallelStrategy(pipeline_parallel_size=1),
-            "tensor_parallel": lambda: TensorParallelStrategy(tensor_parallel_size=1)}[system]()
+            "tensor_parallel": lambda: TensorParallelStrategy(tensor_parallel_size=1),
+            "zero3": lambda: DataParallelStrategy(zero_stage=3),
+            "zero3 offload=cpu": lambda: DataParallelStrategy(zero_stage=3, offload="cpu")}[system]()
 
 
 def run_one(system: str, precision: str, sizes: dict, args) -> dict:
@@ -159,12 +169,14 @@ def main(argv=None) -> int:
     sizes = TINY if args.tiny else FULL
     began = time.perf_counter()
     rows, skipped = [], []
-    for precision in PRECISIONS:
-        for system in SYSTEMS:
-            if time.perf_counter() - began > args.budget_s:
-                skipped.append(f"{precision} {system}")
-                continue
-            rows.append(run_one(system, precision, sizes, args))
+    # offload needs device memory to save: refused on the CPU dry run, so that runs zero3 alone
+    offload = OFFLOAD_SYSTEMS if args.accelerator == "cuda" else OFFLOAD_SYSTEMS[:1]
+    runs = [(p, s) for p in PRECISIONS for s in SYSTEMS] + [("bf16-mixed", s) for s in offload]
+    for precision, system in runs:
+        if time.perf_counter() - began > args.budget_s:
+            skipped.append(f"{precision} {system}")
+            continue
+        rows.append(run_one(system, precision, sizes, args))
     compare(rows)
     device = torch.cuda.get_device_name(0) if args.accelerator == "cuda" else "CPU (dry run)"
     print(f"\ngpu_check on {device}; torch {torch.__version__}; GPT {sizes}")

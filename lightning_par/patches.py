@@ -40,8 +40,9 @@ PATCHES: dict[str, Patch] = {
     "gated-block-forward": Patch(
         target="instance `forward` of a pipelined block, with several chunks on a rank",
         by="lightning_par.pipeline.stage.StageRuntime.install ([Note: gated chunks])",
-        why="a block of an inactive chunk must not compute; a forward pre-hook can change a module's inputs "
-            "but not skip its forward",
+        why="a block of an inactive chunk must not compute in a stage forward (it does outside one: activation "
+            "checkpointing recomputes it in backward); a forward pre-hook can change a module's inputs but not "
+            "skip its forward",
         undone="not: it lives as long as the pipelined model, whose other stages' blocks are Ghosts"),
     "optimizer-step": Patch(
         target="`optimizer.step` of the user's optimizer",

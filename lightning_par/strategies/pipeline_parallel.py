@@ -19,6 +19,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     ``pipeline_parallel_size="auto"`` takes every device not given to ``data_parallel_size``. A loss that couples
     the samples of a batch (contrastive, batch statistics) warns at setup, or with ``strict_batch_semantics=True``
     is refused ([Note: losses that couple samples] in :mod:`lightning_par.pipeline.coupling`).
+    ``activation_checkpointing`` (``None``, ``"full"``, k, ``"selective"``): each stage's blocks recompute their forward
+    in backward (:mod:`lightning_par.memory.checkpointing`).
     ``fault_tolerance="torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one replica group holding
     the whole pipeline, the replicas are the live groups (see the core, HybridParallelStrategy)."""
 

@@ -37,6 +37,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
         loss_parallel: the output head writes vocabulary-sharded logits (the tied / matching embedding becomes
             vocabulary-parallel) and the user's ``F.cross_entropy`` runs on the shards inside
             ``torch.distributed.tensor.parallel.loss_parallel()``; see [Note: loss parallel].
+        activation_checkpointing: ``None``, ``"full"``, an int k (every k-th block) or ``"selective"``: the blocks
+            recompute their forward in backward, sharded (:mod:`lightning_par.memory.checkpointing`).
         zero_stage: 0-3 over the data-parallel replicas ([Note: ZeRO on the core's data axis] in dp/zero.py).
         weights: a weights file or directory read into each rank's shards at setup (see docs/meta-build-and-weights.md);
             ``weights_prefix``: what the module's names have before the file's (``"net."``).

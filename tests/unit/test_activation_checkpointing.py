@@ -154,3 +154,28 @@ def test_a_module_without_a_block_stack_is_refused_naming_blocks():
                                          r"block stack.*Name the stack with `blocks='...'` \(DataParallelStrategy"):
         apply_activation_checkpointing(nn.ModuleDict({"net": net}), "full", owner="DataParallelStrategy")
     assert apply_activation_checkpointing(net, None).blocks == []  # off: nothing is looked for
+
+
+@pytest.mark.parametrize("override,value", [("full", "full"), ("2", 2), ("selective", "selective"),
+                                            ("null", None)])
+@pytest.mark.parametrize("strategy", ["ddp", "pipeline", "tensor", "hybrid"])
+def test_the_command_line_setting_reaches_the_strategy(strategy, override, value):
+    """`strategy.activation_checkpointing=full` arrives as a string and `=2` as an int (the schema's field is
+    untyped: OmegaConf has no int-or-string), and the strategy built from the config holds it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lightning_par import config as schemas
+    from lightning_par.paths import conf_dir
+
+    schemas.register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir())):
+        cfg = compose("config", overrides=[f"strategy={strategy}", f"strategy.activation_checkpointing={override}",
+                                           "strategy.start_method=fork"])
+    schemas.check_keys(cfg)
+    assert cfg.strategy.activation_checkpointing == value
+    assert instantiate(cfg.strategy)._ac == value
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir())):
+        bad = compose("config", overrides=[f"strategy={strategy}", "strategy.activation_checkpointing=0"])
+    with pytest.raises(Exception, match="`activation_checkpointing=0` is not a setting"):
+        instantiate(bad.strategy)
