@@ -292,7 +292,8 @@ def korthikanti_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, hea
     ``sbh(34 + 5as/h)``, ``sbh(10 + 24/t + 5as/(ht))`` with tensor parallel ``t``, ``sbh(34/t + 5as/(ht))`` with
     sequence parallel; checkpointed (``"full"`` or ``"selective"``, [Note: activations under activation
     checkpointing]): its input ``2sbh`` (``/t`` with sequence parallel), selective plus its matmul and attention
-    outputs ``20sbh``, ``sbh(16/t + 8)`` with tensor parallel (``sbh(16/t + 4 + 4/t)`` with sequence parallel). Double it for fp32. The stack's peak adds one layer's recompute
+    outputs ``20sbh``, ``sbh(16/t + 8)`` with tensor parallel (``sbh(16/t + 4 + 4/t)`` with sequence parallel).
+    Double it for fp32. The stack's peak adds one layer's recompute
     (:func:`korthikanti_stack_bytes`).
 
     Example::

@@ -8,9 +8,9 @@ model assumes.
 
 For activation checkpointing the probe also measures, per block, the bytes of the block's input (what full
 checkpointing keeps) and of the outputs of the matmuls and attention kernels (what selective checkpointing keeps,
-:data:```SAVED_OPS`` of :mod:`lightning_par.memory.checkpointing`), and times the step a second time: the blocks' forward against forward + backward
-(the recompute of full checkpointing) and, inside the blocks, the time of the ops selective checkpointing
-recomputes (everything but those kernels).
+``SAVED_OPS`` of :mod:`lightning_par.memory.checkpointing`), and times the step a second time: the blocks' forward
+against forward + backward (the recompute of full checkpointing) and, inside the blocks, the time of the ops
+selective checkpointing recomputes (everything but those kernels).
 """
 from __future__ import annotations
 

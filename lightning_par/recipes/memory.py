@@ -144,7 +144,8 @@ def _checkpointing_section(report: Report, cfg, out_dir: Path) -> None:
     report.notes.append("Activation checkpointing: both sides are net of the layout's tiny-model fit (measured: its "
                         "peak; predicted: the advisor's estimate of it), which also holds the logits of the same "
                         "vocabulary and sequence; measured activations are the measured peak less the model states "
-                        "the advisor counts (weights, gradients, AdamW moments); the peak itself is compared whole. What the advisor assumes is in [Note: activations under activation checkpointing] "
+                        "the advisor counts (weights, gradients, AdamW moments); the peak itself is compared whole. "
+                        "What the advisor assumes is in [Note: activations under activation checkpointing] "
                         "(lightning_par/advisor/memory.py).")
 
 

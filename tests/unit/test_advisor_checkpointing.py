@@ -29,7 +29,8 @@ def test_korthikanti_per_layer_in_16_bit_for_every_mode_and_parallelism():
     sbh = s * b * h
     assert korthikanti_bytes_per_layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)     # 114 sbh here
     assert korthikanti_bytes_per_layer(s, b, h, a, t=4) == sbh * (10 + 6 + 5 * a * s / (h * 4))
-    assert korthikanti_bytes_per_layer(s, b, h, a, t=4, sequence_parallel=True) == sbh * (34 / 4 + 20)  # 5as/(ht) = 80 / 4
+    # 5as/(ht) = 80 / 4 here
+    assert korthikanti_bytes_per_layer(s, b, h, a, t=4, sequence_parallel=True) == sbh * (34 / 4 + 20)
     # full: the layer's 16-bit input; selective: + the matmul and attention outputs, 10sbh elements, 20sbh bytes
     assert korthikanti_bytes_per_layer(s, b, h, a, checkpointing="full") == 2 * sbh
     assert korthikanti_bytes_per_layer(s, b, h, a, checkpointing="selective") == 22 * sbh
