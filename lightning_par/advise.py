@@ -3,6 +3,7 @@
     lightning-par-advise                                       # reference GPT on this machine's devices
     lightning-par-advise model.n_layer=48 model.n_embd=2048 --devices 8 --device-memory-gb 80
     lightning-par-advise data=classification model=mlp --precision bf16-mixed
+    lightning-par-advise data.seq_len=1024 --devices 1 --device-memory-gb 2    # activations dominate: checkpointing
 
 Positional ``key=value`` arguments are the training app's Hydra overrides (``model=``, ``data=``, ...),
 so the advice is for exactly the model ``lightning-par-train`` would build. The model runs one
@@ -20,7 +21,8 @@ import torch
 from lightning_par._compat import tree_map
 
 from lightning_par.advisor import advise, korthikanti_bytes_per_layer, profile_lightning_module
-from lightning_par.advisor.memory import OPTIMIZER_STATES, PRECISION_BYTES, SCHEDULES
+from lightning_par.advisor.memory import (CHECKPOINTING, OPTIMIZER_STATES, PRECISION_BYTES, SCHEDULES,
+                                          block_kept_bytes, recompute_share)
 from lightning_par.cli_errors import ArgumentParser, cwd_importable, run_cli
 
 PROG = "lightning-par-advise"
@@ -53,12 +55,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default 2 × stages)")
     p.add_argument("--probe-samples", type=int, default=2, help="micro-batch size of the activation probe")
+    p.add_argument("--link-gbps", type=float, default=100.0,
+                   help="bandwidth each rank sends at, Gbit/s, to price communication in step time (default 100)")
     args = p.parse_intermixed_args(argv)
     for name in ("devices", "probe_samples", "microbatches", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive integer.")
     if args.device_memory_gb <= 0:
         p.error(f"--device-memory-gb={args.device_memory_gb} must be positive.")
+    if args.link_gbps <= 0:
+        p.error(f"--link-gbps={args.link_gbps} must be positive.")
     return args
 
 
@@ -97,7 +103,7 @@ def advise_command(argv: Sequence[str]) -> None:
     batch_size = args.batch_size or datamodule.batch_size * args.devices
     memory = int(args.device_memory_gb * GiB)
     result = advise(profile, args.devices, memory, batch_size, precision=precision, optimizer=args.optimizer,
-                    schedule=args.schedule, microbatches=args.microbatches)
+                    schedule=args.schedule, microbatches=args.microbatches, link_bytes_per_s=args.link_gbps * 1e9 / 8)
     print(f"model: {type(module).__name__}, {profile.total_params:,} parameters, {profile.n_blocks} blocks; "
           f"global batch {batch_size}, {precision}, {args.optimizer}; {args.devices} devices × "
           f"{args.device_memory_gb:.1f} GiB")
@@ -106,7 +112,21 @@ def advise_command(argv: Sequence[str]) -> None:
         measured = profile.block_activation_bytes[0]
         print(f"activations of one block per sample: measured {measured:,} B ({profile.dtype_bytes}-byte elements); "
               f"Korthikanti et al. sbh(34 + 5as/h) for 16-bit: {formula:,.0f} B")
+    if profile.n_blocks:
+        print(checkpointing_summary(profile))
     print(result.table())
+
+
+def checkpointing_summary(profile) -> str:
+    """What one block keeps per sample under each activation checkpointing mode, and what each costs in time
+    (the probe's timing: the blocks' forward run again, or the ops selective checkpointing does not keep)."""
+    modes = []
+    for mode in CHECKPOINTING:
+        name = "off" if mode is None else (mode if isinstance(mode, str) else f"every {mode}")
+        kept = sum(block_kept_bytes(profile, i, mode) for i in range(profile.n_blocks)) / profile.n_blocks
+        modes.append(f"{name} {kept:,.0f} B (+{recompute_share(profile, mode):.0%} step time)")
+    timed = "timed by the probe" if profile.step_s_per_sample else "not timed: a third of a step assumed"
+    return "activation checkpointing, kept per block and sample (" + timed + "): " + "; ".join(modes)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ Example::
 from __future__ import annotations
 
 from lightning_par.advisor.choose import Advice, Candidate, advise, candidate_layouts
-from lightning_par.advisor.memory import Estimate, Layout, estimate, korthikanti_bytes_per_layer
+from lightning_par.advisor.memory import (Estimate, Layout, estimate, korthikanti_bytes_per_layer,
+                                          korthikanti_stack_bytes)
 from lightning_par.advisor.profile import ModuleProfile, measure
 
 __all__ = ["Advice", "Candidate", "Estimate", "Layout", "ModuleProfile", "advise", "advise_module",
-           "candidate_layouts", "estimate", "korthikanti_bytes_per_layer", "measure", "profile_lightning_module"]
+           "candidate_layouts", "estimate", "korthikanti_bytes_per_layer", "korthikanti_stack_bytes", "measure",
+           "profile_lightning_module"]
 
 
 def profile_lightning_module(module, batch, blocks=None, precision: str = "32-true") -> ModuleProfile:

@@ -11,7 +11,8 @@ follows are in DESIGN.md ("Numbers the field publishes"):
 - activations: the measured bytes per sample × the micro-batch × the micro-batches a stage holds at
   once (GPipe all ``m``, 1F1B ``min(p − stage, m)``); tensor parallel scales the blocks' share by
   Korthikanti et al.'s ``(10 + 24/t) / 34`` (``1/t`` with sequence parallel) — the ``5as/h`` score term
-  is left out because fused attention kernels save no ``s × s`` matrix;
+  is left out because fused attention kernels save no ``s × s`` matrix; activation checkpointing keeps less
+  and recomputes one block at a time in backward ([Note: activations under activation checkpointing]);
 - communication (bytes each rank sends per optimizer step): ring all-reduce ``2(N−1)/N × bytes``;
   ZeRO-1 adds ``(N−1)/N`` of the parameters (broadcast of the updated shards); ZeRO-2 / 3 (FSDP2)
   reduce-scatter the gradients ``(N−1)/N × bytes`` and all-gather the parameters ``(N−1)/N × bytes`` once
@@ -35,6 +36,25 @@ PRECISION_BYTES = {
 }
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "rmsprop": 1, "adagrad": 1}
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+CHECKPOINTING = (None, "selective", 2, "full")  # the modes the advisor proposes (any k >= 1 is estimated)
+
+
+def check_checkpointing(mode) -> None:
+    """``None | "full" | "selective" | k >= 1``, as the strategies take ``activation_checkpointing``."""
+    if mode is None or mode in ("full", "selective"):
+        return
+    if isinstance(mode, bool) or not isinstance(mode, int) or mode < 1:
+        raise ValueError(f"activation_checkpointing={mode!r} must be None, 'full', 'selective' or an int k >= 1 "
+                         f"(every k-th block).")
+
+
+def checkpointed(mode, index: int) -> bool:
+    """Whether block ``index`` of its stack is checkpointed under ``mode`` (every k-th: ``index % k == 0``)."""
+    if mode is None:
+        return False
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        return index % mode == 0
+    return True
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,10 @@ class Layout:
     schedule: str = "1f1b"
     microbatches: int = 1
     sequence_parallel: bool = False
+    activation_checkpointing: str | int | None = None
+
+    def __post_init__(self):
+        check_checkpointing(self.activation_checkpointing)
 
     @property
     def devices(self) -> int:
@@ -64,6 +88,9 @@ class Layout:
             parts.append(f"DP{self.data_parallel_size}" if self.data_parallel_size > 1 else "single")
         if self.zero_stage:
             parts.append(f"ZeRO-{self.zero_stage}")
+        ac = self.activation_checkpointing
+        if ac is not None:
+            parts.append(f"AC {ac}" if isinstance(ac, str) else f"AC every {ac}")
         return " × ".join(parts)
 
 
@@ -110,6 +137,79 @@ def tp_activation_factor(t: int, sequence_parallel: bool) -> float:
     return (34 / t) / 34 if sequence_parallel else (10 + 24 / t) / 34
 
 
+# [Note: activations under activation checkpointing]
+# What a block keeps from its forward to its backward, per sample (A: what the probe measured it saving without
+# checkpointing, × the tensor-parallel share; I: its input, s·h elements, 1/t of it with sequence parallel):
+# - off: A.
+# - full: I (the checkpoint holds the block's input and recomputes the rest in backward); Korthikanti et al.'s
+#   2sbh in 16-bit.
+# - every k-th: blocks whose index in the stack (not in the pipeline stage) is a multiple of k keep I, the others A.
+# - selective (op-level, [Note: what selective checkpointing keeps]): I + S, S the outputs of the matmuls and the
+#   attention kernel, measured by the probe. For a GPT block of width h with a 4h MLP the matmuls' outputs are
+#   q, k, v (3sh), the attention output (sh), the output projection (sh), the MLP's up projection (4sh) and its
+#   down projection (sh): S = 10sh elements, 20sbh bytes in 16-bit, so a layer keeps sbh(2 + 20) = 22sbh against
+#   Korthikanti's 34sbh + 5as²b (the score, softmax and dropout of the attention are recomputed or never stored:
+#   fused kernels). Under tensor parallel t the column-parallel outputs (q, k, v, attention, up: 8sh) are 1/t,
+#   the row-parallel ones (output and down projections, partial sums before their all-reduce: 2sh) whole, and
+#   the policy keeps the all-reduced outputs too (2sh; reduce-scattered with sequence parallel: 2sh/t), so
+#   S_t = S · (8/t + 2 + 2) / 10 (measured: TP2 keeps as much as this, within 5%); the input is whole unless
+#   sequence parallel splits it.
+# A checkpointed block recomputes its forward in backward, one block at a time: while block j does, the stage holds
+# A_j, less what j kept, beyond what the blocks up to j kept (those after j have freed theirs: backward runs from
+# the last block down), for one micro-batch (:func:`recompute_peak`). fp32 doubles every 16-bit byte count
+# (the probe measures bytes in the dtype training runs in). Time: full runs the blocks' forward again (the
+# probe times it against forward + backward, ~1/3 of a step, Korthikanti et al. report 30-40%); selective only
+# the ops it does not keep (the probe's share of the blocks' forward time outside the matmuls and attention).
+def block_kept_bytes(profile: ModuleProfile, index: int, mode, t: int = 1, sequence_parallel: bool = False) -> float:
+    """Bytes per sample block ``index`` keeps for backward under checkpointing ``mode`` (see the Note above)."""
+    full = profile.block_activation_bytes[index] * tp_activation_factor(t, sequence_parallel)
+    if not checkpointed(mode, index):
+        return full
+    inp = (profile.block_input_bytes or profile.seq_len * profile.hidden_size * profile.dtype_bytes)
+    inp /= t if sequence_parallel else 1
+    if mode != "selective":
+        return min(inp, full)
+    sel = profile.selective_bytes[index] if profile.selective_bytes else 10 * inp
+    share = 1.0 if t == 1 else (8 / t + 2 + (2 / t if sequence_parallel else 2)) / 10
+    return min(inp + sel * share, full)
+
+
+def recompute_peak(kept, whole, marked) -> float:
+    """What a stage holds beyond every block's ``kept`` bytes while backward recomputes a checkpointed block
+    (``marked``): backward runs from the last block down, so when block ``j`` recomputes its ``whole`` activations
+    the blocks after it have already freed what they kept.
+
+    Example::
+
+        >>> recompute_peak([1, 1, 1, 1], [10] * 4, [True] * 4)   # full: block 3 recomputes beside 0, 1, 2
+        9
+        >>> recompute_peak([1, 10, 1, 10], [10] * 4, [True, False] * 2)  # every 2nd: block 2 beside 0, 1
+        0
+    """
+    held = peak = sum(kept)
+    run = 0
+    for k, w, m in zip(kept, whole, marked):
+        run += k
+        if m:
+            peak = max(peak, run + w - k)
+    return peak - held
+
+
+def recompute_share(profile: ModuleProfile, mode, blocks=None) -> float:
+    """The extra share of a step's forward + backward time that checkpointing ``mode`` spends recomputing, from
+    the probe's timing ([Note: activations under activation checkpointing]); a third of a step (the forward run
+    again, the backward taken as twice the forward) for a profile that was not timed."""
+    blocks = range(profile.n_blocks) if blocks is None else blocks
+    if mode is None or not blocks:
+        return 0.0
+    share = sum(checkpointed(mode, i) for i in blocks) / len(blocks)
+    forward = (profile.block_forward_s_per_sample / profile.step_s_per_sample if profile.step_s_per_sample
+               else 1 / 3)
+    if mode == "selective":
+        forward *= profile.selective_recompute_share if profile.step_s_per_sample else 0.2
+    return share * forward
+
+
 def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision: str = "32-true",
              optimizer: str = "adamw") -> Estimate:
     """Per-device memory and per-rank communication of ``layout`` for a global batch of ``batch_size``."""
@@ -139,8 +239,12 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         if s == p - 1:
             params += profile.last_params + (profile.tied_params if p > 1 else 0)
         held = m if layout.schedule == "gpipe" else min(p - s, m)
-        acts = sum(profile.block_activation_bytes[i] for i in blocks) * tp_activation_factor(
-            t, layout.sequence_parallel)
+        ac = layout.activation_checkpointing
+        kept = [block_kept_bytes(profile, i, ac, t, layout.sequence_parallel) for i in blocks]
+        whole = [profile.block_activation_bytes[i] * tp_activation_factor(t, layout.sequence_parallel)
+                 for i in blocks]
+        recompute = recompute_peak(kept, whole, [checkpointed(ac, i) for i in blocks])
+        acts = sum(kept)
         acts += (profile.first_activation_bytes if s == 0 else 0) + (profile.last_activation_bytes if s == p - 1 else 0)
         ends = (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)  # root unit
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
@@ -176,17 +280,61 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         units = len(blocks) + 1  # FSDP units of the stage: its blocks, then the root (the ends)
         gathers = 0 if zero < 2 or dp == 1 else (units if zero == 2 or p > 1 else 2 * len(blocks) + 1)
         est = Estimate(int(held_params * p_bytes), int(grads * g_bytes), int(opt),
-                       int(acts * micro * held + gathered * p_bytes), int(comm), gathers)
+                       int(acts * micro * held + recompute * micro + gathered * p_bytes), int(comm), gathers)
         if worst is None or est.total_bytes > worst.total_bytes:
             worst = est
     return worst  # type: ignore[return-value]
 
 
 def korthikanti_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, t: int = 1,
-                                sequence_parallel: bool = False) -> float:
-    """Activation bytes of one transformer layer in 16-bit training (Korthikanti et al., 2022)."""
+                                sequence_parallel: bool = False, checkpointing=None) -> float:
+    """Activation bytes one transformer layer keeps for backward in 16-bit training (Korthikanti et al., 2022):
+    ``sbh(34 + 5as/h)``, ``sbh(10 + 24/t + 5as/(ht))`` with tensor parallel ``t``, ``sbh(34/t + 5as/(ht))`` with
+    sequence parallel; checkpointed (``"full"`` or ``"selective"``, [Note: activations under activation
+    checkpointing]): its input ``2sbh`` (``/t`` with sequence parallel), selective plus its matmul and attention
+    outputs ``20sbh``, ``sbh(16/t + 8)`` with tensor parallel (``sbh(16/t + 4 + 4/t)`` with sequence parallel).
+    Double it for fp32. The stack's peak adds one layer's recompute
+    (:func:`korthikanti_stack_bytes`).
+
+    Example::
+
+        >>> korthikanti_bytes_per_layer(2048, 1, 4096, 32) / 2**30      # the issue's 0.96 GB, in GiB
+        0.890625
+        >>> korthikanti_bytes_per_layer(2048, 1, 4096, 32, checkpointing="full") / 2**20
+        16.0
+    """
+    check_checkpointing(checkpointing)
     sbh = seq_len * micro_batch * hidden
+    if checkpointing in ("full", "selective"):
+        kept = 2 * sbh / (t if sequence_parallel else 1)
+        if checkpointing == "full":
+            return kept
+        return kept + (20 * sbh if t == 1 else sbh * (16 / t + 4 + (4 / t if sequence_parallel else 4)))
     score = 5 * heads * seq_len / (hidden * t)
     if sequence_parallel:
         return sbh * (34 / t + score)
     return sbh * (10 + 24 / t + score)
+
+
+def korthikanti_stack_bytes(n_layers: int, seq_len: int, micro_batch: int, hidden: int, heads: int, t: int = 1,
+                            sequence_parallel: bool = False, checkpointing=None) -> float:
+    """Peak activation bytes of ``n_layers`` layers in 16-bit under ``checkpointing`` (None, "full", "selective"
+    or every k-th layer): what each layer keeps, plus one checkpointed layer's recompute in backward (its
+    activations less what it kept, beside the layers before it: :func:`recompute_peak`).
+
+    Example::
+
+        >>> sbh = 2048 * 4096
+        >>> korthikanti_stack_bytes(4, 2048, 1, 4096, 32, checkpointing="full") / sbh   # 3 inputs, 1 layer whole
+        120.0
+        >>> korthikanti_stack_bytes(4, 2048, 1, 4096, 32, checkpointing=2) / sbh   # 2 whole, 2 inputs
+        232.0
+    """
+    check_checkpointing(checkpointing)
+    off = korthikanti_bytes_per_layer(seq_len, micro_batch, hidden, heads, t, sequence_parallel)
+    kept = off if checkpointing is None else korthikanti_bytes_per_layer(
+        seq_len, micro_batch, hidden, heads, t, sequence_parallel,
+        "selective" if checkpointing == "selective" else "full")
+    marked = [checkpointed(checkpointing, i) for i in range(n_layers)]
+    per_layer = [kept if m else off for m in marked]
+    return sum(per_layer) + recompute_peak(per_layer, [off] * n_layers, marked)

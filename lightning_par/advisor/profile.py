@@ -5,9 +5,16 @@ counting every tensor autograd saves for backward (``torch.autograd.graph.saved_
 attributed to the block that was running when it was saved. Parameters and tensors saved twice are
 counted once (by storage). The result scales linearly with the micro-batch, which is what the memory
 model assumes.
+
+For activation checkpointing the probe also measures, per block, the bytes of the block's input (what full
+checkpointing keeps) and of the outputs of the matmuls and attention kernels (what selective checkpointing keeps,
+``SAVED_OPS`` of :mod:`lightning_par.memory.checkpointing`), and times the step a second time: the blocks' forward
+against forward + backward (the recompute of full checkpointing) and, inside the blocks, the time of the ops
+selective checkpointing recomputes (everything but those kernels).
 """
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -34,6 +41,11 @@ class ModuleProfile:
     seq_len: int                     # second dim of a block's input (1 if 2-D)
     num_heads: int | None            # from the first block (n_head / num_heads / num_attention_heads)
     dtype_bytes: int                 # bytes per element of the measured activations' dominant dtype
+    block_input_bytes: int = 0       # bytes of one block's input per sample (0: seq_len × hidden × dtype_bytes)
+    selective_bytes: tuple[int, ...] = ()  # bytes per sample of each block's matmul / attention outputs
+    step_s_per_sample: float = 0.0   # seconds of forward + backward per sample (0: not timed)
+    block_forward_s_per_sample: float = 0.0  # seconds of the blocks' forward per sample
+    selective_recompute_share: float = 0.0   # share of the blocks' forward time outside the kept ops
 
     @property
     def n_blocks(self) -> int:
@@ -42,6 +54,47 @@ class ModuleProfile:
     @property
     def activation_bytes_per_sample(self) -> int:
         return sum(self.block_activation_bytes) + self.first_activation_bytes + self.last_activation_bytes
+
+
+# [Note: what selective checkpointing keeps]
+# The strategies' selective checkpointing (:mod:`lightning_par.memory.checkpointing`, as torchtitan's op-level
+# one) saves the outputs of the expensive ops, the matmuls, the fused attention kernels and the reducing
+# collectives (its ``SAVED_OPS``), and recomputes the rest (layer norms, activations, dropout, adds) in backward.
+# The probe counts those same ops' output bytes inside each block (a dispatch mode sees the aten ops below
+# autograd, where ``nn.Linear`` is an ``addmm`` / ``mm``), which is what the policy caches, whether or not
+# autograd would have saved them.
+def _op_ledger():
+    """A dispatch mode that adds up, per :attr:`tag`, the output bytes of the ops selective checkpointing keeps
+    and the seconds spent in them and in every other op."""
+    from lightning_par._compat import torch_dispatch_mode, tree_flatten
+    from lightning_par.memory.checkpointing import SAVED_OPS
+
+    class OpLedger(torch_dispatch_mode()):
+        def __init__(self):
+            super().__init__()
+            self.tag = None
+            self.saved: dict = {}
+            self.seconds = {"kept": 0.0, "other": 0.0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            kept = func in SAVED_OPS
+            self.seconds["kept" if kept else "other"] += time.perf_counter() - t0
+            if kept and self.tag is not None:
+                seen = set()
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                        seen.add(t.untyped_storage().data_ptr())
+                        self.saved[self.tag] = self.saved.get(self.tag, 0) + t.untyped_storage().nbytes()
+            return out
+
+    return OpLedger()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _num_heads(block: nn.Module) -> int | None:
@@ -65,6 +118,8 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
     first_ids: set[int] = set()
     last_ids: set[int] = set()
     input_shape: list[torch.Size] = []
+    input_bytes: list[int] = []
+    ledger = _op_ledger()
 
     def leaf_hook(mod, args):
         if meter.tag in ("before", "after"):
@@ -73,13 +128,17 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
 
     def enter(i):
         def hook(mod, args):
-            meter.tag = i
+            meter.tag = ledger.tag = i
             if i == 0 and args and isinstance(args[0], torch.Tensor):
                 input_shape.append(args[0].shape)
+                input_bytes.append(args[0].numel() * args[0].element_size())
+            ledger.__enter__()
         return hook
 
     def leave(i):
         def hook(mod, args, out):
+            ledger.__exit__(None, None, None)
+            ledger.tag = None
             meter.tag = "after" if i == len(block_list) - 1 else "before"  # code between blocks counts before
         return hook
 
@@ -94,6 +153,7 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         loss = run_step()
         loss.backward()
     module.zero_grad(set_to_none=True)
+    step_s, block_s = _time_step(module, block_list, run_step)
 
     unique = {id(p): p for p in module.parameters()}
     tied = first_ids & last_ids
@@ -113,4 +173,41 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         seq_len=int(shape[1]) if len(shape) >= 3 else 1,
         num_heads=_num_heads(block_list[0]) if block_list else None,
         dtype_bytes=max(meter.by_width, key=meter.by_width.get) if meter.by_width else 4,
+        block_input_bytes=input_bytes[0] // batch_size if input_bytes else 0,
+        selective_bytes=tuple(ledger.saved.get(i, 0) // batch_size for i in range(len(block_list))),
+        step_s_per_sample=step_s / batch_size,
+        block_forward_s_per_sample=block_s / batch_size,
+        selective_recompute_share=ledger.seconds["other"] / max(sum(ledger.seconds.values()), 1e-12),
     )
+
+
+def _time_step(module: nn.Module, block_list: list[nn.Module], run_step, repeats: int = 3) -> tuple[float, float]:
+    """Seconds of one more forward + backward of ``run_step`` (warm: the probe ran it once), and of the blocks'
+    forward inside it (what full activation checkpointing runs again in backward): the fastest of ``repeats``
+    runs each (a shared machine's noise only adds time)."""
+    device = next(module.parameters()).device
+    spent, started = [0.0], [0.0]
+
+    def enter(mod, args):
+        _sync(device)
+        started[0] = time.perf_counter()
+
+    def leave(mod, args, out):
+        _sync(device)
+        spent[0] += time.perf_counter() - started[0]
+
+    totals, blocks = [], []
+    with ExitStack() as stack:
+        for b in block_list:
+            stack.callback(b.register_forward_pre_hook(enter).remove)
+            stack.callback(b.register_forward_hook(leave).remove)
+        for _ in range(repeats):
+            spent[0] = 0.0
+            _sync(device)
+            t0 = time.perf_counter()
+            run_step().backward()
+            _sync(device)
+            totals.append(time.perf_counter() - t0)
+            blocks.append(spent[0])
+            module.zero_grad(set_to_none=True)
+    return min(totals), min(blocks)

@@ -35,7 +35,7 @@ from typing import Callable
 import lightning.pytorch as pl
 import torch
 
-from lightning_par.peak_memory import PeakMemory, held_bytes
+from lightning_par.peak_memory import PeakMemory, held_bytes, reset_peak
 
 
 class RankPeak(pl.Callback):
@@ -47,6 +47,8 @@ class RankPeak(pl.Callback):
     def setup(self, trainer, pl_module, stage):
         if self.meter is None:  # a rank of a multi-rank fit: the module is still on the meta device
             self.meter = start_meter(trainer.strategy.root_device, self.limit)
+        elif trainer.world_size > 1 and not self.meter.cuda:  # a forked rank of a module built before the fork:
+            reset_peak()  # its peak from here on, net of what the fit's process held before building it
 
     def on_train_end(self, trainer, pl_module):
         rec = {"rank": trainer.global_rank, "net": self.meter.net(), "peak": self.meter.peak(),
@@ -91,11 +93,24 @@ def _fit(spec: dict, layout: dict, model_kw: dict, run_dir: str, limit: int | No
     kw = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               num_sanity_val_steps=0, limit_val_batches=0, max_steps=steps, accelerator=acc,
               precision=spec["precision"])
+    ac = layout.get("args", {}).get("activation_checkpointing")
+    if ac is not None:  # imported before the meter starts: its code pages are not the model's memory
+        from lightning_par.memory.checkpointing import apply_activation_checkpointing
     if layout["kind"] == "single":  # one device builds the whole module, as a user would; measured from before
         meter = start_meter(torch.device("cuda", 0) if acc == "gpu" else torch.device("cpu"), limit)
         torch.manual_seed(0)
         module = GPT(**model_kw, warmup_steps=1)
+        if ac is not None:  # what the strategies apply
+            apply_activation_checkpointing(module, ac)
         trainer = pl.Trainer(devices=1, strategy="auto", callbacks=[RankPeak(run_dir, meter=meter)], **kw)
+    elif layout["kind"] == "dp" and not layout.get("args", {}).get("zero_stage") and acc == "cpu":
+        # replicas hold the whole module (Lightning's empty_init leaves its weights uninitialized, not on meta): built
+        # before the ranks fork, measured from before building it
+        meter = start_meter(torch.device("cpu"), limit)
+        torch.manual_seed(0)
+        module = GPT(**model_kw, warmup_steps=1)
+        trainer = pl.Trainer(devices=layout["devices"], strategy=_strategy(layout, acc),
+                             callbacks=[RankPeak(run_dir, meter=meter)], **kw)
     else:  # every rank materializes only its share of the meta-built module
         trainer = pl.Trainer(devices=layout["devices"], strategy=_strategy(layout, acc),
                              callbacks=[RankPeak(run_dir, limit)], **kw)
@@ -193,8 +208,10 @@ def _aim(peaks: dict[int, int | None], predicted: list[int], budget: int, lo: in
 
 def run_layout(spec: dict, layout: dict, out_dir: Path) -> dict:
     """The baseline (tiny GPT) and the search over the ladder for one layout; each fit's records, the answer."""
-    ladder, budget = spec["n_layers"], spec["budget"]
-    tiny = {**spec["model"], **spec["tiny"]}
+    # a sweep (capacity_sweeps) brings its own axis, ladder and model: the sequence length, or n_layer at a long one
+    ladder, budget, axis = layout.get("ladder", spec["n_layers"]), spec["budget"], layout.get("axis", "n_layer")
+    model = {**spec["model"], **layout.get("model", {})}
+    tiny = {**model, **spec["tiny"], **layout.get("tiny", {})}
     base = measure(spec, layout, tiny, out_dir / f"{layout['name']}-tiny", None)
     base_net = [r["net"] for r in base]
     runs: dict[int, dict] = {}
@@ -202,11 +219,11 @@ def run_layout(spec: dict, layout: dict, out_dir: Path) -> dict:
     def measure_rung(i: int) -> int | None:
         n = ladder[i]
         limit = budget + max(base_net)  # CUDA: the allocator may hold the baseline and the budget
-        recs = measure(spec, layout, {**spec["model"], "n_layer": n}, out_dir / f"{layout['name']}-{n}", limit)
+        recs = measure(spec, layout, {**model, axis: n}, out_dir / f"{layout['name']}-{n}", limit)
         model_net = None if recs is None else max(r["net"] - b for r, b in zip(recs, base_net))
         runs[n] = {"ranks": recs, "model_net": model_net, "oom": recs is None,
                    "fits": model_net is not None and model_net <= budget}
-        print(f"  {layout['name']}: n_layer={n}: " + ("out of memory" if recs is None else
+        print(f"  {layout['name']}: {axis}={n}: " + ("out of memory" if recs is None else
               f"the model's peak {model_net / 2**20:.1f} MiB (budget {budget / 2**20:.1f})"), flush=True)
         return model_net
 
@@ -215,13 +232,28 @@ def run_layout(spec: dict, layout: dict, out_dir: Path) -> dict:
             "largest": None if best is None else ladder[best]}
 
 
+def run_fits(spec: dict, layout: dict, out_dir: Path) -> dict:
+    """The baseline (tiny GPT) and one fit of each of ``layout["fits"]`` (no search; each ``{"model": {...},
+    "args": {...}}`` over the spec's model and the layout's strategy arguments): each fit's records and the busiest
+    rank's peak net of the baseline (``spec["fits"]``: the memory recipe's activation checkpointing)."""
+    tiny = {**spec["model"], **spec["tiny"]}
+    base = measure(spec, layout, tiny, out_dir / f"{layout['name']}-tiny", None)
+    base_net = [r["net"] for r in base]
+    runs = {}
+    for name, fit in layout["fits"].items():
+        recs = measure(spec, {**layout, "args": {**layout.get("args", {}), **fit.get("args", {})}},
+                       {**spec["model"], **fit.get("model", {})}, out_dir / f"{layout['name']}-{name}", None)
+        runs[name] = {"ranks": recs, "model_net": max(r["net"] - b for r, b in zip(recs, base_net))}
+    return {"baseline": base, "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> None:
     spec_path, out_path = (sys.argv[1:] if argv is None else argv)
     spec = json.loads(Path(spec_path).read_text())
     out_dir = Path(out_path).parent / "fits"
     results = {}
     for layout in spec["layouts"]:
-        results[layout["name"]] = run_layout(spec, layout, out_dir)
+        results[layout["name"]] = (run_fits if spec.get("fits") else run_layout)(spec, layout, out_dir)
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 

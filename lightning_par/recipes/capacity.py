@@ -73,7 +73,12 @@ def measure(cfg, out_dir: Path, n_layers: list[int], predicted: dict[str, list[i
     spec = {"accelerator": cfg.trainer.accelerator, "precision": cfg.precision, "steps": cfg.steps,
             "batch_size": cfg.batch_size, "timeout_s": cfg.timeout_s, "budget": budget, "n_layers": n_layers,
             "model": dict(cfg.model), "tiny": dict(cfg.tiny), "layouts": layouts}
-    spec_path, out_path = out_dir / "spec.json", out_dir / "measured.json"
+    return run_job(spec, out_dir)
+
+
+def run_job(spec: dict, out_dir: Path, name: str = "measured") -> dict:
+    """Write ``spec`` and run :mod:`~lightning_par.recipes._capacity_job` on it in a fresh interpreter; its results."""
+    spec_path, out_path = out_dir / f"{name}-spec.json", out_dir / f"{name}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     root = str(Path(__file__).resolve().parents[2])
     # [Note: a fixed mmap threshold] glibc raises its mmap threshold after large frees, after which freed buffers
@@ -82,7 +87,7 @@ def measure(cfg, out_dir: Path, n_layers: list[int], predicted: dict[str, list[i
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", str(128 << 10)),
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    log = out_dir / "measure.log"
+    log = out_dir / f"{name}.log"
     with open(log, "w") as f:
         code = subprocess.run([sys.executable, "-m", "lightning_par.recipes._capacity_job", str(spec_path),
                                str(out_path)], env=env, stdout=f, stderr=subprocess.STDOUT).returncode
@@ -113,8 +118,18 @@ def run(cfg, out_dir: Path, command: str) -> Report:
             "measured": res["runs"], "baseline": res["baseline"]}
     data = {"budget_gb": cfg.budget_gb, "budget_bytes": budget, "accelerator": cfg.trainer.accelerator,
             "ladder": n_layers, "params": params, "model": dict(cfg.model), "batch_size": cfg.batch_size,
-            "steps": cfg.steps, "layouts": layouts, "wall_s": time.perf_counter() - t0}
-    return _report(cfg, command, out_dir, data)
+            "steps": cfg.steps, "layouts": layouts}
+    if cfg.get("sweeps"):
+        from lightning_par.recipes.capacity_sweeps import run_sweeps
+
+        data["sweeps"] = run_sweeps(cfg, out_dir, budget)
+    data["wall_s"] = time.perf_counter() - t0
+    report = _report(cfg, command, out_dir, data)
+    if data.get("sweeps"):
+        from lightning_par.recipes.capacity_sweeps import report_sweeps
+
+        report_sweeps(report, data["sweeps"], budget, out_dir)
+    return report
 
 
 def _report(cfg, command: str, out_dir: Path, data: dict) -> Report:

@@ -34,6 +34,8 @@ def scaled_profile(probe: ModuleProfile, probe_vocab: int, n_layer: int, n_embd:
         tied_params=model.tok_emb.weight.numel(),
         shardable_block_params=linear * n_layer,
         block_activation_bytes=(int(probe.block_activation_bytes[0] * width),) * n_layer,
+        block_input_bytes=int(probe.block_input_bytes * width),
+        selective_bytes=(int(probe.selective_bytes[0] * width),) * n_layer if probe.selective_bytes else (),
         first_activation_bytes=int(probe.first_activation_bytes * width),
         last_activation_bytes=int(probe.last_activation_bytes * vocab / probe_vocab),
         hidden_size=n_embd,
@@ -71,7 +73,7 @@ def run(cfg, out_dir: Path, command: str) -> Report:
         line = []
         for mem in memories:
             adv = advise(prof, cfg.devices, int(mem * GiB), cfg.batch_size, precision=cfg.precision,
-                         optimizer=cfg.optimizer)
+                         optimizer=cfg.optimizer, zero_stages=(0, 1), checkpointing=(None,))  # the seeds' table
             layout = adv.choice.layout if adv.choice else None
             line.append(kind(layout))
             total = adv.choice.estimate.total_bytes / GiB if adv.choice else float("nan")

@@ -49,21 +49,23 @@ def strategy_for(kind: str, args: dict, acc: str):
 
 
 def layout_for(kind: str, args: dict, devices: int) -> Layout:
+    ac = args.get("activation_checkpointing")
     if kind in ("single", "dp"):
-        return Layout(data_parallel_size=devices, zero_stage=args.get("zero_stage", 0))
+        return Layout(data_parallel_size=devices, zero_stage=args.get("zero_stage", 0), activation_checkpointing=ac)
     if kind == "pp":
         p = args.get("pipeline_parallel_size", devices)
         return Layout(data_parallel_size=devices // p, pipeline_parallel_size=p,
                       microbatches=args.get("microbatches") or 2 * p, schedule=args.get("schedule", "1f1b"),
-                      zero_stage=args.get("zero_stage", 0))
+                      zero_stage=args.get("zero_stage", 0), activation_checkpointing=ac)
     if kind == "hybrid":
         p, t = args.get("pipeline_parallel_size", 1), args.get("tensor_parallel_size", 1)
         return Layout(data_parallel_size=devices // (p * t), pipeline_parallel_size=p, tensor_parallel_size=t,
                       microbatches=args.get("microbatches") or 2 * p, schedule=args.get("schedule", "1f1b"),
-                      zero_stage=args.get("zero_stage", 0))
+                      zero_stage=args.get("zero_stage", 0), activation_checkpointing=ac)
     t = args.get("tensor_parallel_size", devices)
     return Layout(data_parallel_size=devices // t, tensor_parallel_size=t,
-                  sequence_parallel=args.get("sequence_parallel", False), zero_stage=args.get("zero_stage", 0))
+                  sequence_parallel=args.get("sequence_parallel", False), zero_stage=args.get("zero_stage", 0),
+                  activation_checkpointing=ac)
 
 
 def measure_layouts(cfg, out_dir: Path) -> list[Measured]:

@@ -1,11 +1,16 @@
-"""memory: per-device memory of DP, ZeRO-1, PP and TP, measured against the advisor (recipes/memory/README.md)."""
+"""memory: per-device memory of DP, ZeRO-1, PP and TP, measured against the advisor (recipes/memory/README.md);
+and activation memory per activation checkpointing mode (off, full, every k-th, selective) on single, DP2, PP2 and
+TP2, measured as separate processes' peak memory net of the layout's tiny-model fit, beside the advisor."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_par.advisor import korthikanti_bytes_per_layer
+import torch
+
+from lightning_par.advisor import estimate, korthikanti_bytes_per_layer, profile_lightning_module
+from lightning_par.models import GPT
 from lightning_par.recipes.common import figure, Report, savefig
-from lightning_par.recipes.layouts import measure_layouts
+from lightning_par.recipes.layouts import layout_for, measure_layouts
 
 FIELDS = (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optim"),
           ("activation_bytes", "activ"))
@@ -61,7 +66,103 @@ def run(cfg, out_dir: Path, command: str) -> Report:
                         "formula has no counterpart here; layer norms run in fp32 under autocast.")
     report.notes.append("Activations: the most bytes saved for backward alive at once on the busiest rank "
                         "(ParallelMetrics); predicted: the advisor's probe × micro-batch × micro-batches in flight.")
+    if cfg.get("checkpointing") is not None:
+        _checkpointing_section(report, cfg, out_dir)
     return report
+
+
+def mode_name(mode) -> str:
+    return "off" if mode is None else (mode if isinstance(mode, str) else f"every {mode}")
+
+
+def checkpointing_predictions(cfg) -> dict[str, dict[str, dict]]:
+    """Per layout and mode, the advisor's busiest rank for ``cfg.checkpointing``, net of its estimate of the same
+    layout's tiny-model fit (what the measurement subtracts, checkpointing off): one probe of each model."""
+    ac = cfg.checkpointing
+
+    def probe(model_kw):
+        torch.manual_seed(0)
+        module = GPT(**model_kw, warmup_steps=1)
+        tokens = torch.randint(0, model_kw["vocab_size"], (2, model_kw["block_size"] + 1))
+        return profile_lightning_module(module, (tokens[:, :-1], tokens[:, 1:]), precision=cfg.precision)
+
+    profile, tiny = probe(dict(ac.model)), probe({**ac.model, **ac.tiny})
+    out = {}
+    for name, entry in ac.layouts.items():
+        args = dict(entry.get("args", {}))
+        base_layout = layout_for(entry.kind, args, entry.devices)
+        batch = ac.batch_size * base_layout.data_parallel_size
+        base = estimate(tiny, base_layout, batch, cfg.precision, "adamw")
+        out[name] = {}
+        for mode in ac.modes:
+            layout = layout_for(entry.kind, {**args, "activation_checkpointing": mode}, entry.devices)
+            est = estimate(profile, layout, batch, cfg.precision, "adamw")
+            states = est.total_bytes - est.activation_bytes - (base.total_bytes - base.activation_bytes)
+            out[name][mode_name(mode)] = {"total": est.total_bytes - base.total_bytes, "states": states,
+                                          "activations": est.activation_bytes - base.activation_bytes,
+                                          "gross": est.total_bytes, "tiny": base.total_bytes}
+    return out
+
+
+def _checkpointing_section(report: Report, cfg, out_dir: Path) -> None:
+    from lightning_par.recipes.capacity import run_job
+
+    ac = cfg.checkpointing
+    predicted = checkpointing_predictions(cfg)
+    layouts = [{"name": f"ac-{name}", "kind": entry.kind, "devices": entry.devices,
+                "args": dict(entry.get("args", {})),
+                "fits": {mode_name(mode): {"args": {"activation_checkpointing": mode}} for mode in ac.modes}}
+               for name, entry in ac.layouts.items()]
+    # the strategy takes the mode; the one-device fit applies it to the module itself, as the strategies do
+    spec = {"fits": True, "accelerator": cfg.trainer.accelerator, "precision": cfg.precision, "steps": ac.steps,
+            "batch_size": ac.batch_size, "timeout_s": ac.timeout_s, "model": dict(ac.model), "tiny": dict(ac.tiny),
+            "layouts": layouts}
+    measured = run_job(spec, out_dir, "checkpointing")
+    rows, data = [], {}
+    for name in ac.layouts:
+        off_net = None
+        for mode in map(mode_name, ac.modes):
+            res = measured[f"ac-{name}"]
+            net = res["runs"][mode]["model_net"]
+            pred = predicted[name][mode]
+            acts = net - pred["states"]  # measured activations: the peak less the model states the advisor counts
+            off_net = acts if mode == "off" else off_net
+            rows.append([name, mode, f"{acts / KiB:.0f}", f"{pred['activations'] / KiB:.0f}", f"{net / KiB:.0f}",
+                         f"{pred['total'] / KiB:.0f}", f"{pred['total'] / net:.3f}",
+                         "-" if not off_net else f"{acts / off_net:.2f}"])
+            data.setdefault(name, {})[mode] = {"measured_net": net, "predicted": pred,
+                                               "ranks": res["runs"][mode]["ranks"], "baseline": res["baseline"]}
+    m = ac.model
+    report.data["checkpointing"] = data
+    report.tables.append((f"Activation checkpointing: busiest rank's peak KiB, GPT {m.n_layer} × {m.n_embd} wide at "
+                          f"{m.block_size} tokens, {ac.batch_size} sequences per replica, measured (separate "
+                          "processes' peak net of the layout's tiny-model fit) / predicted",
+                          ["layout", "mode", "activations measured", "activations predicted", "peak measured",
+                           "peak predicted", "predicted / measured", "activations vs off"], rows))
+    report.figures.append(("Activation memory per checkpointing mode: measured (bars) and predicted (points)",
+                           savefig(_ac_plot(data), out_dir, "checkpointing.png")))
+    report.notes.append("Activation checkpointing: both sides are net of the layout's tiny-model fit (measured: its "
+                        "peak; predicted: the advisor's estimate of it), which also holds the logits of the same "
+                        "vocabulary and sequence; measured activations are the measured peak less the model states "
+                        "the advisor counts (weights, gradients, AdamW moments); the peak itself is compared whole. "
+                        "What the advisor assumes is in [Note: activations under activation checkpointing] "
+                        "(lightning_par/advisor/memory.py).")
+
+
+def _ac_plot(data):
+    fig, ax = figure(2.2 * len(data) + 2, 4)
+    modes = list(next(iter(data.values())))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(data))]
+        meas = [(d[mode]["measured_net"] - d[mode]["predicted"]["states"]) / KiB for d in data.values()]
+        pred = [d[mode]["predicted"]["activations"] / KiB for d in data.values()]
+        ax.bar(xs, meas, width * 0.9, label=mode)
+        ax.plot(xs, pred, "k.", markersize=9, label="predicted" if j == 0 else None)
+    ax.set_xticks(range(len(data)), list(data))
+    ax.set_ylabel("activation KiB (busiest rank)")
+    ax.legend()
+    return fig
 
 
 def _plot(results):

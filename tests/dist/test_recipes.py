@@ -50,6 +50,14 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
             ratio = results[f"p2-m{m}-1f1b"]["activation_bytes"] / results[f"p2-m{m}-gpipe"]["activation_bytes"]
             assert ratio <= min(2, m) / m + 0.01, (m, ratio)
     if name == "memory":
+        checkpointing = results.pop("checkpointing")
+        for layout, modes in checkpointing.items():  # separate processes' peaks, net of the tiny-model fit
+            for mode, res in modes.items():
+                ratio = res["predicted"]["total"] / res["measured_net"]
+                assert 0.9 <= ratio <= 1.1, (layout, mode, res["predicted"], res["measured_net"])
+            off, full = (modes[m]["measured_net"] - modes[m]["predicted"]["states"] for m in ("off", "full"))
+            # full checkpointing keeps the blocks' inputs and recomputes one block: 2 blocks hold ~0.53 of off
+            assert full < 0.6 * off, (layout, off, full)
         for layout, res in results.items():
             measured = max(sum(r[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"))
                            for r in res["rows"])
@@ -111,6 +119,15 @@ def test_capacity_model_parallel_layouts_train_a_larger_gpt_within_the_budget(tm
             assert best > one and res["largest_measured_params"] > layouts["single"]["largest_measured_params"]
     # two-way sharding holds less than one device's model per rank: PP2xTP2 the most of all
     assert layouts["PP2xTP2"]["largest_measured"] > max(layouts[n]["largest_measured"] for n in ("PP2", "TP2"))
+    # the sequence axis: full activation checkpointing trains a longer sequence on one device, each fit measured
+    # within the budget and the advisor within 10% of it there
+    seq = results["sweeps"]["sequence"]["layouts"]
+    off, full = seq["sequence-single-off"], seq["sequence-single-full"]
+    assert full["largest_measured"] > off["largest_measured"], (off, full)
+    for res in (off, full):
+        best = str(res["largest_measured"])
+        assert res["measured"][best]["fits"] and 0 < res["peak_at_largest"] <= budget, res
+        assert 0.9 <= res["predicted_bytes"][best] / res["peak_at_largest"] <= 1.1, res
 
 
 def test_unknown_recipe_setting_fails_naming_it(tmp_path):

@@ -66,7 +66,9 @@ def test_the_advisors_ladder_profile_equals_a_profile_of_the_deeper_model():
     probe = profile_lightning_module(GPT(**kw, n_layer=2), batch)
     direct = profile_lightning_module(GPT(**kw, n_layer=5), batch)
     scaled = scaled_profile(probe, 32, 5, 16, 2, 32, 8)
-    assert dataclasses.asdict(scaled) == dataclasses.asdict(direct)
+    timed = ("step_s_per_sample", "block_forward_s_per_sample", "selective_recompute_share")  # clocks, not counts
+    assert ({k: v for k, v in dataclasses.asdict(scaled).items() if k not in timed}
+            == {k: v for k, v in dataclasses.asdict(direct).items() if k not in timed})
 
 
 def test_ladder_needs_a_block_per_pipeline_stage():

@@ -1,0 +1,142 @@
+"""The capacity recipe's other axes: under the same per-device budget, the longest sequence that trains (a fixed
+model) and the largest model at a long sequence, on one device and under each layout, with activation
+checkpointing off and full (``sweeps:`` in recipes/capacity/config.yaml).
+
+Each (layout, mode) is one search of the measuring job (:func:`~lightning_par.recipes._capacity_job.run_layout`:
+fits in fresh processes, the busiest rank's peak net of the layout's tiny-model fit checked against the budget),
+started where the advisor's prediction reaches the budget; the advisor's bytes per rung stand beside it.
+
+- ``axis: block_size``: the ladder is the sequence length; the advisor probes a 2-block GPT at each length (the
+  activations of fused attention grow linearly with it, the logits too) and scales it to ``n_layer`` blocks.
+- ``axis: n_layer``: the ladder is the depth at ``model.block_size``; one probe scaled to every rung.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lightning_par.advisor import estimate, profile_lightning_module
+from lightning_par.models import GPT
+from lightning_par.recipes.common import Report, figure, savefig
+from lightning_par.recipes.decision import scaled_profile
+from lightning_par.recipes.layouts import layout_for
+
+MiB = 1024**2
+
+
+def mode_name(mode) -> str:
+    return "off" if mode is None else (mode if isinstance(mode, str) else f"every {mode}")
+
+
+def _probe(model: dict, block_size: int, precision: str):
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=model["vocab_size"], block_size=block_size, n_layer=2, n_head=model["n_head"],
+              n_embd=model["n_embd"])
+    tokens = torch.randint(0, model["vocab_size"], (1, block_size + 1))
+    return profile_lightning_module(gpt, (tokens[:, :-1], tokens[:, 1:]), precision=precision)
+
+
+def sweep_predictions(cfg, sweep) -> tuple[dict[int, object], dict[str, dict[str, list[int]]]]:
+    """The profile of every rung of ``sweep`` and, per layout and mode, the advisor's busiest rank per rung."""
+    m, rungs = dict(sweep.model), list(sweep.ladder)
+    if sweep.axis == "block_size":
+        profiles = {s: scaled_profile(_probe(m, s, cfg.precision), m["vocab_size"], m["n_layer"], m["n_embd"],
+                                      m["n_head"], m["vocab_size"], s) for s in rungs}
+    elif sweep.axis == "n_layer":
+        probe = _probe(m, m["block_size"], cfg.precision)
+        profiles = {n: scaled_profile(probe, m["vocab_size"], n, m["n_embd"], m["n_head"], m["vocab_size"],
+                                      m["block_size"]) for n in rungs}
+    else:
+        raise ValueError(f"`sweeps.*.axis={sweep.axis}` must be block_size (the sequence) or n_layer.")
+    predicted = {}
+    for name in sweep.layouts:
+        entry = cfg.layouts[name]
+        for mode in sweep.modes:
+            layout = layout_for(entry.kind, {**dict(entry.get("args", {})), "activation_checkpointing": mode},
+                                entry.devices)
+            batch = cfg.batch_size * layout.data_parallel_size
+            predicted.setdefault(name, {})[mode_name(mode)] = [
+                estimate(profiles[r], layout, batch, cfg.precision, "adamw").total_bytes for r in rungs]
+    return profiles, predicted
+
+
+def run_sweeps(cfg, out_dir: Path, budget: int) -> dict:
+    """Every sweep of ``cfg.sweeps``, measured: per sweep, layout and mode the longest / largest rung within
+    ``budget``, the advisor's, and every rung measured."""
+    from lightning_par.recipes.capacity import _largest_within, run_job
+
+    results = {}
+    for sweep_name, sweep in cfg.sweeps.items():
+        profiles, predicted = sweep_predictions(cfg, sweep)
+        rungs = list(sweep.ladder)
+        tiny = dict(cfg.tiny)
+        if sweep.axis == "block_size":
+            tiny["block_size"] = rungs[0]  # the machinery's cost at the shortest sequence
+        jobs, meta = [], {}
+        for name in sweep.layouts:
+            entry = cfg.layouts[name]
+            for mode in sweep.modes:
+                pred = predicted[name][mode_name(mode)]
+                start = _largest_within(pred, budget)
+                job = f"{sweep_name}-{name}-{mode_name(mode).replace(' ', '')}"
+                meta[job] = (name, mode_name(mode))
+                jobs.append({"name": job, "kind": entry.kind,
+                             "devices": entry.devices,
+                             "args": {**dict(entry.get("args", {})), "activation_checkpointing": mode},
+                             "predicted": pred, "start": 0 if start is None else start, "axis": sweep.axis,
+                             "ladder": rungs, "model": dict(sweep.model), "tiny": tiny})
+        spec = {"accelerator": cfg.trainer.accelerator, "precision": cfg.precision, "steps": cfg.steps,
+                "batch_size": cfg.batch_size, "timeout_s": cfg.timeout_s, "budget": budget, "n_layers": rungs,
+                "model": dict(sweep.model), "tiny": dict(cfg.tiny), "layouts": jobs}
+        measured = run_job(spec, out_dir, f"sweep-{sweep_name}")
+        out = {"axis": sweep.axis, "ladder": rungs, "model": dict(sweep.model), "layouts": {},
+               "params": {r: p.total_params for r, p in profiles.items()}}
+        for job in jobs:
+            res = measured[job["name"]]
+            best, pred = res["largest"], _largest_within(job["predicted"], budget)
+            out["layouts"][job["name"]] = {
+                "layout": meta[job["name"]][0], "mode": meta[job["name"]][1],
+                "devices": job["devices"], "largest_measured": best,
+                "predicted_largest": rungs[pred] if pred is not None else None,
+                "peak_at_largest": res["runs"][str(best)]["model_net"] if best is not None else None,
+                "predicted_bytes": dict(zip(rungs, job["predicted"])), "measured": res["runs"],
+                "baseline": res["baseline"]}
+        results[sweep_name] = out
+    return results
+
+
+def report_sweeps(report: Report, sweeps: dict, budget: int, out_dir: Path) -> None:
+    """A table and a plot per sweep."""
+    for sweep_name, sw in sweeps.items():
+        what = "longest sequence (block_size)" if sw["axis"] == "block_size" else (
+            f"largest n_layer at {sw['model'].get('block_size')} tokens")
+        rows = []
+        for v in sw["layouts"].values():
+            best, pred = v["largest_measured"], v["predicted_largest"]
+            rows.append([v["layout"], v["mode"], v["devices"], "none" if best is None else best,
+                         "none" if pred is None else pred,
+                         "-" if best is None else f"{v['peak_at_largest'] / MiB:.1f} / {budget / MiB:.0f}",
+                         "-" if best is None else f"{v['peak_at_largest'] / v['predicted_bytes'][best]:.2f}",
+                         ", ".join(f"{n}{'' if r['fits'] else '✗'}" for n, r in v["measured"].items())])
+        m = sw["model"]
+        report.tables.append((f"Sweep `{sweep_name}`: the {what} within the budget, activation checkpointing off "
+                              f"and full (GPT width {m['n_embd']}" + (f", {m['n_layer']} blocks" if "n_layer" in m
+                                                                     else "") + ")",
+                              ["layout", "checkpointing", "devices", "measured", "advisor's", "model peak / budget "
+                               "(MiB)", "measured / advisor there", "rungs measured (✗: over budget)"], rows))
+        report.figures.append((f"Sweep `{sweep_name}`: the {what}, measured (bars) and the advisor's (points)",
+                               savefig(_bars(sw), out_dir, f"sweep-{sweep_name}.png")))
+
+
+def _bars(sw: dict):
+    items = list(sw["layouts"].values())
+    fig, ax = figure(1.0 * len(items) + 2, 4)
+    xs = range(len(items))
+    ax.bar(xs, [v["largest_measured"] or 0 for v in items], 0.6,
+           color=["#4a7fb5" if v["mode"] == "off" else "#e0a03a" for v in items])
+    ax.plot(xs, [v["predicted_largest"] or 0 for v in items], "k_", markersize=18, label="advisor")
+    ax.set_xticks(xs, [f"{v['layout']}\nAC {v['mode']}" for v in items], fontsize=7)
+    ax.set_ylabel(sw["axis"])
+    ax.legend()
+    return fig
