@@ -216,6 +216,18 @@ def union_of_grad_names(records: list[dict]) -> set[str]:
     return {n for rec in records for step in rec["grads"] for n in step}
 
 
+def start_ranks(fn, args, nprocs: int):
+    """``torch.multiprocessing.start_processes`` by fork, after collecting this process's garbage: a process
+    group an earlier test destroyed may still be held by a reference cycle, and its destructor hangs a forked
+    child ([Note: collect before fork] in lightning_par/strategies/_materialize.py)."""
+    import gc
+
+    import torch.multiprocessing as mp
+
+    gc.collect()
+    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork")
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a rendezvous of ranks this test starts itself)."""
     with socket.socket() as s:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from typing import Generator, Mapping, Optional
 
@@ -136,6 +137,19 @@ class HeldTensorsLauncher(_Launcher):
     """Lightning's fork / spawn launcher, but the weights rank 0 hands back to the calling process leave out the
     meta tensors of what other ranks own (the caller loads them with ``strict=False``; a meta value would fail
     to copy), and a caller's meta-built module takes them as its tensors (copying into meta ones does nothing)."""
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        """[Note: collect before fork]
+        A process group destroyed in this process (an earlier one-device fit: Lightning makes a world group for
+        DDP at ``devices=1``; a notebook's earlier run) whose Python object a reference cycle still holds is
+        freed by the cyclic collector at some later allocation. In a forked child that destructor joins the
+        backend's threads, which fork did not copy, and the child waits forever: every rank stopped at an
+        arbitrary line of setup, its main thread in a futex wait (seen with gloo on torch 2.13; a 20-line
+        reproduction: destroy a world-1 gloo group held by a cycle, fork, ``gc.collect()`` in the child). Collecting
+        before the fork frees such objects in the process that owns their threads."""
+        if self._start_method == "fork":
+            gc.collect()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _recover_results_in_main_process(self, worker_output, trainer) -> None:
         module = trainer.lightning_module

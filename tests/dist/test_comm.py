@@ -5,9 +5,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from harness import TIMEOUT_S, free_port
+from harness import TIMEOUT_S, free_port, start_ranks
 from lightning_par.comm import CommCounter, count_comm
 
 
@@ -29,7 +28,7 @@ def _worker(rank, port, out_dir):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_counted_bytes_follow_the_algorithms(tmp_path):
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    start_ranks(_worker, (free_port(), str(tmp_path)), 2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     for rec in (r0, r1):
         assert rec["calls"] == {"all_reduce": 1, "broadcast": 1, "all_gather": 1}

@@ -11,10 +11,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, one_process_fit, SavePredictions, seeded
+from harness import TIMEOUT_S, fit_and_record, one_process_fit, SavePredictions, seeded, start_ranks
 from models import CausalLM, hf_model
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.pipeline.p2p import _HEADER_BYTES
@@ -221,7 +220,7 @@ def test_stage_boundary_sends_the_sequence_chunk_and_rebuilds_the_shard(tmp_path
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.start_processes(_boundary_worker, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
+    start_ranks(_boundary_worker, (port, str(tmp_path)), 2)
     full = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
     weight = torch.linspace(-1, 1, full.numel()).reshape(full.shape)
     for rank in range(2):

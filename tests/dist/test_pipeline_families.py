@@ -10,13 +10,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, free_port, one_process_fit, seeded, trainer_kwargs
+from harness import TIMEOUT_S, fit_and_record, free_port, one_process_fit, seeded, trainer_kwargs, start_ranks
 from models import hf_model
 from lightning_par.data import SyntheticCorpus
 from lightning_par.pipeline import p2p
@@ -347,7 +346,7 @@ def _bundle_worker(rank, port, out_dir):
 @pytest.mark.timeout(TIMEOUT_S)
 def test_bundles_deliver_every_entry_and_their_gradients(tmp_path):
     port = free_port()
-    mp.start_processes(_bundle_worker, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
+    start_ranks(_bundle_worker, (port, str(tmp_path)), 2)
     received = torch.load(tmp_path / "got1.pt")
     assert len(received) == len(BUNDLES)
     for sent, got in zip(BUNDLES, received):

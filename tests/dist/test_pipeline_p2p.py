@@ -8,9 +8,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from harness import TIMEOUT_S, free_port
+from harness import TIMEOUT_S, free_port, start_ranks
 from lightning_par.pipeline import p2p
 from lightning_par.pipeline.mailbox import ResultMailbox
 
@@ -50,7 +49,7 @@ def _worker(rank, port, out_dir):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_speculative_receives_deliver_every_shape_and_dtype(tmp_path):
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    start_ranks(_worker, (free_port(), str(tmp_path)), 2)
     got = torch.load(tmp_path / "received.pt")
     assert len(got) == len(SHAPES)
     for i, x in enumerate(got):
@@ -92,7 +91,7 @@ def _mailbox_worker(rank, port, out_dir):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_the_result_mailbox_delivers_every_payload_to_every_other_rank(tmp_path):
-    mp.start_processes(_mailbox_worker, args=(free_port(), str(tmp_path)), nprocs=3, start_method="fork")
+    start_ranks(_mailbox_worker, (free_port(), str(tmp_path)), 3)
     expected = _payloads()
     for rank in (0, 1):
         got = torch.load(tmp_path / f"got{rank}.pt", weights_only=False)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import TIMEOUT_S, free_port
+from harness import TIMEOUT_S, free_port, start_ranks
 from lightning_par.topology import Topology
 
 
@@ -28,5 +28,5 @@ def _worker(rank, port, out):
 def test_axis_group_collective_times_out_with_the_given_timeout():
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    mp.start_processes(_worker, args=(free_port(), out), nprocs=2, start_method="fork")
+    start_ranks(_worker, (free_port(), out), 2)
     assert 2.5 < out.get(timeout=30) < 7.5  # the 3 s given, not torch's 30-minute default

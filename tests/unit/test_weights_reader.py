@@ -10,7 +10,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -19,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_par._compat as compat
 import lightning_par.weights.reader as reader_module
 import lightning_par.weights.regions as regions_module
-from harness import TIMEOUT_S, free_port
+from harness import TIMEOUT_S, free_port, start_ranks
 from lightning_par.models import GPT
 from lightning_par.weights import (expected_state, open_weights, region_slices, shard_region,
                                    split_region)
@@ -115,7 +114,7 @@ def _dcp_worker(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def dcp_dirs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dcp")
-    mp.start_processes(_dcp_worker, args=(free_port(), str(out)), nprocs=2, start_method="fork")
+    start_ranks(_dcp_worker, (free_port(), str(out)), 2)
     return out
 
 
