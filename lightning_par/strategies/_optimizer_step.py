@@ -26,6 +26,7 @@ class OptimizerStep:
     """
 
     _replica = None  # fault tolerance: this rank's replica (lightning_par.dp.ft.Replica), once joined
+    _step_hooks: list = []  # tensor.mixed.StepByKind of this run's optimizers (the core sets its own list)
 
     def _finish_gradients(self, closure: Callable) -> Callable:
         return closure
@@ -45,4 +46,6 @@ class OptimizerStep:
             with named_wait(self._wait_name("optimizer_step")):  # 4.
                 return super().optimizer_step(optimizer, checked_closure, model, **kwargs)
         except SkipStep:
+            for hooks in self._step_hooks:  # the skipped step ran no post-hook: the user's param groups come back
+                hooks.restore()
             return None

@@ -54,8 +54,13 @@ class StepByKind:
         if self.groups is not None:
             optimizer.param_groups, self.groups = self.groups, None
 
-    def remove(self) -> None:
+    def restore(self) -> None:
+        """The user's groups back now: a step left by an exception (``nonfinite="skip"``) ran no post-hook, and
+        Lightning's scheduler steps before the next pre-hook would."""
         self._join(self.optimizer, (), {})
+
+    def remove(self) -> None:
+        self.restore()
         for handle in self.handles:
             handle.remove()
         self.handles = []
