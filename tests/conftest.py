@@ -86,9 +86,11 @@ def _no_process_left_behind():
     time.sleep(1.0)
     _end(left, signal.SIGTERM)
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and any(pid in set(_descendants(me)) for pid in left):
+    alive = left
+    while alive and time.monotonic() < deadline:
         time.sleep(0.1)
-    _end([pid for pid in left if pid in set(_descendants(me))], signal.SIGKILL)
+        alive = [pid for pid in left if pid in set(_descendants(me))]
+    _end(alive, signal.SIGKILL)
     for pid in left:  # reap our own children; a grandchild is its parent's to reap
         try:
             os.waitpid(pid, os.WNOHANG)

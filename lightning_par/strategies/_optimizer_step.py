@@ -26,7 +26,7 @@ class OptimizerStep:
     """
 
     _replica = None  # fault tolerance: this rank's replica (lightning_par.dp.ft.Replica), once joined
-    _step_hooks: list = []  # tensor.mixed.StepByKind of this run's optimizers (the core sets its own list)
+    _step_hooks: tuple = ()  # tensor.mixed.StepByKind of this run's optimizers (the core sets its own list)
 
     def _finish_gradients(self, closure: Callable) -> Callable:
         return closure

@@ -20,7 +20,7 @@ from lightning_par.pipeline.ghost import Ghost
 
 DATA = corpus(train_sequences=32)
 STEPS = 2
-EXACT = dict(atol=1e-6, rtol=0.0)
+EXACT = dict(atol=1e-6, rtol=0.0)  # the same ops on the same values (recompute replays the forward): 0 or rounding
 
 gpt = gpt_factory(n_layer=4, dropout=0.1)
 
