@@ -13,6 +13,19 @@ strategy picks the engine class once and calls every hook through :class:`Engine
 ``isinstance``. A hook that Lightning's default implementation serves for one engine receives that default as
 ``run`` (a callable) and the engine decides whether to call it; checkpoint hooks return None where the
 strategy's default applies.
+
+[Note: loss reporting, one rule]
+What a step returns and logs: :class:`~lightning_par.DataParallelStrategy` (every zero stage, torchft too) keeps
+DDP's rank-local values (``self.log(..., sync_dist=True)`` averages them), so at zero stage 0 it stays bit for bit
+Lightning's ``DDPStrategy``. The core (HybridParallelStrategy and its pipeline / tensor presets) reports the mean
+over the data-parallel replicas on every rank, at every size (one replica: its own value): what one device gives
+for the global batch, so ``trainer.callback_metrics`` agree on every rank. The returned loss keeps this rank's
+own gradient (the engines average the gradients, not the loss). The SPMD engine takes the mean in its
+``eval_step`` ([Note: the replicas' mean of a step] in :mod:`~lightning_par.strategies._spmd_engine`), the
+pipeline engine when it routes the last stage's results ([Note: log routing] in
+:mod:`lightning_par.pipeline.routing`). Under torchft the replicas are the live groups, known only to torchft and
+changing from step to step, so each group reports the mean over its own batch (the rule with
+``data_parallel_size=1``).
 """
 from __future__ import annotations
 

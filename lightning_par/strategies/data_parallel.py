@@ -20,7 +20,8 @@ self.lightning_module``; each ``*_step`` runs inside the module's own ``__call__
 redirection, as DDP's wrapper does), so that FSDP's root hooks gather the root's parameters even when the
 step never calls ``self(...)`` ([Note: running a step through the root unit] in :mod:`lightning_par.dp.fsdp`).
 Checkpoints are restored after setup, into the shards. Launched by fork or spawn, the caller's module
-receives the whole trained weights. Loss reporting is DDP's: rank-local.
+receives the whole trained weights. Loss reporting is DDP's: rank-local ([Note: loss reporting, one rule] in
+:mod:`lightning_par.strategies._engine`).
 """
 from __future__ import annotations
 
@@ -33,11 +34,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
+from lightning_par._compat import optimizers_to_device
 from lightning_par.dp import comm_hooks, fsdp, ft, zero
 from lightning_par.materialize import move_real
-from lightning_par.strategies._base import (ConsolidatingLauncher, as_timeout, check_accumulation,
-                                           check_start_method)
+from lightning_par.strategies._base import as_timeout, check_accumulation, check_start_method
 from lightning_par.strategies._checkpoint_io import AtomicSaves
 from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
 from lightning_par.strategies._nonfinite import NonFiniteChecks
@@ -45,7 +45,7 @@ from lightning_par.strategies._optimizer_step import OptimizerStep
 from lightning_par.strategies._waits import NamedWaits
 from lightning_par.dp import lr_scaling as scaling
 from lightning_par.strategies._checkpoint import CheckpointMixin
-from lightning_par.strategies._materialize import MaterializingStrategy
+from lightning_par.strategies._materialize import MaterializingStrategy, teardown_in_place
 from lightning_par.strategies._registry import RegisteredByName
 from lightning_par.topology import Topology, keep_loader_on_one_process
 
@@ -102,6 +102,7 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
     """
 
     strategy_name = "data_parallel"
+    _ft_kind = "ddp"  # a replica group is one rank; torchft's average is a DDP comm hook (strategies/_fault_tolerance.py)
     strategy_description = "lightning_par data parallel (DDP + comm hooks, ZeRO-1, LR scaling)"
 
     def __init__(
@@ -217,8 +218,9 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
         if self._layer_sync is not None:
             raise ValueError(f"`Trainer(sync_batchnorm=True)` with `zero_stage={self._zero_stage}` is not supported "
                              f"(FSDP shards the module in place); use zero_stage=0 or 1 for SyncBatchNorm.")
-        if isinstance(self._launcher, multiprocessing_launcher()[0]):  # the caller's module receives whole weights
-            self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
+
+    def _consolidates_weights(self) -> bool:
+        return self._zero_stage >= 2  # fork / spawn: the caller's module receives the whole weights of the shards
 
     def setup(self, trainer) -> None:
         check_accumulation(trainer)
@@ -280,14 +282,10 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
         self._restore_loader()
         if self._fsdp_units is None:
             return super().teardown()
-        # As Lightning's ModelParallelStrategy: the sharded module stays where it is (see TensorParallelStrategy).
         self._close_checkpointing()
         self._steps.close()
         self._fsdp_units = self._steps = None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        teardown_in_place(self)  # the sharded module stays where it is
 
     # -- checkpoints: the hooks of lightning_par.strategies._checkpoint, every parameter under its own name --
 

@@ -39,7 +39,7 @@ from lightning_par.pipeline.stage import StageRuntime
 from lightning_par.strategies._base import (LayoutStrategy, check_accumulation, check_flags, check_zero_stage,
                                            size_names)
 from lightning_par.strategies._engine import Engine, EngineOptions, Groups, Host
-from lightning_par.strategies._ft_core import FaultTolerantCore, check_core_fault_tolerance
+from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas, check_core_fault_tolerance
 from lightning_par.strategies._pipeline_engine import PipelineEngine
 from lightning_par.strategies._spmd_engine import SpmdEngine
 from lightning_par.tensor.mixed import split_step_by_kind
@@ -48,7 +48,7 @@ from lightning_par.tensor.rules import restore_rules
 from lightning_par.topology import ORDERS, Topology, check_sizes, keep_loader_on_one_process
 
 
-class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
+class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
     """``pipeline_parallel_size`` stages × ``tensor_parallel_size`` ranks per stage × ``data_parallel_size``
     replicas on one ``DeviceMesh`` (axes ``pp``, ``dp``, ``tp``; tp innermost, pp outermost by default,
     ``mesh_order="dp_pp_tp"`` for replicas across nodes).
@@ -60,14 +60,14 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
     pipeline options are accepted and ignored, so one config spans layouts. With several stages under
     ``sequence_parallel`` each tensor-parallel rank sends only its sequence chunk to the next stage
     ([Note: sequence-sharded stage boundaries] in :mod:`lightning_par.tensor.boundary`), and under
-    ``loss_parallel`` the last stage computes the loss on vocabulary shards. With data-parallel replicas every
-    rank returns and logs the mean over the replicas. ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in
-    :mod:`lightning_par.nonfinite`). ``weights`` / ``weights_prefix``: a weights file or directory read into each
+    ``loss_parallel`` the last stage computes the loss on vocabulary shards. Every rank returns and logs the
+    mean over the replicas ([Note: loss reporting, one rule] in :mod:`~lightning_par.strategies._engine`).
+    ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in :mod:`lightning_par.nonfinite`). ``weights`` / ``weights_prefix``: a weights file or directory read into each
     rank's share at setup; with ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is
     built on the meta device and each rank materializes only its share (:mod:`lightning_par.materialize`).
     ``fault_tolerance="torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one replica group holding
     the whole pp × tp model, and the replicas are the live groups ([Note: the replica axis under torchft] in
-    :mod:`lightning_par.strategies._ft_core`)."""
+    :mod:`lightning_par.strategies._fault_tolerance`)."""
 
     strategy_name = "hybrid_parallel"
     strategy_description = "lightning_par data × pipeline × tensor parallel (unchanged module)"
@@ -243,7 +243,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         check_accumulation(trainer)
         self._restore_loader = keep_loader_on_one_process(trainer, self._loader_processes())  # [Note: one process ...]
         self._engine.setup(trainer)
-        self._join_as_replica(trainer)  # fault_tolerance="torchft": the first quorum
+        self._start_replica(trainer)  # fault_tolerance="torchft": this rank's replica, the engine averaging over them
+        self._join_replicas()  # and the first quorum
 
     def model_to_device(self) -> None:
         self._engine.place(super().model_to_device)  # the pipeline: the stage first, nothing else placed
