@@ -78,6 +78,7 @@ class Host:
     lightning_setup: Callable  # (trainer): DDPStrategy.setup
     lightning_teardown: Callable  # (): the strategy's Lightning teardown
     forward_redirection: Any = None  # Lightning's, for a step run through FSDP's root unit
+    lightning_configure_ddp: Optional[Callable] = None  # (): DDPStrategy.configure_ddp (the replica engine's DDP)
 
 
 class Engine:

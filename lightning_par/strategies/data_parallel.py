@@ -8,20 +8,13 @@ compression hooks on every backend, ZeRO-1/2/3 sharding and learning-rate scalin
 
 With the defaults it *is* Lightning's DDP: same wrapper, same reduction, same logged values (bit for
 bit); on a single process it iterates the user's loader as it is, as plain Lightning does ([Note: one
-process keeps the user's loader] in :mod:`lightning_par.topology`). The work of each addition lives in
-:mod:`lightning_par.dp`; this class only calls it from the right Lightning hook.
-
-[Note: zero_stage 2 and 3 under a DDPStrategy base]
-Stages 2 and 3 shard the module in place with FSDP2 (:mod:`lightning_par.dp.fsdp`) instead of wrapping it in
-DDP, in every trainer function (a model that only fits sharded must validate sharded too), where Lightning's
-``ModelParallelStrategy`` leaves it to the user's ``configure_model``. The module itself is the root FSDP
-unit (it stays usable after fit: its forward gathers what it needs), so ``self.model is
-self.lightning_module``; each ``*_step`` runs inside the module's own ``__call__`` (Lightning's forward
-redirection, as DDP's wrapper does), so that FSDP's root hooks gather the root's parameters even when the
-step never calls ``self(...)`` ([Note: running a step through the root unit] in :mod:`lightning_par.dp.fsdp`).
-Checkpoints are restored after setup, into the shards. Launched by fork or spawn, the caller's module
-receives the whole trained weights. Loss reporting is DDP's: rank-local ([Note: loss reporting, one rule] in
-:mod:`lightning_par.strategies._engine`).
+process keeps the user's loader] in :mod:`lightning_par.topology`). It is the hybrid core's pp = tp = 1 preset:
+:class:`~lightning_par.HybridParallelStrategy` lays the ranks out on the ``dp`` axis and runs the replica engine
+(:mod:`~lightning_par.strategies._replica_engine`: DDP at zero_stage 0 / 1, FSDP2 at 2 / 3, [Note: zero_stage 2
+and 3 on the replica engine]); fault tolerance is the core's (:mod:`~lightning_par.strategies._fault_tolerance`).
+The work of each addition lives in :mod:`lightning_par.dp`; this class only calls it from the right Lightning
+hook. Launched by fork or spawn under stages 2 / 3, the caller's module receives the whole trained weights.
+Loss reporting is DDP's: rank-local ([Note: loss reporting, one rule] in :mod:`lightning_par.strategies._engine`).
 """
 from __future__ import annotations
 
@@ -29,41 +22,19 @@ import datetime
 from typing import Any, Literal
 
 import torch.distributed
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par._compat import optimizers_to_device
 from lightning_par.dp import comm_hooks, fsdp, ft, zero
-from lightning_par.materialize import move_real
-from lightning_par.strategies._base import as_timeout, check_accumulation, check_start_method
-from lightning_par.strategies._checkpoint_io import AtomicSaves
-from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
-from lightning_par.strategies._nonfinite import NonFiniteChecks
-from lightning_par.strategies._optimizer_step import OptimizerStep
-from lightning_par.strategies._waits import NamedWaits
 from lightning_par.dp import lr_scaling as scaling
+from lightning_par.strategies._base import check_start_method
 from lightning_par.strategies._checkpoint import CheckpointMixin
-from lightning_par.strategies._materialize import MaterializingStrategy, teardown_in_place
-from lightning_par.strategies._registry import RegisteredByName
-from lightning_par.topology import Topology, keep_loader_on_one_process
+from lightning_par.strategies._engine import Groups
+from lightning_par.strategies._replica_engine import ReplicaEngine
+from lightning_par.strategies.hybrid_parallel import HybridParallelStrategy
 
 
-def _step_through_root(name: str, context: str):
-    """``Strategy.<name>``, run so that FSDP's root hooks run once (:class:`lightning_par.dp.fsdp.StepRunner`)."""
-    def step(self, *args, **kwargs):
-        if self._fsdp_units is None:
-            return getattr(super(DataParallelStrategy, self), name)(*args, **kwargs)
-        with getattr(self.precision_plugin, context)():
-            return self._steps.run(name, self._forward_redirection, *args, **kwargs)
-
-    step.__name__ = name
-    return step
-
-
-class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin, AtomicSaves, NonFiniteChecks,
-                           NamedWaits, RegisteredByName, MaterializingStrategy, DDPStrategy):
+class DataParallelStrategy(HybridParallelStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -102,7 +73,7 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
     """
 
     strategy_name = "data_parallel"
-    _ft_kind = "ddp"  # a replica group is one rank; torchft's average is a DDP comm hook (strategies/_fault_tolerance.py)
+    _ft_kind = "ddp"  # a replica group is one rank; torchft's average is a DDP comm hook
     strategy_description = "lightning_par data parallel (DDP + comm hooks, ZeRO-1, LR scaling)"
 
     def __init__(
@@ -142,7 +113,6 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
                                     comm_hook=comm_hook, static_graph=static_graph, lr_scaling=lr_scaling)
         check_start_method(start_method)
         self._set_nonfinite(nonfinite)
-        self._init_checkpointing(save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save)
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or not bucket_cap_mb > 0):
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB or None (DDP's "
@@ -157,19 +127,18 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
                                           gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
         if bucket_cap_mb is not None:  # None leaves DDP's own bucketing (as Lightning's DDPStrategy does)
             ddp_kwargs["bucket_cap_mb"] = float(bucket_cap_mb)
-        super().__init__(process_group_backend=process_group_backend, timeout=as_timeout(timeout),
-                         start_method=start_method, **ddp_kwargs)
+        # 2. the core with pp = tp = 1 (its fault-tolerance checks are the core's layouts'; ours are above)
+        super().__init__(data_parallel_size="auto", zero_stage=zero_stage, weights=weights,
+                         weights_prefix=weights_prefix, nonfinite=nonfinite, async_save=async_save,
+                         save_distributed_checkpoint=save_distributed_checkpoint, start_method=start_method,
+                         timeout=timeout, process_group_backend=process_group_backend)
+        self._ddp_kwargs = ddp_kwargs  # DistributedDataParallel's options (Lightning's DDPStrategy keeps them here)
         self._comm_hook = comm_hook
         self._powersgd_rank = powersgd_rank
         self._powersgd_start_iter = powersgd_start_iter
-        self._zero_stage = zero_stage
-        self._set_weights(weights, weights_prefix)  # meta builds (zero_stage 2 / 3) and weights=: MaterializingStrategy
         self._lr_scaling = lr_scaling
         self._reference_batch_size = reference_batch_size
         self._lr_scale_factor: float | None = None
-        self._restore_loader = lambda: None
-        self._fsdp_units: list[str] | None = None  # set once the module is sharded (zero_stage >= 2)
-        self._steps: fsdp.StepRunner | None = None
         self._init_fault_tolerance(fault_tolerance, min_replicas, ft_timeout)
 
     # -- public state -------------------------------------------------------------------------------
@@ -195,10 +164,11 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
     @property
     def fsdp_units(self) -> list[str]:
         """Names of the modules sharded as FSDP units under ``zero_stage`` 2 / 3 (``""``: the root)."""
-        if self._fsdp_units is None:
+        units = self._engine.units if self._engine is not None else None
+        if units is None:
             raise RuntimeError(f"`fsdp_units` exist once the module is sharded in Trainer setup (zero_stage="
                                f"{self._zero_stage}; only stages 2 and 3 shard it).")
-        return self._fsdp_units
+        return units
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -210,90 +180,37 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
     # -- Lightning hooks ----------------------------------------------------------------------------
 
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if self._zero_stage < 2:
-            return
-        # In the launching process, at Trainer construction: refuse what stage 2/3 cannot train before any process.
-        fsdp.check_precision(self.precision_plugin.precision, self._zero_stage)
-        if self._layer_sync is not None:
+        super()._configure_launcher()  # in the launching process; the core refuses FSDP's unsupported precisions
+        if self._zero_stage >= 2 and self._layer_sync is not None:
             raise ValueError(f"`Trainer(sync_batchnorm=True)` with `zero_stage={self._zero_stage}` is not supported "
                              f"(FSDP shards the module in place); use zero_stage=0 or 1 for SyncBatchNorm.")
 
     def _consolidates_weights(self) -> bool:
         return self._zero_stage >= 2  # fork / spawn: the caller's module receives the whole weights of the shards
 
-    def setup(self, trainer) -> None:
-        check_accumulation(trainer)
-        # [Note: one process keeps the user's loader] in lightning_par/topology.py
-        self._restore_loader = keep_loader_on_one_process(trainer, self.distributed_sampler_kwargs["num_replicas"])
-        if self._zero_stage < 2:
-            super().setup(trainer)
-            return self._join_replicas()
-        # As DDPStrategy.setup, with FSDP in place of DDP in every trainer function ([Note: zero_stage 2 and 3 ...]).
-        self.accelerator.setup(trainer)
-        module = self.lightning_module
-        sharded = fsdp.is_sharded(module)
-        reader = None if sharded else self._open_weights(module)  # checked before anything is placed
-        if not sharded:
-            self.precision_plugin.convert_module(module)
-            move_real(module, self.root_device)  # a meta-built module gets its shards' storage below
-        mesh = Topology.resolve(self.world_size, data_parallel_size=self.world_size).build_mesh(
-            self.root_device.type, timeout=self._timeout)["dp"]
-        self._fsdp_units = fsdp.shard_module(module, mesh, zero_stage=self._zero_stage,
-                                             precision=self.precision_plugin.precision)
-        if not sharded:
-            self._place_share(module, reader)  # each rank's FSDP shards: storage, init, weights=
-        self._steps = fsdp.StepRunner(module)
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            optimizers_to_device(self.optimizers, self.root_device)
+    def _engine_class(self, pipelined: bool) -> type:
+        return ReplicaEngine
 
-    def model_to_device(self) -> None:  # DDPStrategy.setup (zero_stage 0 / 1): a meta-built module, weights=
-        move_real(self.model, self.root_device)
-        self._place_share(self.model, self._open_weights(self.model))
+    def _build_groups(self, pipelined: bool) -> Groups:
+        """No group beyond Lightning's (DDP's is the world's); under zero_stage 2 / 3 FSDP's ``dp`` mesh."""
+        sharded = self._zero_stage >= 2
+        mesh = self.topology.build_mesh(self.root_device.type, timeout=self._timeout) if sharded else None
+        return Groups(mesh=mesh, timeout=self._timeout, sharded_replicas=sharded)
 
-    # Each *_step runs inside the module's __call__ once it is sharded ([Note: zero_stage 2 and 3 ...]).
-    training_step = _step_through_root("training_step", "train_step_context")
-    validation_step = _step_through_root("validation_step", "val_step_context")
-    test_step = _step_through_root("test_step", "test_step_context")
-    predict_step = _step_through_root("predict_step", "predict_step_context")
-
-    def _reshard(self) -> None:
-        if self._fsdp_units is not None:  # forward-only passes leave some units gathered
-            fsdp.reshard(self.lightning_module)
-
-    def on_validation_end(self) -> None:
-        super().on_validation_end()
-        self._reshard()
-
-    def on_test_end(self) -> None:
-        super().on_test_end()
-        self._reshard()
+    def setup_optimizers(self, trainer) -> None:
+        super(HybridParallelStrategy, self).setup_optimizers(trainer)  # Lightning's: the replicas' plain parameters
+        if self._zero_stage == 1:  # [Note: wrapping the user's optimizer] in lightning_par.dp.zero
+            self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs)
 
     def on_predict_end(self) -> None:
         super().on_predict_end()
-        self._reshard()
-
-    def teardown(self) -> None:
-        self._stop_replica()
-        self._restore_loader()
-        if self._fsdp_units is None:
-            return super().teardown()
-        self._close_checkpointing()
-        self._steps.close()
-        self._fsdp_units = self._steps = None
-        teardown_in_place(self)  # the sharded module stays where it is
+        self._checkpoint_prepare()  # FSDP's forward-only passes leave units gathered
 
     # -- checkpoints: the hooks of lightning_par.strategies._checkpoint, every parameter under its own name --
 
-    def _checkpoint_prepare(self) -> None:
-        self._reshard()  # the state at rest: shards
-
-    def _checkpoint_layout(self) -> dict[str, Any]:
-        return {**super()._checkpoint_layout(), "data_parallel_size": self.world_size, "zero_stage": self._zero_stage}
+    def _checkpoint_layout(self) -> dict[str, Any]:  # the replicas' layout, without the core's pp / tp axes
+        return {**CheckpointMixin._checkpoint_layout(self), "data_parallel_size": self.world_size,
+                "zero_stage": self._zero_stage}
 
     def _register_ddp_hooks(self) -> None:
         """Register the chosen communication hook on every device type (Lightning: CUDA only; for bf16 on
@@ -310,11 +227,6 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
                                f"{type(self.model).__name__}.")
         state, hook = selected
         self.model.register_comm_hook(state, hook)
-
-    def setup_optimizers(self, trainer) -> None:
-        super().setup_optimizers(trainer)
-        if self._zero_stage == 1:  # [Note: wrapping the user's optimizer] in lightning_par.dp.zero
-            self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs)
 
     def on_train_start(self) -> None:
         super().on_train_start()

@@ -3,13 +3,12 @@
     Trainer(devices=8, strategy=HybridParallelStrategy(data_parallel_size=2, pipeline_parallel_size=2,
                                                         tensor_parallel_size=2, schedule="1f1b", microbatches=4))
 
-The work lives in :mod:`lightning_par.pipeline` and :mod:`lightning_par.tensor`; this class wires it into
-Lightning's hooks. :class:`~lightning_par.PipelineParallelStrategy` is this class with one tensor-parallel
-rank per stage, :class:`~lightning_par.TensorParallelStrategy` this class with one stage. A layout with
-several stages (or the pipeline preset at any size) runs the pipeline engine
-(:mod:`~lightning_par.strategies._pipeline_engine`), one with a single stage the SPMD engine
-(:mod:`~lightning_par.strategies._spmd_engine`: Lightning runs the user's step as it is); both behind one
-interface ([Note: engines behind one interface] in :mod:`~lightning_par.strategies._engine`), chosen once.
+The work lives in :mod:`lightning_par.pipeline`, :mod:`lightning_par.tensor` and :mod:`lightning_par.dp`; this
+class wires it into Lightning's hooks. Its presets fix sizes: :class:`~lightning_par.PipelineParallelStrategy`
+tp = 1, :class:`~lightning_par.TensorParallelStrategy` pp = 1, :class:`~lightning_par.DataParallelStrategy`
+pp = tp = 1. Several stages (or the pipeline preset) run the pipeline engine (``_pipeline_engine``), one stage
+the SPMD engine (``_spmd_engine``), DataParallelStrategy the replica engine (``_replica_engine``: DDP or FSDP2);
+all behind one interface ([Note: engines behind one interface] in :mod:`~lightning_par.strategies._engine`).
 
 1. ``setup_environment``: the (pp, dp, tp) layout, the process group, one group per pipeline, replica set
    and point-to-point direction, and with tensor parallelism the ``DeviceMesh`` (axes ``pp``, ``dp``, ``tp``;
@@ -62,9 +61,10 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
     ([Note: sequence-sharded stage boundaries] in :mod:`lightning_par.tensor.boundary`), and under
     ``loss_parallel`` the last stage computes the loss on vocabulary shards. Every rank returns and logs the
     mean over the replicas ([Note: loss reporting, one rule] in :mod:`~lightning_par.strategies._engine`).
-    ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in :mod:`lightning_par.nonfinite`). ``weights`` / ``weights_prefix``: a weights file or directory read into each
-    rank's share at setup; with ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is
-    built on the meta device and each rank materializes only its share (:mod:`lightning_par.materialize`).
+    ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in :mod:`lightning_par.nonfinite`).
+    ``weights`` / ``weights_prefix``: a weights file or directory read into each rank's share at setup; with
+    ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is built on the meta device and
+    each rank materializes only its share (:mod:`lightning_par.materialize`).
     ``fault_tolerance="torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one replica group holding
     the whole pp × tp model, and the replicas are the live groups ([Note: the replica axis under torchft] in
     :mod:`lightning_par.strategies._fault_tolerance`)."""
@@ -177,8 +177,7 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         """Whether this rank counts ``p`` (for the global gradient norm and the consolidated state)."""
         return self._engine.owns(p, name) if self._engine is not None else True
 
-    def _sharded_replicas(self) -> bool:
-        """zero_stage 2 / 3 with several replicas: FSDP2 over the ``dp`` axis."""
+    def _sharded_replicas(self) -> bool:  # zero_stage 2 / 3 with several replicas: FSDP2 over the ``dp`` axis
         return self._zero_stage >= 2 and self.topology.data_parallel_size > 1
 
     def _num_microbatches(self) -> int:
@@ -203,7 +202,7 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         super().setup_environment()
         if self._engine is not None:  # a later fit / validate / test of the same Trainer keeps the installed stage
             return
-        engine = PipelineEngine if pipelined else SpmdEngine
+        engine = self._engine_class(pipelined)
         self._groups = groups = self._build_groups(pipelined)
         options = EngineOptions(
             zero_stage=self._zero_stage, microbatches=self._num_microbatches(), given_microbatches=self._microbatches,
@@ -214,8 +213,11 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         host = Host(open_weights=self._open_weights, place_share=self._place_share,
                     install_precision=self._install_precision, record_one_device_order=self._record_one_device_order,
                     lightning_setup=super().setup, lightning_teardown=super().teardown,
-                    forward_redirection=self._forward_redirection)
+                    forward_redirection=self._forward_redirection, lightning_configure_ddp=super().configure_ddp)
         self._engine = engine(self, options, groups, host)
+
+    def _engine_class(self, pipelined: bool) -> type:  # DataParallelStrategy: the replica engine
+        return PipelineEngine if pipelined else SpmdEngine
 
     def _build_groups(self, pipelined: bool) -> Groups:
         """One group per replica set, and with a pipeline per pipeline, point-to-point direction and result
@@ -243,8 +245,8 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         check_accumulation(trainer)
         self._restore_loader = keep_loader_on_one_process(trainer, self._loader_processes())  # [Note: one process ...]
         self._engine.setup(trainer)
-        self._start_replica(trainer)  # fault_tolerance="torchft": this rank's replica, the engine averaging over them
-        self._join_replicas()  # and the first quorum
+        self._start_replica(trainer)  # fault_tolerance="torchft": this rank's replica ...
+        self._join_replicas()  # ... and the first quorum
 
     def model_to_device(self) -> None:
         self._engine.place(super().model_to_device)  # the pipeline: the stage first, nothing else placed
