@@ -1,7 +1,8 @@
 """The interface of the core's engines: what :class:`~lightning_par.HybridParallelStrategy` delegates to, the same
 methods for the pipeline engine (:mod:`~lightning_par.strategies._pipeline_engine`: several stages, or the
-pipeline preset at any size) and the SPMD engine (:mod:`~lightning_par.strategies._spmd_engine`: one stage, the
-user's step run by Lightning as it is).
+pipeline preset at any size), the SPMD engine (:mod:`~lightning_par.strategies._spmd_engine`: one stage, the
+user's step run by Lightning as it is) and the replica engine (:mod:`~lightning_par.strategies._replica_engine`:
+DataParallelStrategy's DDP or FSDP2 replicas).
 
 [Note: engines behind one interface]
 An engine is built once per strategy (in ``setup_environment``, when the layout is known) from three frozen
