@@ -75,12 +75,28 @@ def find_nonfinite(loss: Optional[torch.Tensor], named_grads: Iterable[tuple[str
         if kind is not None:
             found.append(f"loss is {kind}")
     named = [(n, _local(g)) for n, g in named_grads if g is not None]
-    if named:
+    if named and not _all_finite([g for _, g in named]):
         bad = torch.stack([~torch.isfinite(g).all() for _, g in named])
-        if bool(bad.any()):  # one synchronisation for every gradient of a healthy step
+        if bool(bad.any()):
             name, g = named[int(bad.nonzero()[0])]
             found.append(f"gradient of `{name}` is {kind_of(g)}")
     return found
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite, decided by one norm over all of them ([Note: one norm
+    for a healthy step]).
+
+    [Note: one norm for a healthy step]
+    A finite 2-norm means every square, so every element, is finite: NaN and infinities carry through the
+    sum. So a healthy step costs one multi-tensor norm (``clip_grad``'s ``get_total_norm``: one fused kernel per
+    device and dtype, a single pass with no temporary) and one synchronisation, where testing each gradient with
+    ``isfinite`` writes a boolean copy of all of them (about 7x the time on a 2-core CPU for a 6 M-parameter
+    stage, measured). A norm that is not finite is only a suspicion (finite values of about 1e19 and up
+    overflow their squares): :func:`find_nonfinite` then tests each gradient exactly, so a finding is never
+    the norm's."""
+    norm = torch.nn.utils.get_total_norm(tensors, 2.0, foreach=None)
+    return bool(torch.isfinite(norm))
 
 
 def agree(found: list[str], *, where: str, device: torch.device) -> list[str]:
