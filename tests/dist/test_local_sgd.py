@@ -186,6 +186,10 @@ def test_diloco_resumes_exactly_between_syncs(tmp_path, dcp):
         for name, p in w["params"].items():
             torch.testing.assert_close(r["params"][name], p, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
     assert not torch.equal(whole[0]["params"]["net.0.weight"], whole[1]["params"]["net.0.weight"])  # step 8: apart
+    if not dcp:  # each rank resumes its own replica: another number of ranks is refused, naming both
+        with pytest.raises(Exception, match=r"holds the replicas of a 2-rank sync='diloco' run; this run has 1 ranks"):
+            fit_and_record(seeded(Regression), DataLoader(data, batch_size=4), str(tmp_path / "one"),
+                           strategy=ours(**kw), devices=1, max_steps=-1, max_epochs=2, ckpt_path=path)
 
 
 class StepBytes(pl.Callback):
