@@ -106,7 +106,8 @@ def average_(tensors: Sequence[torch.Tensor], group=None) -> None:
 
 
 class PeriodicSync:
-    """Local SGD or DiLoCo over ``params`` (the replica's own tensors, in one order on every rank).
+    """Local SGD or DiLoCo over ``params`` (the replica's own tensors, in one order on every rank), torchft's
+    numbers over a plain process group ([Note: our own periodic averaging]).
 
     ``step()`` after every optimizer step of the inner optimizer; it syncs at every ``every``-th and says so.
     """

@@ -36,13 +36,13 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par._compat import optimizers_to_device
 from lightning_par.dp import fsdp, local_sgd
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.discovery import find_blocks
+from lightning_par.strategies._checkpoint import _unwrap
 from lightning_par.strategies._engine import Engine, optimizer_params
 from lightning_par.strategies._materialize import teardown_in_place
 
@@ -180,7 +180,3 @@ class ReplicaEngine(Engine):
         self.steps.close()
         self.units = self.steps = None
         teardown_in_place(self.s)  # the sharded module stays where it is
-
-
-def _unwrap(optimizer):
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
