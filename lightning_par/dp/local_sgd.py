@@ -201,7 +201,7 @@ def _to_cpu(obj: Any) -> Any:
 def rank_states(local: dict[str, Any], group=None) -> Optional[list]:
     """Every rank's ``local`` state (CPU tensors) on rank 0 of ``group``, in rank order; None on the others."""
     local = _to_cpu(local)
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [local]
     everyone: Optional[list] = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     dist.gather_object(local, everyone, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
