@@ -392,8 +392,7 @@ class DataParallelOptions(Options):
                              f"buckets: {given} cannot apply. Drop {'them' if len(changed) > 1 else 'it'}, or "
                              f"use zero_stage=0 or 1 (DDP).")
         fsdp.check_offload_stage(self.memory.offload, zero_stage)
-        local_sgd.check_combination(self.sync.sync, zero_stage=zero_stage, ddp_options=changed,
-                                    fault_tolerance=self.fault_tolerance.fault_tolerance)
+        local_sgd.check_combination(self.sync.sync, zero_stage=zero_stage, ddp_options=changed)
         f = self.fault_tolerance
         ft.validate_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout, zero_stage=zero_stage,
                                     comm_hook=self.replicas.comm_hook, static_graph=self.replicas.static_graph,

@@ -29,11 +29,19 @@ device (torchft keeps it in host memory), the all-reduce is one flat buffer per 
 parameter), and the outer optimizer steps the copy rather than the parameters themselves (the parameters'
 ``.grad`` stays the inner optimizer's). The state (step count, synced copy, outer optimizer) is a state dict,
 so a checkpoint resumes exactly (:meth:`PeriodicSync.state_dict`).
+
+[Note: syncs on torchft's quorum]
+Under ``fault_tolerance="torchft"`` (one rank per replica group) the replica groups meet only at syncs: the step
+that ends a period opens a torchft quorum at its start (where a restarted group joins and receives a live group's
+state, this sync state among it, at a step boundary), and its sync averages over the quorum's live groups with
+torchft's all-reduce and commits with ``should_commit``. Between syncs no quorum is asked for and nothing is
+committed, so torchft's step counts syncs, not optimizer steps. A sync that does not commit is discarded as torchft
+discards it (:meth:`PeriodicSync.sync_now`).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,7 +75,7 @@ def check_sync(sync: Any, sync_every: Any, outer_lr: Any, outer_momentum: Any, f
                          f"at once). See docs/limitations.md.")
 
 
-def check_combination(sync: str, *, zero_stage: int, ddp_options: dict, fault_tolerance: Optional[str]) -> None:
+def check_combination(sync: str, *, zero_stage: int, ddp_options: dict) -> None:
     """What ``sync='local_sgd' | 'diloco'`` cannot combine with (``ddp_options``: the DDP options given a value
     other than their default, the comm hook among them)."""
     if sync == "every_step":
@@ -81,11 +89,6 @@ def check_combination(sync: str, *, zero_stage: int, ddp_options: dict, fault_to
         raise ValueError(f"`sync={sync!r}` trains each replica without DDP's gradient all-reduce, so the DDP "
                          f"options {given} have nothing to act on (a comm_hook compresses that all-reduce). Drop "
                          f"{'them' if len(ddp_options) > 1 else 'it'}, or use sync='every_step'.")
-    if fault_tolerance is not None:
-        raise ValueError(f"`sync={sync!r}` with `fault_tolerance={fault_tolerance!r}` is not supported: the "
-                         f"fault-tolerant replicas commit every step on a quorum (their average is DDP's gradient "
-                         f"all-reduce). Use sync='every_step' with torchft, or sync={sync!r} without it; see "
-                         f"docs/limitations.md.")
 
 
 def average_(tensors: Sequence[torch.Tensor], group=None) -> None:
@@ -118,6 +121,9 @@ class PeriodicSync:
             raise ValueError(f"PeriodicSync syncs 'local_sgd' or 'diloco', not {sync!r}.")
         self.params = [p for p in params]
         self.sync, self.every, self.group = sync, every, group
+        # averages tensors in place over the replicas and says whether the sync commits: the group's all-reduce
+        # (always), or torchft's over the live replica groups ([Note: syncs on torchft's quorum])
+        self.reduce: Callable[[Sequence[torch.Tensor]], bool] = self._all_reduce
         self.since = 0  # optimizer steps since the last sync
         self.synced: Optional[list[torch.Tensor]] = None
         self.outer: Optional[torch.optim.SGD] = None
@@ -134,22 +140,36 @@ class PeriodicSync:
         self.sync_now()
         return True
 
+    def _all_reduce(self, tensors: Sequence[torch.Tensor]) -> bool:
+        average_(tensors, self.group)
+        return True
+
     @torch.no_grad()
-    def sync_now(self) -> None:
+    def sync_now(self) -> bool:
         """Average the parameters (local SGD), or step the outer optimizer on the averaged pseudo-gradient and
-        continue from its result (DiLoCo); every rank of the group calls it."""
+        continue from its result (DiLoCo); every rank of the group calls it. A sync that does not commit (a
+        replica group lost under torchft) leaves local SGD's replica as it is and resets DiLoCo's to the last
+        synced parameters, as torchft's LocalSGD and DiLoCo do; returns whether it committed."""
         self.since = 0
         if self.synced is None:
-            average_([p.data for p in self.params], self.group)
-            return
+            averaged = [p.data.clone() for p in self.params]
+            if self.reduce(averaged):
+                for p, a in zip(self.params, averaged):
+                    p.data.copy_(a)
+                return True
+            return False
         deltas = [s - p.data for s, p in zip(self.synced, self.params)]  # the pseudo-gradient
-        average_(deltas, self.group)
+        if not self.reduce(deltas):
+            for p, s in zip(self.params, self.synced):
+                p.data.copy_(s)
+            return False
         for s, d in zip(self.synced, deltas):
             s.grad = d
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
         for p, s in zip(self.params, self.synced):
             p.data.copy_(s)
+        return True
 
     def restart(self) -> None:
         """Start afresh from the parameters as they are now (a checkpoint without sync state): no step counted,

@@ -37,9 +37,13 @@ class OptimizerStep:
     def _after_optimizer_step(self) -> None:
         pass
 
+    def _per_step_commit(self) -> bool:
+        """Fault tolerance: whether every step asks a quorum and commits (local SGD / DiLoCo: only their syncs)."""
+        return True
+
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         closure = self._finish_gradients(closure)  # 1.
-        if self._replica is not None:  # 2.
+        if self._replica is not None and self._per_step_commit():  # 2. (local SGD / DiLoCo commit their syncs only)
             committed = self._replica.finish_step(closure)
             closure = lambda: committed  # noqa: E731
 

@@ -124,6 +124,14 @@ class ReplicaEngine(Engine):
         if self.periodic is not None:
             self.periodic.step()
 
+    def sync_follows(self) -> bool:
+        """Whether this step ends with a sync (its optimizer step is the ``sync_every``-th)."""
+        return self.periodic is not None and self.periodic.since == self.periodic.every - 1
+
+    def use_replica_sync(self, reduce) -> None:
+        """torchft: syncs average over the live replica groups and commit (``reduce(tensors) -> committed``)."""
+        self.periodic.reduce = reduce
+
     def sync_state(self) -> Optional[dict[str, Any]]:
         """The sync state for a checkpoint (every rank calls it): the shared state and, on rank 0, every rank's own
         parameters and inner optimizer state (``ranks``); None without a periodic sync."""

@@ -154,6 +154,26 @@ class DataParallelStrategy(HybridParallelStrategy):
     def _sync_options(self) -> SyncOptions:
         return self._dp_options.sync
 
+    # -- sync="local_sgd" | "diloco" under torchft: [Note: syncs on torchft's quorum] in lightning_par.dp.local_sgd --
+    def _per_step_commit(self) -> bool:
+        return self._dp_options.sync.sync == "every_step"
+
+    def _start_replica(self, trainer) -> bool:
+        started = super()._start_replica(trainer)
+        if started and not self._per_step_commit():
+            self._engine.use_replica_sync(self._replica.sync_average)
+        return started
+
+    def _peer_checkpoint(self, trainer) -> dict[str, Any]:
+        state = self._engine.sync_state()  # one rank per replica group: no collective (torchft's quorum thread)
+        checkpoint = super()._peer_checkpoint(trainer)
+        return checkpoint if state is None else {**checkpoint, SYNC_KEY: state}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._replica is not None and self._engine.sync_follows():  # this step's sync: its quorum, at its start
+            self._replica.begin_step()
+
     def _build_groups(self, pipelined: bool) -> Groups:
         """No group beyond Lightning's (DDP's is the world's); under zero_stage 2 / 3 FSDP's ``dp`` mesh."""
         sharded = self.zero_stage >= 2

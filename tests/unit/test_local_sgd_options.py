@@ -31,12 +31,16 @@ def test_defaults_are_todays_ddp_and_the_papers_outer_step():
     (dict(sync="local_sgd", comm_hook="bf16"), r"`sync='local_sgd'` trains each replica without DDP's gradient "
                                                r"all-reduce, so the DDP options comm_hook='bf16' have nothing"),
     (dict(sync="diloco", static_graph=True, bucket_cap_mb=5), r"bucket_cap_mb=5, static_graph=True have nothing .* Drop them"),
-    (dict(sync="diloco", fault_tolerance="torchft"), r"`sync='diloco'` with `fault_tolerance='torchft'` is not "
-                                                     r"supported"),
 ])
 def test_refused_at_construction_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DataParallelStrategy(**kwargs)
+
+
+def test_fault_tolerance_takes_the_sync():
+    s = DataParallelStrategy(sync="diloco", sync_every=8, fault_tolerance="torchft")
+    assert s.fault_tolerance == "torchft" and not s._per_step_commit()
+    assert DataParallelStrategy(fault_tolerance="torchft")._per_step_commit()
 
 
 def test_the_hybrid_core_takes_no_sync_option():
