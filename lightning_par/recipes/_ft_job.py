@@ -103,7 +103,8 @@ def state_digest(module: nn.Module, optimizer) -> str:
 
 def sync_digest(strategy) -> str | None:
     """sha256 of local SGD / DiLoCo's shared state (the last synced parameters, the outer momentum), if any."""
-    state = strategy._engine.sync_state() if getattr(strategy, "_engine", None) is not None else None
+    sync_state = getattr(getattr(strategy, "_engine", None), "sync_state", None)  # the replica engine's only
+    state = sync_state() if sync_state is not None else None
     if state is None:
         return None
     h = hashlib.sha256(repr(state["since"]).encode())
