@@ -45,7 +45,7 @@ import os
 from datetime import timedelta
 from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_type_hints
 
-from lightning_par.dp import comm_hooks, fsdp, ft, lr_scaling, zero
+from lightning_par.dp import comm_hooks, fsdp, ft, local_sgd, lr_scaling, zero
 from lightning_par.memory.checkpointing import check_activation_checkpointing
 from lightning_par.nonfinite import check_nonfinite
 from lightning_par.pipeline.options import check_blocks, check_options
@@ -223,6 +223,21 @@ class ReplicaOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class SyncOptions:
+    """How often the replicas meet: every step (DDP), or local SGD / DiLoCo every ``sync_every`` optimizer steps
+    (:mod:`lightning_par.dp.local_sgd`)."""
+
+    sync: Literal["every_step", "local_sgd", "diloco"] = "every_step"
+    sync_every: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 1
+
+    def __post_init__(self) -> None:
+        local_sgd.check_sync(self.sync, self.sync_every, self.outer_lr, self.outer_momentum, self.fragments)
+
+
+@dataclasses.dataclass(frozen=True)
 class LrScalingOptions:
     """Learning rates scaled with the global batch (:mod:`lightning_par.dp.lr_scaling`)."""
 
@@ -358,6 +373,7 @@ class DataParallelOptions(Options):
     """:class:`~lightning_par.DataParallelStrategy`."""
 
     replicas: ReplicaOptions = ReplicaOptions()
+    sync: SyncOptions = SyncOptions()
     sharding: ShardingOptions = ShardingOptions()
     stack: BlockOptions = BlockOptions()
     memory: DataParallelMemoryOptions = DataParallelMemoryOptions()
@@ -376,6 +392,7 @@ class DataParallelOptions(Options):
                              f"buckets: {given} cannot apply. Drop {'them' if len(changed) > 1 else 'it'}, or "
                              f"use zero_stage=0 or 1 (DDP).")
         fsdp.check_offload_stage(self.memory.offload, zero_stage)
+        local_sgd.check_combination(self.sync.sync, zero_stage=zero_stage, ddp_options=changed)
         f = self.fault_tolerance
         ft.validate_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout, zero_stage=zero_stage,
                                     comm_hook=self.replicas.comm_hook, static_graph=self.replicas.static_graph,

@@ -303,6 +303,26 @@ class Replica:
             self._start_quorum()
             self._check_not_behind(before)
 
+    def sync_average(self, tensors) -> bool:
+        """Local SGD / DiLoCo's sync: ``tensors`` averaged in place over the live replica groups of the quorum the
+        sync's step opened (:meth:`begin_step`), then committed; returns whether it committed ([Note: syncs on
+        torchft's quorum] in :mod:`lightning_par.dp.local_sgd`)."""
+        buckets: dict = {}
+        for t in tensors:
+            buckets.setdefault((t.dtype, t.device), []).append(t)
+        flats = [(same, torch.cat([t.reshape(-1) for t in same])) for same in buckets.values()]
+        for work in [self.manager.allreduce(flat) for _, flat in flats]:  # AVG over the participants
+            work.wait()
+        for same, flat in flats:
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        committed = self.manager.should_commit()
+        self._open = False
+        self.participants = self.manager.num_participants()
+        return committed
+
     def average(self, flat: torch.Tensor) -> None:
         """``flat`` averaged in place over the live replica groups: this rank's ring, the ranks of the same group
         rank in every group of the quorum. A lost peer does not raise ([Note: one step, committed exactly once])."""

@@ -101,6 +101,20 @@ def state_digest(module: nn.Module, optimizer) -> str:
     return h.hexdigest()
 
 
+def sync_digest(strategy) -> str | None:
+    """sha256 of local SGD / DiLoCo's shared state (the last synced parameters, the outer momentum), if any."""
+    sync_state = getattr(getattr(strategy, "_engine", None), "sync_state", None)  # the replica engine's only
+    state = sync_state() if sync_state is not None else None
+    if state is None:
+        return None
+    h = hashlib.sha256(repr(state["since"]).encode())
+    for t in state.get("synced", []):
+        h.update(t.contiguous().numpy().tobytes())
+    for entry in (state.get("outer") or {}).get("state", {}).values():
+        h.update(entry["momentum_buffer"].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 STOP_FILE = "stop_at"  # DIR/stop_at: a step every process stops after (written by a launcher while they run)
 
 
@@ -124,7 +138,7 @@ class StepRecord(pl.Callback):
                "healed_at": replica.healed_at if replica else None, "epoch": trainer.current_epoch,
                "loss": float(outputs["loss"]), "time": time.time(), "before": self._before,
                "after": state_digest(pl_module, trainer.optimizers[0]),
-               "restart": attempt()}
+               "sync": sync_digest(trainer.strategy), "restart": attempt()}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         time.sleep(self.sleep_s)
@@ -147,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--resume", action="store_true", help="ft mode: resume from last.ckpt (a whole-job restart)")
     p.add_argument("--pp", type=int, default=0, help="HybridParallelStrategy with this many stages (0: DDP)")
     p.add_argument("--tp", type=int, default=1, help="with --pp: tensor-parallel ranks per stage")
+    p.add_argument("--sync", default="every_step", help="DataParallelStrategy's sync (local_sgd, diloco)")
+    p.add_argument("--sync-every", type=int, default=1)
     args = p.parse_args(argv)
     from lightning_par import DataParallelStrategy, HybridParallelStrategy
 
@@ -170,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.pp:
         strategy = HybridParallelStrategy(pipeline_parallel_size=args.pp, tensor_parallel_size=args.tp, **ft_args)
     else:
-        strategy = DataParallelStrategy(**ft_args)
+        strategy = DataParallelStrategy(sync=args.sync, sync_every=args.sync_every, **ft_args)
     devices = nproc
     if args.mode == "ft":
         resume = "last" if args.resume else None

@@ -14,7 +14,10 @@ the wall time of every step, the bytes its network interface (``GLOO_SOCKET_IFNA
 during every step (the kernel's counters, read at the step's start and end), the parameters it owns at
 the end (those it held a gradient for at the last optimizer step: a pipeline stage owns its blocks) as
 full tensors; beside them ``qdisc<r>.json`` (tc's statistics around the fit) and, with
-``--measure-comm``, ParallelMetrics' rows (bytes handed to ``torch.distributed`` on step 1).
+``--measure-comm``, ParallelMetrics' rows (bytes handed to ``torch.distributed`` on step 1). Under the data-parallel
+layouts and the reference each rank also records ``eval_loss``: its final model's loss on the held-out sequences
+(the same on every layout), the convergence cost of ``dp_bf16``, ``dp_powersgd``, ``local_sgd<H>`` and
+``diloco<H>`` (DataParallelStrategy's comm hooks and ``sync=``, every ``H`` optimizer steps).
 
 Data order: the one-device reference reads the global batches Lightning's distributed sampler hands the
 replicas (``DistributedSampler(num_replicas=1, shuffle=True, seed=0)`` with the global batch), so all
@@ -25,20 +28,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from lightning_par.recipes.common import gpt_workload
 from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_par.recipes.netns import NETNS_ENV, qdisc_show, shape_interface
 
-LAYOUTS = ("single", "dp", "pp", "tp")
+LAYOUTS = ("single", "dp", "pp", "tp", "dp_bf16", "dp_powersgd", "local_sgd<H>", "diloco<H>")
 UNSHAPED = "unshaped"
 STRATEGIES = {"dp": DataParallelStrategy, "pp": PipelineParallelStrategy, "tp": TensorParallelStrategy}
+DP_VARIANTS = {"dp": {}, "dp_bf16": {"comm_hook": "bf16"},
+               "dp_powersgd": {"comm_hook": "powersgd", "powersgd_start_iter": 2}}  # PowerSGD from step 2 on
+
+
+def dp_options(layout: str) -> dict | None:
+    """DataParallelStrategy's keywords of a data-parallel layout; None for another layout.
+
+    >>> dp_options("diloco32"), dp_options("dp_bf16"), dp_options("pp")
+    ({'sync': 'diloco', 'sync_every': 32}, {'comm_hook': 'bf16'}, None)
+    """
+    if layout in DP_VARIANTS:
+        return DP_VARIANTS[layout]
+    m = re.fullmatch(r"(local_sgd|diloco)([1-9][0-9]*)", layout)
+    return {"sync": m[1], "sync_every": int(m[2])} if m else None
 
 
 def _interface_counters(ifname: str | None) -> tuple[int, int]:
@@ -51,8 +69,8 @@ def _interface_counters(ifname: str | None) -> tuple[int, int]:
 class NodeRecord(pl.Callback):
     """Per step: loss, wall time, interface bytes; at the end the owned parameters (see the module's doc)."""
 
-    def __init__(self, out_dir: Path, ifname: str | None):
-        self.out_dir, self.ifname = out_dir, ifname
+    def __init__(self, out_dir: Path, ifname: str | None, held_out=None):
+        self.out_dir, self.ifname, self.held_out = out_dir, ifname, held_out
         self.losses, self.step_s, self.tx, self.rx = [], [], [], []
         self.owned: set[str] = set()
 
@@ -78,8 +96,12 @@ class NodeRecord(pl.Callback):
             full = p.full_tensor() if isinstance(p, DTensor) else p
             if name in self.owned:
                 params[name] = full.detach().float().cpu().clone()
+        eval_loss = None
+        if self.held_out is not None:  # the whole model on this rank: its loss on the held-out sequences
+            with torch.no_grad():
+                eval_loss = float(pl_module._loss(self.held_out))
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"rank": trainer.global_rank, "node": int(os.environ.get("GROUP_RANK", 0)),
+        torch.save({"rank": trainer.global_rank, "eval_loss": eval_loss, "node": int(os.environ.get("GROUP_RANK", 0)),
                     "netns": os.stat("/proc/self/ns/net").st_ino,  # which network namespace this rank ran in
                     "world_size": trainer.world_size, "losses": self.losses, "step_s": self.step_s,
                     "tx_bytes": self.tx, "rx_bytes": self.rx, "params": params},
@@ -103,7 +125,7 @@ def parse(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.layouts, args.rates = args.layouts.split(","), args.rates.split(",")
     for layout in args.layouts:
-        if layout not in LAYOUTS:
+        if layout not in ("single", "pp", "tp") and dp_options(layout) is None:
             p.error(f"layout {layout!r} must be one of {LAYOUTS}")
     return args
 
@@ -121,12 +143,15 @@ def load_records(case: Path) -> list[dict]:
 
 def fit_case(args, layout: str, out_dir: Path) -> None:
     world = 1 if layout == "single" else int(os.environ.get("WORLD_SIZE", 1))
-    dp = world if layout == "dp" else 1
+    replicas = dp_options(layout)
+    dp = world if replicas is not None else 1
     if args.global_batch % dp:
         raise ValueError(f"`--global-batch {args.global_batch}` must be divisible by the {dp} data-parallel replicas.")
     data, make_module = gpt_workload(json.loads(args.model), args.global_batch // dp,
-                                     train_sequences=args.global_batch * (args.steps + 1), warmup_steps=1,
-                                     lr_decay_steps=10)
+                                     train_sequences=args.global_batch * (args.steps + 1),
+                                     val_sequences=4 * args.global_batch, warmup_steps=1, lr_decay_steps=10)
+    whole = layout == "single" or replicas is not None  # every rank holds the whole model at the end
+    held_out = default_collate([data.val_set[i] for i in range(len(data.val_set))]) if whole else None
     if layout == "single":
         sampler = DistributedSampler(data.train_set, num_replicas=1, rank=0, shuffle=True, seed=0)
         loader = DataLoader(data.train_set, batch_size=args.global_batch, sampler=sampler, drop_last=True)
@@ -135,15 +160,15 @@ def fit_case(args, layout: str, out_dir: Path) -> None:
         # Lightning replaces the sampler by DistributedSampler(shuffle=True, seed=0) over the data-parallel group
         loader = DataLoader(data.train_set, batch_size=args.global_batch // dp, shuffle=True, drop_last=True)
         sizes = {"pp": {"pipeline_parallel_size": world, "microbatches": args.microbatches},
-                 "tp": {"tensor_parallel_size": world}, "dp": {}}[layout]
+                 "tp": {"tensor_parallel_size": world}}.get(layout, replicas)
         # [Note: popen under torchrun] start_method stays "popen": its launcher starts nothing when the cluster
         # environment (torchrun's) created the processes; "fork"/"spawn" fork one more process per rank and fit,
         # each with a process group of its own on torchrun's shared store (seen here: the third fit's gloo dialled
         # a port an earlier fit had closed, "Connection refused").
-        strategy = STRATEGIES[layout](timeout=args.timeout, **sizes)
+        strategy = STRATEGIES.get(layout, DataParallelStrategy)(timeout=args.timeout, **sizes)
         devices, nodes = world // args.nodes, args.nodes
     ifname = os.environ.get("GLOO_SOCKET_IFNAME") if layout != "single" else None
-    callbacks = [NodeRecord(out_dir, ifname)]
+    callbacks = [NodeRecord(out_dir, ifname, held_out)]
     if args.measure_comm:
         from lightning_par.callbacks import ParallelMetrics
 

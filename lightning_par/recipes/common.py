@@ -6,7 +6,7 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -73,15 +73,16 @@ def accelerator(cfg, cpu_threads: int = 1) -> str:
     return acc
 
 
-def gpt_workload(model_cfg, batch_size: int, train_sequences: int, **module_kwargs):
-    """The synthetic corpus sized for ``model_cfg`` and a factory of the reference GPT, seeded the same
-    way every call (every layout starts from the same weights)."""
+def gpt_workload(model_cfg, batch_size: int, train_sequences: int, val_sequences: Optional[int] = None,
+                 **module_kwargs):
+    """The synthetic corpus sized for ``model_cfg`` (``val_sequences``: None, one batch) and a factory of the
+    reference GPT, seeded the same way every call (every layout starts from the same weights)."""
     from lightning_par.data import SyntheticCorpus
     from lightning_par.models import GPT
 
     model_kw = dict(model_cfg)
     data = SyntheticCorpus(vocab_size=model_kw["vocab_size"], seq_len=model_kw["block_size"], batch_size=batch_size,
-                           train_sequences=train_sequences, val_sequences=batch_size)
+                           train_sequences=train_sequences, val_sequences=val_sequences or batch_size)
 
     def make_module() -> pl.LightningModule:
         torch.manual_seed(0)

@@ -37,7 +37,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from lightning_par.memory.checkpointing import Checkpointed, apply_activation_checkpointing
-from lightning_par.options import BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, TensorOptions
+from lightning_par.options import (BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, SyncOptions,
+                                   TensorOptions)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class EngineOptions:
     stack: BlockOptions = BlockOptions()
     memory: MemoryOptions = MemoryOptions()  # lightning_par.memory.checkpointing
     stages: int = 1  # the layout's pipeline_parallel_size
+    sync: SyncOptions = SyncOptions()  # the replica engine's sync="local_sgd" | "diloco" (lightning_par.dp.local_sgd)
 
     @property
     def microbatches(self) -> int:
@@ -158,6 +160,9 @@ class Engine:
     def finish_gradients(self, closure: Callable) -> Callable:
         """The optimizer step's closure followed by whatever settles the gradients (reductions over ranks)."""
         return closure
+
+    def after_step(self) -> None:
+        """After every optimizer step (taken or skipped): the replica engine's periodic sync."""
 
     def clip_grad_norm(self, optimizer, clip_val: Union[int, float]) -> None:
         raise NotImplementedError

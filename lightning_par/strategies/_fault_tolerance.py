@@ -114,7 +114,7 @@ class FaultTolerantReplicas:
                                  f"that hold one model between them use "
                                  f"HybridParallelStrategy(fault_tolerance='torchft').")
             resumed = _compat.pending_checkpoint(trainer)  # [Note: a recovering replica resumes from a peer ...]
-            shared = dict(state_dict=lambda: _compat.pending_checkpoint(trainer) or _compat.dump_checkpoint(trainer),
+            shared = dict(state_dict=lambda: _compat.pending_checkpoint(trainer) or self._peer_checkpoint(trainer),
                           step=resumed.get("global_step", 0) if resumed else 0)
         else:  # [Note: a rank's own state for its peer] and [Note: the manager's address, ...] in dp/ft.py
             shared = dict(state_dict=lambda: self._own_state(trainer),
@@ -124,10 +124,15 @@ class FaultTolerantReplicas:
             group_rank=self.global_rank, group_world_size=self.world_size,
             load_state_dict=lambda checkpoint: _compat.restore_module_and_callbacks(trainer, checkpoint), **shared)
         if self._ft_kind == "ddp":
-            self.model.register_comm_hook(self._replica, ft.all_reduce_hook)
+            if self._per_step_commit():  # else no DDP: local SGD / DiLoCo sync on the quorum
+                self.model.register_comm_hook(self._replica, ft.all_reduce_hook)
         else:
             self._engine.use_replica_average(self._replica.average)  # the engine's average over replicas: torchft's
         return True
+
+    def _peer_checkpoint(self, trainer) -> dict[str, Any]:
+        """The live state a recovering replica receives (``"ddp"``): what a checkpoint holds."""
+        return _compat.dump_checkpoint(trainer)
 
     def _check_retryable(self, trainer) -> None:
         """Refuse what a step retried by running its batch again cannot reproduce."""
@@ -158,7 +163,7 @@ class FaultTolerantReplicas:
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._replica is not None:
+        if self._replica is not None and self._per_step_commit():
             self._replica.begin_step()
 
     def _stop_replica(self) -> None:

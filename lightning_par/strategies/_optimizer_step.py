@@ -23,6 +23,9 @@ class OptimizerStep:
        ``optimizer.step`` by :class:`SkipStep`, caught here (the step returns None).
     4. Lightning's step (the precision plugin: clipping, ``on_before_optimizer_step``, the update) inside a named
        wait ([Note: every wait bounded] in :mod:`lightning_par.waits`).
+    5. ``_after_optimizer_step()``, in the same wait, for a step taken or skipped: what follows every optimizer step
+       (DataParallelStrategy's ``sync="local_sgd" | "diloco"`` counts it and syncs the replicas at every
+       ``sync_every``-th).
     """
 
     _replica = None  # fault tolerance: this rank's replica (lightning_par.dp.ft.Replica), once joined
@@ -31,9 +34,16 @@ class OptimizerStep:
     def _finish_gradients(self, closure: Callable) -> Callable:
         return closure
 
+    def _after_optimizer_step(self) -> None:
+        pass
+
+    def _per_step_commit(self) -> bool:
+        """Fault tolerance: whether every step asks a quorum and commits (local SGD / DiLoCo: only their syncs)."""
+        return True
+
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         closure = self._finish_gradients(closure)  # 1.
-        if self._replica is not None:  # 2.
+        if self._replica is not None and self._per_step_commit():  # 2. (local SGD / DiLoCo commit their syncs only)
             committed = self._replica.finish_step(closure)
             closure = lambda: committed  # noqa: E731
 
@@ -42,10 +52,12 @@ class OptimizerStep:
             self._check_finite(optimizer, result)
             return result
 
-        try:
-            with named_wait(self._wait_name("optimizer_step")):  # 4.
-                return super().optimizer_step(optimizer, checked_closure, model, **kwargs)
-        except SkipStep:
-            for hooks in self._step_hooks:  # the skipped step ran no post-hook: the user's param groups come back
-                hooks.restore()
-            return None
+        with named_wait(self._wait_name("optimizer_step")):
+            try:  # 4.
+                result = super().optimizer_step(optimizer, checked_closure, model, **kwargs)
+            except SkipStep:
+                for hooks in self._step_hooks:  # the skipped step ran no post-hook: the user's param groups come back
+                    hooks.restore()
+                result = None
+            self._after_optimizer_step()  # 5.
+        return result

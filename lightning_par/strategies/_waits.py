@@ -12,6 +12,8 @@ _GENERIC = {"training_step": "the collectives of the forward pass (training_step
             "optimizer_step": "the collectives of the optimizer step (gradient reductions, the non-finite flag)"}
 _BY_STRATEGY = {
     "data_parallel": {"backward": "DDP's gradient all-reduce (backward)",
+                      "optimizer_step": "the collectives of the optimizer step (the non-finite flag; at a sync step "
+                                        "of sync='local_sgd' / 'diloco' the replicas' parameter average)",
                       "training_step": "the forward pass's collectives (FSDP parameter all-gather, DDP buffer "
                                        "broadcast)"},
     "tensor_parallel": {"training_step": "the tensor-parallel forward collectives (DTensor all-reduce / all-gather)",

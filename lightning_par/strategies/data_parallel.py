@@ -18,7 +18,7 @@ Loss reporting is DDP's: rank-local ([Note: loss reporting, one rule] in :mod:`l
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -26,11 +26,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par.dp import comm_hooks, fsdp, zero
 from lightning_par.dp import lr_scaling as scaling
-from lightning_par.options import DataParallelOptions, takes_options
+from lightning_par.options import DataParallelOptions, SyncOptions, takes_options
 from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._engine import Groups
 from lightning_par.strategies._replica_engine import ReplicaEngine
 from lightning_par.strategies.hybrid_parallel import HybridParallelStrategy
+
+
+SYNC_KEY = "lightning_par_sync"  # the checkpoint entry of sync="local_sgd" | "diloco"
 
 
 class DataParallelStrategy(HybridParallelStrategy):
@@ -56,6 +59,11 @@ class DataParallelStrategy(HybridParallelStrategy):
       (:mod:`lightning_par.dp.ft`); gradients are averaged over the live groups, a lost group drops out while
       at least ``min_replicas`` train on, and a restarted one rejoins with a live peer's state
       (``ft_timeout``: seconds to wait for a quorum, a peer or its state).
+    - ``sync``: ``"every_step"`` (DDP), ``"local_sgd"`` or ``"diloco"``: each replica steps on its own gradients
+      and every ``sync_every`` optimizer steps the replicas average their parameters (local SGD) or their change
+      since the last sync, stepped by an outer Nesterov SGD (``outer_lr``, ``outer_momentum``; DiLoCo); see
+      :mod:`lightning_par.dp.local_sgd` and [Note: replicas without DDP between syncs] in
+      :mod:`~lightning_par.strategies._replica_engine`. ``fragments`` > 1 (streaming DiLoCo) is refused.
 
     ``weights`` / ``weights_prefix``: a weights file read into the module at setup (each rank reads its FSDP
     shards only under stages 2 / 3, which also build ``trainer.init_module()`` modules on the meta device).
@@ -131,12 +139,40 @@ class DataParallelStrategy(HybridParallelStrategy):
         if self.zero_stage >= 2 and self._layer_sync is not None:
             raise ValueError(f"`Trainer(sync_batchnorm=True)` with `zero_stage={self.zero_stage}` is not supported "
                              f"(FSDP shards the module in place); use zero_stage=0 or 1 for SyncBatchNorm.")
+        sync = self._dp_options.sync.sync
+        if sync != "every_step" and self._layer_sync is not None:
+            raise ValueError(f"`Trainer(sync_batchnorm=True)` with `sync={sync!r}` is not supported: SyncBatchNorm "
+                             f"communicates in every forward, which local SGD / DiLoCo trains without. Drop "
+                             f"sync_batchnorm, or use sync='every_step'.")
 
     def _consolidates_weights(self) -> bool:
         return self.zero_stage >= 2  # fork / spawn: the caller's module receives the whole weights of the shards
 
     def _engine_class(self, pipelined: bool) -> type:
         return ReplicaEngine
+
+    def _sync_options(self) -> SyncOptions:
+        return self._dp_options.sync
+
+    # -- sync="local_sgd" | "diloco" under torchft: [Note: syncs on torchft's quorum] in lightning_par.dp.local_sgd --
+    def _per_step_commit(self) -> bool:
+        return self._dp_options.sync.sync == "every_step"
+
+    def _start_replica(self, trainer) -> bool:
+        started = super()._start_replica(trainer)
+        if started and not self._per_step_commit():
+            self._engine.use_replica_sync(self._replica.sync_average)
+        return started
+
+    def _peer_checkpoint(self, trainer) -> dict[str, Any]:
+        state = self._engine.sync_state()  # one rank per replica group: no collective (torchft's quorum thread)
+        checkpoint = super()._peer_checkpoint(trainer)
+        return checkpoint if state is None else {**checkpoint, SYNC_KEY: state}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._replica is not None and self._engine.sync_follows():  # this step's sync: its quorum, at its start
+            self._replica.begin_step()
 
     def _build_groups(self, pipelined: bool) -> Groups:
         """No group beyond Lightning's (DDP's is the world's); under zero_stage 2 / 3 FSDP's ``dp`` mesh."""
@@ -158,6 +194,17 @@ class DataParallelStrategy(HybridParallelStrategy):
     def _checkpoint_layout(self) -> dict[str, Any]:  # the replicas' layout, without the core's pp / tp axes
         return {**CheckpointMixin._checkpoint_layout(self), "data_parallel_size": self.world_size,
                 "zero_stage": self.zero_stage}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        state = self._engine.sync_state() if self._engine is not None else None  # every rank: a gather
+        if state is not None:  # sync="local_sgd" | "diloco": [Note: replicas without DDP between syncs]
+            checkpoint = {**checkpoint, SYNC_KEY: state}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self._engine is not None:
+            self._engine.load_sync_state(checkpoint.get(SYNC_KEY), where=self._ckpt_where)
 
     def _register_ddp_hooks(self) -> None:
         """Register the chosen communication hook on every device type (Lightning: CUDA only; for bf16 on

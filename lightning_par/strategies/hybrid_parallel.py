@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
 from lightning_par.dp import fsdp, zero
-from lightning_par.options import CoreOptions, takes_options
+from lightning_par.options import CoreOptions, SyncOptions, takes_options
 from lightning_par.pipeline.options import check_layout
 from lightning_par.pipeline.stage import StageRuntime
 from lightning_par.strategies._base import LayoutStrategy, check_accumulation, size_names
@@ -156,7 +156,7 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         self._groups = groups = self._build_groups(pipelined)
         o = self._options
         options = EngineOptions(pipeline=o.pipeline, tensor=o.tensor, sharding=o.sharding, stack=o.stack,
-                                memory=o.memory, stages=pp)
+                                memory=o.memory, stages=pp, sync=self._sync_options())
         host = Host(open_weights=self._open_weights, place_share=self._place_share,
                     install_precision=self._install_precision, record_one_device_order=self._record_one_device_order,
                     lightning_setup=super().setup, lightning_teardown=super().teardown,
@@ -165,6 +165,9 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
 
     def _engine_class(self, pipelined: bool) -> type:  # DataParallelStrategy: the replica engine
         return PipelineEngine if pipelined else SpmdEngine
+
+    def _sync_options(self) -> SyncOptions:  # DataParallelStrategy's sync="local_sgd" | "diloco"; the core: DDP's
+        return SyncOptions()
 
     def _build_groups(self, pipelined: bool) -> Groups:
         """One group per replica set, and with a pipeline per pipeline, point-to-point direction and result
@@ -249,6 +252,9 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
 
     def _finish_gradients(self, closure):  # step 1 of OptimizerStep.optimizer_step
         return self._engine.finish_gradients(closure)
+
+    def _after_optimizer_step(self) -> None:  # step 5
+        self._engine.after_step()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)

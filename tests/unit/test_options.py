@@ -43,7 +43,8 @@ TODAY = {
         min_replicas=1, ft_timeout=60.0, save_distributed_checkpoint=False, async_save=False, start_method="popen",
         timeout=1800.0, process_group_backend=None),
 }
-ADDED = {PipelineParallelStrategy: {"mesh_order"},  # the core's, now taken
+ADDED = {DataParallelStrategy: {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"},  # local SGD / DiLoCo
+         PipelineParallelStrategy: {"mesh_order"},  # the core's, now taken
          TensorParallelStrategy: {"mesh_order", "blocks"}}  # blocks: the stack activation_checkpointing recomputes
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
