@@ -1,0 +1,105 @@
+"""Context parallelism on unchanged modules (lightning_par.context.apply_context_parallel) on real gloo ranks: the
+reference GPT and tiny Hugging Face Llama, Qwen2 and BERT (SDPA attention, a padding mask for BERT) at cp 2 and 4
+give one process's loss and, averaged over the group, every gradient (float32, 1e-5); also under full and selective
+activation checkpointing, where selective keeps the attention op's outputs (no all-gather is run again in backward)
+and full recomputes it. Removing it leaves no hook behind."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_par.comm import CommCounter, count_comm
+from lightning_par.context import apply_context_parallel
+from lightning_par.memory.checkpointing import apply_activation_checkpointing
+from tests.harness import TIMEOUT_S, free_port, start_ranks
+from tests.models import hf_model, tiny_gpt
+
+B, S = 2, 16
+
+
+def _build(family):
+    torch.manual_seed(0)
+    if family == "gpt":
+        return tiny_gpt()
+    extra = dict(pad_token_id=0) if family == "bert" else {}
+    return hf_model(family, attn_implementation="sdpa", **extra)
+
+
+def _loss(family, model, idx, targets):
+    if family == "gpt":
+        logits = model(idx)
+    elif family == "bert":
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[1, -5:] = 0  # the second sequence is padded: an explicit mask over the whole sequence
+        logits = model(input_ids=idx, attention_mask=mask).logits
+    else:
+        logits = model(input_ids=idx, use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _check(family, cp, group, checkpointing=None, method="allgather"):
+    model = _build(family)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(1, 32, (B, S), generator=g), torch.randint(0, 32, (B, S), generator=g)
+    ref_loss = _loss(family, reference, idx, targets)
+    ref_loss.backward()
+    hooks = _hooks(model)
+    undo_ac = apply_activation_checkpointing(model, checkpointing).undo if checkpointing else None
+    applied = apply_context_parallel(model, group, method=method)
+    counter = CommCounter()
+    with count_comm(counter):
+        loss = _loss(family, model, idx, targets)
+        forward = dict(counter.calls)
+        loss.backward()
+    applied.remove()
+    if undo_ac:
+        undo_ac()
+    assert _hooks(model) == hooks, "hooks were left behind"
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    got, want = _grads(model), _grads(reference)
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        dist.all_reduce(grad, group=group)
+        torch.testing.assert_close(grad / cp, want[name], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{family} cp{cp} {checkpointing} {name}: {m}")
+    return forward, dict(counter.calls)
+
+
+def _worker(rank, cp, port, families):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", rank=rank, world_size=cp, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        group = dist.new_group(list(range(cp)))
+        for family in families:
+            _check(family, cp, group)
+        if "gpt" in families:
+            n_layer = 2
+            _check("gpt", cp, group, method="ring")
+            _, calls = _check("gpt", cp, group, checkpointing="selective")
+            # forward: one all-gather per layer plus the output's; backward: the reduce-scatters only
+            assert calls.get("all_gather[bwd]", 0) == 0 and calls["reduce_scatter[bwd]"] == n_layer, calls
+            _, calls = _check("gpt", cp, group, checkpointing="full")
+            assert calls["all_gather[bwd]"] == n_layer and calls["reduce_scatter[bwd]"] == n_layer, calls
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("families", [("gpt",), ("llama", "qwen2", "bert")], ids=["gpt", "hf"])
+def test_context_parallel_equals_one_process(cp, families):
+    start_ranks(_worker, (cp, free_port(), families), nprocs=cp)
