@@ -381,10 +381,17 @@ class DataParallelOptions(Options):
                                     comm_hook=self.replicas.comm_hook, static_graph=self.replicas.static_graph,
                                     lr_scaling=self.lr_scaling.lr_scaling)
 
+    def core(self) -> CoreOptions:
+        """The hybrid core's composite for these replicas: pp = tp = 1 (the layout's defaults), the groups both
+        take, and fault tolerance left out: DataParallelStrategy sets its own, checked above (which allows
+        ``nonfinite="skip"``, where the core's check refuses it)."""
+        return CoreOptions(sharding=self.sharding, stack=self.stack, memory=self.memory, weights=self.weights,
+                           steps=self.steps, checkpointing=self.checkpointing, launch=self.launch)
+
 
 def check_core_fault_tolerance(options: CoreOptions) -> None:
     """What ``fault_tolerance='torchft'`` needs of the core's other groups ([Note: the replica axis under torchft]
-    in :mod:`lightning_par.strategies._ft_core`)."""
+    in :mod:`lightning_par.strategies._fault_tolerance`)."""
     if options.fault_tolerance.fault_tolerance is None:
         return
     zero_stage = options.sharding.zero_stage

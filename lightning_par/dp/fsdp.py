@@ -149,6 +149,17 @@ def check_offload_stage(offload: Any, zero_stage: int) -> None:
                          f"fully sharded parameters can live in host memory. Set zero_stage=3, or offload=None.")
 
 
+def check_offload_devices(offload: Any, devices) -> None:
+    """[Note: CPU offload refused on a CPU device]
+    ``offload="cpu"`` keeps FSDP2's parameter shards, gradients and optimizer state in (pinned) host memory and steps
+    the optimizer there (``CPUOffloadPolicy``); it saves device memory only. On a CPU accelerator the module lives
+    in host memory already, and torch's policy then pins and copies host tensors to the host for nothing: refused
+    when the Trainer is built, with the reason."""
+    if offload == "cpu" and all(d.type == "cpu" for d in devices):
+        raise ValueError("`offload='cpu'` saves device memory by keeping the shards in host memory; this Trainer "
+                         "trains on the CPU, whose memory they occupy already. Use a CUDA accelerator, or offload=None.")
+
+
 def shard_module(module: nn.Module, mesh, *, zero_stage: int, precision: str = "32-true", broadcast: bool = True,
                  ignored=None, blocks: Optional[list[tuple[str, nn.Module]]] = None,
                  offload: Optional[str] = None) -> list[str]:

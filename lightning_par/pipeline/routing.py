@@ -9,8 +9,8 @@ captured; afterwards the last stage combines each name's values (weighted by mic
 batch mean of micro-batch means), broadcasts them in its pipeline, and every rank replays the calls
 with the original keyword arguments. With data-parallel replicas the values (and the returned loss)
 are first averaged over the replicas, so every rank logs what one device would for the global batch
-and ``trainer.callback_metrics`` agree on all ranks (this differs from DDP, where values are
-rank-local unless ``sync_dist=True``); ``sync_dist`` then averages equal values, a no-op. A torchmetrics
+([Note: loss reporting, one rule] in lightning_par.strategies._engine); ``sync_dist`` then averages equal
+values, a no-op. A torchmetrics
 ``Metric`` logged as an object is replayed as its per-micro-batch value (``_forward_cache``) combined
 the same way; the object itself is never synchronised over ranks that did not update it.
 """

@@ -36,7 +36,7 @@ class SharedParameters:
         self.groups: dict[str, Any] = {}  # non-block parameter name -> group of the stages that use it
         self._order: Optional[list] = None  # (index into params, group), in name order: the same on every rank
         # averages a flat gradient over the replicas in place, instead of the dp group (torchft's live replica
-        # groups: lightning_par.strategies._ft_core); None: the dp group
+        # groups: lightning_par.strategies._fault_tolerance); None: the dp group
         self.replica_average: Optional[Callable[[torch.Tensor], None]] = None
 
     @property

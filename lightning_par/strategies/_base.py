@@ -5,18 +5,14 @@ layout, one process group per mesh axis and the checkpoint hooks (:mod:`lightnin
 from __future__ import annotations
 
 import inspect
-import os
-import tempfile
 from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_par._compat import multiprocessing_launcher
 from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._checkpoint_io import AtomicSaves
-from lightning_par.strategies._materialize import HeldTensorsLauncher, MaterializingStrategy
+from lightning_par.strategies._materialize import MaterializingStrategy
 from lightning_par.strategies._nonfinite import NonFiniteChecks
 from lightning_par.strategies._optimizer_step import OptimizerStep
 from lightning_par.strategies._registry import RegisteredByName
@@ -72,10 +68,8 @@ class LayoutStrategy(OptimizerStep, CheckpointMixin, AtomicSaves, NonFiniteCheck
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return self.topology.sampler_kwargs(self.global_rank)  # only data-parallel replicas split the data
 
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if isinstance(self._launcher, _Launcher):
-            self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
+    def _consolidates_weights(self) -> bool:
+        return True  # stages and shards: the caller's module receives them assembled (ConsolidatingLauncher)
 
     def _new_groups(self, axis: str):
         """A process group for every group of ranks along ``axis`` (none of one rank); this rank's, or None."""
@@ -93,26 +87,3 @@ class LayoutStrategy(OptimizerStep, CheckpointMixin, AtomicSaves, NonFiniteCheck
         return {**super()._checkpoint_layout(), "data_parallel_size": topo.data_parallel_size,
                 "pipeline_parallel_size": topo.pipeline_parallel_size,
                 "tensor_parallel_size": topo.tensor_parallel_size}
-
-
-_Launcher, _WorkerOutput = multiprocessing_launcher()
-
-
-class ConsolidatingLauncher(HeldTensorsLauncher):
-    """Lightning's spawn/fork launcher, but the weights handed back to the calling process are the whole
-    module's (``strategy.consolidated_state()``, every rank takes part): Lightning's own hands back rank 0's state
-    dict and loads it with ``strict=False``, which would leave the caller's module with the shards and
-    stages rank 0 did not hold at their initial values, silently. A caller's meta-built module takes them as its
-    tensors (:class:`HeldTensorsLauncher`)."""
-
-    def _collect_rank_zero_results(self, trainer, results):
-        callback = trainer.checkpoint_callback
-        best = getattr(callback, "best_model_path", None) if callback else None
-        state_dict = self._strategy.consolidated_state()  # collective: the stages assembled, the shards gathered
-        if self._strategy.local_rank != 0:
-            return None
-        weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
-        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))

@@ -1,7 +1,8 @@
 """The interface of the core's engines: what :class:`~lightning_par.HybridParallelStrategy` delegates to, the same
 methods for the pipeline engine (:mod:`~lightning_par.strategies._pipeline_engine`: several stages, or the
-pipeline preset at any size) and the SPMD engine (:mod:`~lightning_par.strategies._spmd_engine`: one stage, the
-user's step run by Lightning as it is).
+pipeline preset at any size), the SPMD engine (:mod:`~lightning_par.strategies._spmd_engine`: one stage, the
+user's step run by Lightning as it is) and the replica engine (:mod:`~lightning_par.strategies._replica_engine`:
+DataParallelStrategy's DDP or FSDP2 replicas).
 
 [Note: engines behind one interface]
 An engine is built once per strategy (in ``setup_environment``, when the layout is known) from three frozen
@@ -13,6 +14,19 @@ strategy picks the engine class once and calls every hook through :class:`Engine
 ``isinstance``. A hook that Lightning's default implementation serves for one engine receives that default as
 ``run`` (a callable) and the engine decides whether to call it; checkpoint hooks return None where the
 strategy's default applies.
+
+[Note: loss reporting, one rule]
+What a step returns and logs: :class:`~lightning_par.DataParallelStrategy` (every zero stage, torchft too) keeps
+DDP's rank-local values (``self.log(..., sync_dist=True)`` averages them), so at zero stage 0 it stays bit for bit
+Lightning's ``DDPStrategy``. The core (HybridParallelStrategy and its pipeline / tensor presets) reports the mean
+over the data-parallel replicas on every rank, at every size (one replica: its own value): what one device gives
+for the global batch, so ``trainer.callback_metrics`` agree on every rank. The returned loss keeps this rank's
+own gradient (the engines average the gradients, not the loss). The SPMD engine takes the mean in its
+``eval_step`` ([Note: the replicas' mean of a step] in :mod:`~lightning_par.strategies._spmd_engine`), the
+pipeline engine when it routes the last stage's results ([Note: log routing] in
+:mod:`lightning_par.pipeline.routing`). Under torchft the replicas are the live groups, known only to torchft and
+changing from step to step, so each group reports the mean over its own batch (the rule with
+``data_parallel_size=1``).
 """
 from __future__ import annotations
 
@@ -60,6 +74,7 @@ class EngineOptions:
     loss_parallel = property(lambda self: self.tensor.loss_parallel)
     zero_stage = property(lambda self: self.sharding.zero_stage)
     activation_checkpointing = property(lambda self: self.memory.activation_checkpointing)
+    offload = property(lambda self: getattr(self.memory, "offload", None))  # DataParallelStrategy's memory group only
 
 
 @dataclass(frozen=True)
@@ -87,6 +102,7 @@ class Host:
     lightning_setup: Callable  # (trainer): DDPStrategy.setup
     lightning_teardown: Callable  # (): the strategy's Lightning teardown
     forward_redirection: Any = None  # Lightning's, for a step run through FSDP's root unit
+    lightning_configure_ddp: Optional[Callable] = None  # (): DDPStrategy.configure_ddp (the replica engine's DDP)
 
 
 class Engine:

@@ -1,5 +1,13 @@
-"""Hook wiring of fault-tolerant replica groups (torchft) into a ``DDPStrategy`` subclass; the work is in
-:mod:`lightning_par.dp.ft`.
+"""Hook wiring of torchft's fault-tolerant replica groups (``fault_tolerance="torchft"``), one implementation for
+:class:`~lightning_par.DataParallelStrategy` and the hybrid core (HybridParallelStrategy and its presets); the
+work is in :mod:`lightning_par.dp.ft`.
+
+The two differ only in what a replica group is, which :attr:`FaultTolerantReplicas._ft_kind` names:
+- ``"ddp"`` (DataParallelStrategy): one rank per group holding the whole module; the cross-replica average is a
+  DDP communication hook, and a recovering replica receives its peer's checkpoint ([Note: a recovering replica
+  resumes from a peer as from a checkpoint]).
+- ``"core"`` (the hybrid core): a group of pp x tp ranks; the engine averages over the replicas where it would
+  all-reduce over its dp group, and each rank receives the share it holds ([Note: the replica axis under torchft]).
 
 [Note: a recovering replica resumes from a peer as from a checkpoint]
 The first quorum runs at the end of the strategy's ``setup``, before Lightning restores training state. A
@@ -10,19 +18,44 @@ sent over torchft's HTTP transport, never written to disk) and Lightning restore
 step and ``trainer.global_step`` agree. A peer serves the state it would save at that moment: the checkpoint
 it is itself resuming from while in ``setup`` (a whole job restarted with ``ckpt_path``), else its live state.
 The quorum then stays open for the first training batch, which every replica of the quorum runs next.
+
+[Note: the replica axis under torchft]
+Each torchrun job is one replica group holding one whole pipeline × tensor-parallel model (its ranks are its
+``pp`` × ``tp`` coordinates; ``data_parallel_size`` inside a job is 1). The core's ordinary process groups (the
+stages' point-to-point, the tensor-parallel and shared-parameter groups) stay inside the job; only the average
+over replicas, where the core would all-reduce over its dp group (``SharedParameters.reduce`` with several
+stages, ``average_grads`` with one), goes through this rank's torchft ``Manager``: every group rank has its own
+ring with the same group rank of every live group, i.e. the same (pp, tp) coordinate. A step commits exactly
+once, as under DataParallelStrategy ([Note: one step, committed exactly once] in lightning_par.dp.ft);
+``should_commit`` agrees across the ranks of a group, so a step lost on one ring is retried by the whole group.
+A restarted group's ranks each receive the state of their coordinate from a live group ([Note: a rank's own state
+for its peer]); Lightning restores it as a checkpoint ([Note: a recovering replica resumes from a peer as from a
+checkpoint]), here after the strategy's setup (the core restores after setup).
+
+Loss reporting under fault tolerance: [Note: loss reporting, one rule] in :mod:`lightning_par.strategies._engine`.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par import _compat
 from lightning_par.dp import ft
+from lightning_par.options import one_replica_per_job
+from lightning_par.strategies._checkpoint import _unwrap
 
 
 class FaultTolerantReplicas:
-    """Mixin before ``DDPStrategy`` in the bases: ``fault_tolerance`` / ``min_replicas`` / ``ft_timeout``."""
+    """Mixin before the strategy's Lightning base: ``fault_tolerance`` / ``min_replicas`` / ``ft_timeout``.
+
+    The strategy calls :meth:`_start_replica` once its model is built (DataParallelStrategy: from
+    ``_register_ddp_hooks``, on the DDP wrapper; the core: at the end of ``setup``), :meth:`_join_replicas` at
+    the end of ``setup`` and :meth:`_stop_replica` at teardown."""
+
+    _ft_kind = "core"  # what a replica group is: "ddp" or "core" (see the module's docstring)
+    _sharing = False  # "core": while dumping this rank's state for a recovering peer
 
     def _init_fault_tolerance(self, fault_tolerance: str | None, min_replicas: int, ft_timeout: float) -> None:
         self._fault_tolerance, self._min_replicas, self._ft_timeout = fault_tolerance, min_replicas, ft_timeout
@@ -41,6 +74,16 @@ class FaultTolerantReplicas:
                                f"(fault_tolerance={self._fault_tolerance!r}).")
         return self._replica
 
+    @property
+    def replica_average(self):
+        """Averages a flat gradient in place over the live replica groups; None without fault tolerance."""
+        return self._replica.average if self._replica is not None else None
+
+    def _configure_launcher(self) -> None:  # the core, in the launching process: one replica group per job
+        if self._fault_tolerance is not None and self._ft_kind == "core" and self._resolve().data_parallel_size != 1:
+            raise ValueError(one_replica_per_job(self._resolve().data_parallel_size))
+        super()._configure_launcher()
+
     def setup_environment(self) -> None:
         if self._fault_tolerance is not None:
             ft.import_torchft()
@@ -51,27 +94,39 @@ class FaultTolerantReplicas:
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         if self._replica_group is None:
             return super().distributed_sampler_kwargs
-        return self._replica_group.sampler_kwargs(self.global_rank, self.world_size)
+        return self._replica_group.sampler_kwargs(group_rank=0, group_world_size=1)  # a group's ranks: one batch
+
+    def _loader_processes(self) -> int:
+        """Processes reading the training data ([Note: one process keeps the user's loader] in topology.py)."""
+        return self.world_size * (self._replica_group.num_groups if self._replica_group is not None else 1)
 
     def _start_replica(self, trainer) -> bool:
-        """Create this rank's replica and register the cross-replica hook on the DDP model (from
-        ``_register_ddp_hooks``); False without fault tolerance."""
-        if self._fault_tolerance is None:
+        """This rank's replica, its average wired into the gradients (a DDP communication hook on the wrapped
+        model, or the core's engine); False without fault tolerance, or outside fit."""
+        if self._fault_tolerance is None or self._replica is not None or trainer.state.fn != TrainerFn.FITTING:
             return False
         self._check_retryable(trainer)
-        if self.world_size != 1:
-            raise ValueError(f"`fault_tolerance='torchft'` runs one rank per replica group (this group has "
-                             f"{self.world_size}: devices x num_nodes): launch one torchrun per replica group with "
-                             f"`--nproc-per-node 1` and `trainer.devices=1`; for groups of several ranks that "
-                             f"hold one model between them use HybridParallelStrategy(fault_tolerance='torchft').")
-        resumed = _compat.pending_checkpoint(trainer)
+        if self._ft_kind == "ddp":
+            if self.world_size != 1:
+                raise ValueError(f"`fault_tolerance='torchft'` runs one rank per replica group (this group has "
+                                 f"{self.world_size}: devices x num_nodes): launch one torchrun per replica group "
+                                 f"with `--nproc-per-node 1` and `trainer.devices=1`; for groups of several ranks "
+                                 f"that hold one model between them use "
+                                 f"HybridParallelStrategy(fault_tolerance='torchft').")
+            resumed = _compat.pending_checkpoint(trainer)  # [Note: a recovering replica resumes from a peer ...]
+            shared = dict(state_dict=lambda: _compat.pending_checkpoint(trainer) or _compat.dump_checkpoint(trainer),
+                          step=resumed.get("global_step", 0) if resumed else 0)
+        else:  # [Note: a rank's own state for its peer] and [Note: the manager's address, ...] in dp/ft.py
+            shared = dict(state_dict=lambda: self._own_state(trainer),
+                          group_barrier=lambda: self.barrier("torchft manager address"))
         self._replica = ft.Replica(
             self._replica_group, min_replicas=self._min_replicas, timeout_s=self._ft_timeout,
             group_rank=self.global_rank, group_world_size=self.world_size,
-            state_dict=lambda: _compat.pending_checkpoint(trainer) or _compat.dump_checkpoint(trainer),
-            load_state_dict=lambda checkpoint: _compat.restore_module_and_callbacks(trainer, checkpoint),
-            step=resumed.get("global_step", 0) if resumed else 0)
-        self.model.register_comm_hook(self._replica, ft.all_reduce_hook)
+            load_state_dict=lambda checkpoint: _compat.restore_module_and_callbacks(trainer, checkpoint), **shared)
+        if self._ft_kind == "ddp":
+            self.model.register_comm_hook(self._replica, ft.all_reduce_hook)
+        else:
+            self._engine.use_replica_average(self._replica.average)  # the engine's average over replicas: torchft's
         return True
 
     def _check_retryable(self, trainer) -> None:
@@ -96,6 +151,11 @@ class FaultTolerantReplicas:
             rank_zero_info(f"Replica group {self._replica_group.group_id} received step {self._replica.healed_at} "
                            f"from a live peer.")
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._replica is not None and self._ft_kind == "core":  # a run resumed from a file: Lightning restored
+            self._replica.resume_at(self.lightning_module.trainer.global_step)  # its step after the quorum
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self._replica is not None:
@@ -105,3 +165,51 @@ class FaultTolerantReplicas:
         if self._replica is not None:
             self._replica.close()
             self._replica = None
+
+    # -- "core": a rank's own state for a recovering peer ([Note: a rank's own state for its peer] in dp/ft.py) ----
+    def _own_state(self, trainer) -> dict[str, Any]:
+        self._sharing = True
+        try:
+            checkpoint = _compat.dump_checkpoint(trainer)
+        finally:
+            self._sharing = False
+        checkpoint[ft.SHARE_KEY] = {"group_rank": self.global_rank, "world_size": self.world_size}
+        return checkpoint
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._sharing:
+            return ft.local_module_state(self.lightning_module)
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self._sharing:
+            return ft.local_optimizer_state(_unwrap(optimizer))
+        return super().optimizer_state(optimizer)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        # healed at the first quorum from a peer past step 0: its state is newer than the file (at step 0 it was only
+        # the initial weights: every group of a whole-job restart then resumes from its own file)
+        healed = self._replica is not None and bool(self._replica.healed_at)
+        received = _compat.pending_checkpoint(self.lightning_module.trainer) if healed else None
+        if ft.SHARE_KEY in (received or {}):
+            rank_zero_info(f"Replica group {self._replica_group.group_id} resumes from the live peer's state, not "
+                           f"{checkpoint_path}.")
+            return received
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if ft.SHARE_KEY not in checkpoint:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        sender = checkpoint[ft.SHARE_KEY]
+        if (sender["group_rank"], sender["world_size"]) != (self.global_rank, self.world_size):
+            raise RuntimeError(f"Rank {self.global_rank} of {self.world_size} received the state of rank "
+                               f"{sender['group_rank']} of {sender['world_size']}: every replica group must run the "
+                               f"same layout.")
+        ft.load_local_module_state(self.lightning_module, checkpoint["state_dict"],
+                                   where=f"replica group rank {sender['group_rank']}")
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        if ft.SHARE_KEY not in checkpoint:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            ft.load_local_optimizer_state(_unwrap(optimizer), saved)

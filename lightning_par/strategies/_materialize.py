@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from typing import Generator, Mapping, Optional
+import tempfile
+from typing import Any, Generator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
@@ -101,10 +103,16 @@ class MaterializingStrategy:
             self._weights_reader, self._weights_read = reader, True
         move_real(module, self.root_device)
 
-    def _configure_launcher(self) -> None:
+    def _consolidates_weights(self) -> bool:
+        """Whether a fork / spawn launch hands the caller the whole module gathered from every rank
+        (:class:`ConsolidatingLauncher`) rather than rank 0's tensors (:class:`HeldTensorsLauncher`)."""
+        return False
+
+    def _configure_launcher(self) -> None:  # the one launcher swap of every strategy
         super()._configure_launcher()
         if type(self._launcher) is _Launcher:
-            self._launcher = HeldTensorsLauncher(self, start_method=self._start_method)
+            launcher = ConsolidatingLauncher if self._consolidates_weights() else HeldTensorsLauncher
+            self._launcher = launcher(self, start_method=self._start_method)
 
     def teardown(self) -> None:
         """Lightning's teardown ends with ``lightning_module.cpu()``, which cannot copy the meta tensors of what
@@ -115,10 +123,7 @@ class MaterializingStrategy:
             return super().teardown()
         optimizers_to_device(self.optimizers, torch.device("cpu"))
         move_real(module, torch.device("cpu"))
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        teardown_in_place(self)
 
     def _init_seed(self) -> int:
         """One seed for every rank's init: global rank 0's ``torch.initial_seed()``."""
@@ -130,7 +135,17 @@ class MaterializingStrategy:
         return seed
 
 
-_Launcher = multiprocessing_launcher()[0]
+def teardown_in_place(strategy) -> None:
+    """Lightning's strategy teardown without moving the module, as Lightning's ``ModelParallelStrategy`` does: the
+    one teardown of a sharded module (DDPStrategy's would move it to the CPU, which swaps every DTensor parameter
+    and fails when anything holds a weak reference to one) and of a meta-built one's real tensors."""
+    strategy.cluster_environment.teardown()
+    strategy.precision_plugin.teardown()
+    strategy.accelerator.teardown()
+    strategy.checkpoint_io.teardown()
+
+
+_Launcher, _WorkerOutput = multiprocessing_launcher()
 
 
 class HeldTensorsLauncher(_Launcher):
@@ -170,3 +185,23 @@ class HeldTensorsLauncher(_Launcher):
             return super()._collect_rank_zero_results(trainer, results)
         finally:
             handle.remove()
+
+
+class ConsolidatingLauncher(HeldTensorsLauncher):
+    """Lightning's spawn/fork launcher, but the weights handed back to the calling process are the whole
+    module's (``strategy.consolidated_state()``, every rank takes part): Lightning's own hands back rank 0's state
+    dict and loads it with ``strict=False``, which would leave the caller's module with the shards and
+    stages rank 0 did not hold at their initial values, silently. A caller's meta-built module takes them as its
+    tensors (:class:`HeldTensorsLauncher`)."""
+
+    def _collect_rank_zero_results(self, trainer, results):
+        callback = trainer.checkpoint_callback
+        best = getattr(callback, "best_model_path", None) if callback else None
+        state_dict = self._strategy.consolidated_state()  # collective: the stages assembled, the shards gathered
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))

@@ -5,9 +5,9 @@ plan), Lightning runs the user's step as usual, and the gradients are settled ov
 ranks and averaged over the data-parallel replicas after the last backward of each optimizer step, before
 clipping.
 
-[Note: loss reporting over replicas]
-With data-parallel replicas every rank returns and logs the mean over the replicas (what one device gives
-for the global batch), as the pipeline does ([Note: log routing] in pipeline/routing.py): the step's
+[Note: the replicas' mean of a step]
+With data-parallel replicas every rank returns and logs the mean over the replicas ([Note: loss reporting, one
+rule] in :mod:`~lightning_par.strategies._engine`): the step's
 ``self.log`` calls are captured and replayed with the replicas' mean, and the returned loss becomes
 ``loss + (mean - loss).detach()``: its value is the mean, its gradient this rank's own (the replicas'
 gradients are averaged by the strategy, not through the loss).
@@ -32,6 +32,7 @@ from lightning_par.dp import fsdp
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._engine import Engine, optimizer_params as _params
+from lightning_par.strategies._materialize import teardown_in_place
 from lightning_par.strategies._precision import PrecisionHooks
 from lightning_par.tensor.mixed import average_grads, clip_grad_norm_, clip_grad_value_, reduce_partial_grads
 from lightning_par.tensor.parallelize import (backward_context, broadcast_state, parallelize, parallelized_size,
@@ -80,13 +81,7 @@ class SpmdEngine(Engine):
         if self.steps is not None:
             self.steps.close()
             self.steps = None
-        # As Lightning's ModelParallelStrategy: the sharded module stays where it is (DDPStrategy would move it
-        # to the CPU, which swaps every DTensor parameter and fails when anything holds a weak reference to one).
-        s = self.s
-        s.cluster_environment.teardown()
-        s.precision_plugin.teardown()
-        s.accelerator.teardown()
-        s.checkpoint_io.teardown()
+        teardown_in_place(self.s)  # the sharded module stays where it is
 
     def _parallelize(self) -> None:
         s, o, g = self.s, self.options, self.groups
@@ -142,7 +137,7 @@ class SpmdEngine(Engine):
         if cuda:
             torch.cuda.set_rng_state(state[1], s.root_device)
 
-    # -- steps ([Note: loss reporting over replicas], [Note: loss parallel]) -------------------------
+    # -- steps ([Note: the replicas' mean of a step], [Note: loss parallel]) -------------------------
     def training_step(self, run, args: tuple, kwargs: dict) -> Any:
         return self.eval_step("training_step", run, self.s.precision_plugin.train_step_context, args, kwargs)
 

@@ -8,62 +8,32 @@ compression hooks on every backend, ZeRO-1/2/3 sharding and learning-rate scalin
 
 With the defaults it *is* Lightning's DDP: same wrapper, same reduction, same logged values (bit for
 bit); on a single process it iterates the user's loader as it is, as plain Lightning does ([Note: one
-process keeps the user's loader] in :mod:`lightning_par.topology`). The work of each addition lives in
-:mod:`lightning_par.dp`; this class only calls it from the right Lightning hook.
-
-[Note: zero_stage 2 and 3 under a DDPStrategy base]
-Stages 2 and 3 shard the module in place with FSDP2 (:mod:`lightning_par.dp.fsdp`) instead of wrapping it in
-DDP, in every trainer function (a model that only fits sharded must validate sharded too), where Lightning's
-``ModelParallelStrategy`` leaves it to the user's ``configure_model``. The module itself is the root FSDP
-unit (it stays usable after fit: its forward gathers what it needs), so ``self.model is
-self.lightning_module``; each ``*_step`` runs inside the module's own ``__call__`` (Lightning's forward
-redirection, as DDP's wrapper does), so that FSDP's root hooks gather the root's parameters even when the
-step never calls ``self(...)`` ([Note: running a step through the root unit] in :mod:`lightning_par.dp.fsdp`).
-Checkpoints are restored after setup, into the shards. Launched by fork or spawn, the caller's module
-receives the whole trained weights. Loss reporting is DDP's: rank-local.
+process keeps the user's loader] in :mod:`lightning_par.topology`). It is the hybrid core's pp = tp = 1 preset:
+:class:`~lightning_par.HybridParallelStrategy` lays the ranks out on the ``dp`` axis and runs the replica engine
+(:mod:`~lightning_par.strategies._replica_engine`: DDP at zero_stage 0 / 1, FSDP2 at 2 / 3, [Note: zero_stage 2
+and 3 on the replica engine]); fault tolerance is the core's (:mod:`~lightning_par.strategies._fault_tolerance`).
+The work of each addition lives in :mod:`lightning_par.dp`; this class only calls it from the right Lightning
+hook. Launched by fork or spawn under stages 2 / 3, the caller's module receives the whole trained weights.
+Loss reporting is DDP's: rank-local ([Note: loss reporting, one rule] in :mod:`lightning_par.strategies._engine`).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch.distributed
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par._compat import multiprocessing_launcher, optimizers_to_device
 from lightning_par.dp import comm_hooks, fsdp, zero
-from lightning_par.materialize import move_real
-from lightning_par.options import DataParallelOptions, takes_options
-from lightning_par.strategies._base import ConsolidatingLauncher, check_accumulation
-from lightning_par.strategies._checkpoint_io import AtomicSaves
-from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
-from lightning_par.strategies._nonfinite import NonFiniteChecks
-from lightning_par.strategies._optimizer_step import OptimizerStep
-from lightning_par.strategies._waits import NamedWaits
 from lightning_par.dp import lr_scaling as scaling
+from lightning_par.options import DataParallelOptions, takes_options
 from lightning_par.strategies._checkpoint import CheckpointMixin
-from lightning_par.strategies._materialize import MaterializingStrategy
-from lightning_par.strategies._memory import ActivationMemory
-from lightning_par.strategies._registry import RegisteredByName
-from lightning_par.topology import Topology, keep_loader_on_one_process
+from lightning_par.strategies._engine import Groups
+from lightning_par.strategies._replica_engine import ReplicaEngine
+from lightning_par.strategies.hybrid_parallel import HybridParallelStrategy
 
 
-def _step_through_root(name: str, context: str):
-    """``Strategy.<name>``, run so that FSDP's root hooks run once (:class:`lightning_par.dp.fsdp.StepRunner`)."""
-    def step(self, *args, **kwargs):
-        if self._fsdp_units is None:
-            return getattr(super(DataParallelStrategy, self), name)(*args, **kwargs)
-        with getattr(self.precision_plugin, context)():
-            return self._steps.run(name, self._forward_redirection, *args, **kwargs)
-
-    step.__name__ = name
-    return step
-
-
-class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin, AtomicSaves, NonFiniteChecks,
-                           NamedWaits, RegisteredByName, MaterializingStrategy, ActivationMemory, DDPStrategy):
+class DataParallelStrategy(HybridParallelStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
     - ``comm_hook``: ``None`` (DDP's all-reduce), ``"fp16"`` / ``"bf16"`` (16-bit gradients on the wire:
@@ -76,8 +46,6 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
       parameters gathered once per step) or ``3`` (FSDP2: parameters sharded as well, gathered per block in
       forward and again in backward); see [Note: what stages 2 and 3 keep and shard] in
       :mod:`lightning_par.dp.fsdp`. Stages 2 and 3 take no DDP option (comm hook, buckets...).
-    - ``activation_checkpointing`` (``None``, ``"full"``, k, ``"selective"``; ``blocks``: the stack's name, also
-      FSDP's units) and ``offload="cpu"`` (``zero_stage=3`` on CUDA): :mod:`lightning_par.strategies._memory`.
     - ``save_distributed_checkpoint``: ``False`` (one file in one device's format) or ``True`` (a DCP
       directory, each rank writing its shards); ``async_save``: write in the background. Either loads under
       any layout (:mod:`lightning_par.strategies._checkpoint`).
@@ -104,185 +72,114 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
     """
 
     strategy_name = "data_parallel"
+    _ft_kind = "ddp"  # a replica group is one rank; torchft's average is a DDP comm hook
     strategy_description = "lightning_par data parallel (DDP + comm hooks, ZeRO-1, LR scaling)"
 
     __init__ = takes_options(DataParallelOptions, plumbing=False)  # [Note: flat keywords, grouped options]
 
     def _init_options(self, options: DataParallelOptions) -> None:
-        self._options = o = options  # frozen and checked, every group and across them
-        self._set_nonfinite(o.steps.nonfinite)
-        self._init_checkpointing(save_distributed_checkpoint=o.checkpointing.save_distributed_checkpoint,
-                                 async_save=o.checkpointing.async_save)
-        launch, fault_tolerance = o.launch, o.fault_tolerance
-        super().__init__(process_group_backend=launch.process_group_backend, timeout=launch.collective_timeout,
-                         start_method=launch.start_method,
-                         **o.replicas.ddp_kwargs(fault_tolerant=bool(fault_tolerance.fault_tolerance)))
-        self._comm_hook = o.replicas.comm_hook
-        self._powersgd_rank = o.replicas.powersgd_rank
-        self._powersgd_start_iter = o.replicas.powersgd_start_iter
-        self._zero_stage = o.sharding.zero_stage
-        self._set_weights(o.weights.weights, o.weights.weights_prefix)  # meta builds (zero_stage 2 / 3) and weights=
-        self._lr_scaling = o.lr_scaling.lr_scaling
-        self._reference_batch_size = o.lr_scaling.reference_batch_size
+        # the core with pp = tp = 1 (its fault-tolerance checks are the core's layouts'; ours are DataParallelOptions')
+        super()._init_options(options.core())
+        self._dp_options = options  # frozen and checked, every group and across them
+        self._ddp_kwargs = options.replicas.ddp_kwargs(  # DistributedDataParallel's (DDPStrategy keeps them here)
+            fault_tolerant=options.fault_tolerance.fault_tolerance is not None)
         self._lr_scale_factor: float | None = None
-        self._restore_loader = lambda: None
-        self._fsdp_units: list[str] | None = None  # set once the module is sharded (zero_stage >= 2)
-        self._steps: fsdp.StepRunner | None = None
-        self._init_fault_tolerance(fault_tolerance.fault_tolerance, fault_tolerance.min_replicas,
-                                   fault_tolerance.ft_timeout)
+        f = options.fault_tolerance
+        self._init_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout)
 
     # -- public state -------------------------------------------------------------------------------
 
     @property
     def comm_hook(self) -> str | None:
-        return self._comm_hook
+        return self._dp_options.replicas.comm_hook
 
     @property
     def zero_stage(self) -> int:
-        return self._zero_stage
+        return self._options.sharding.zero_stage
 
     @property
     def lr_scale_factor(self) -> float:
         """The factor the configured learning rates were multiplied by (1.0 with ``lr_scaling="none"``)."""
-        if self._lr_scaling == "none":
+        if self._dp_options.lr_scaling.lr_scaling == "none":
             return 1.0
         if self._lr_scale_factor is None:
             raise RuntimeError(f"`lr_scale_factor` is known once training starts (it needs the train dataloader's "
-                               f"batch size); lr_scaling={self._lr_scaling!r}.")
+                               f"batch size); lr_scaling={self._dp_options.lr_scaling.lr_scaling!r}.")
         return self._lr_scale_factor
 
     @property
     def fsdp_units(self) -> list[str]:
         """Names of the modules sharded as FSDP units under ``zero_stage`` 2 / 3 (``""``: the root)."""
-        if self._fsdp_units is None:
+        units = self._engine.units if self._engine is not None else None
+        if units is None:
             raise RuntimeError(f"`fsdp_units` exist once the module is sharded in Trainer setup (zero_stage="
-                               f"{self._zero_stage}; only stages 2 and 3 shard it).")
-        return self._fsdp_units
+                               f"{self.zero_stage}; only stages 2 and 3 shard it).")
+        return units
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return self._zero_stage >= 2 or self._restore_after_setup()  # whole tensors are loaded into the shards
+        return self.zero_stage >= 2 or self._restore_after_setup()  # whole tensors are loaded into the shards
 
     def _meta_build(self) -> bool:
-        return self._zero_stage >= 2  # DDP replicas hold the whole module anyway
+        return self.zero_stage >= 2  # DDP replicas hold the whole module anyway
 
     # -- Lightning hooks ----------------------------------------------------------------------------
 
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if self._zero_stage < 2:
-            return
-        # In the launching process, at Trainer construction: refuse what stage 2/3 cannot train before any process.
-        fsdp.check_precision(self.precision_plugin.precision, self._zero_stage)
-        if self._layer_sync is not None:
-            raise ValueError(f"`Trainer(sync_batchnorm=True)` with `zero_stage={self._zero_stage}` is not supported "
+        super()._configure_launcher()  # in the launching process; the core refuses FSDP's unsupported precisions
+        fsdp.check_offload_devices(self._dp_options.memory.offload, getattr(self, "parallel_devices", None) or [])
+        if self.zero_stage >= 2 and self._layer_sync is not None:
+            raise ValueError(f"`Trainer(sync_batchnorm=True)` with `zero_stage={self.zero_stage}` is not supported "
                              f"(FSDP shards the module in place); use zero_stage=0 or 1 for SyncBatchNorm.")
-        if isinstance(self._launcher, multiprocessing_launcher()[0]):  # the caller's module receives whole weights
-            self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
 
-    def setup(self, trainer) -> None:
-        check_accumulation(trainer)
-        # [Note: one process keeps the user's loader] in lightning_par/topology.py
-        self._restore_loader = keep_loader_on_one_process(trainer, self.distributed_sampler_kwargs["num_replicas"])
-        self._checkpoint_blocks()  # activation_checkpointing, before DDP / FSDP wrap the blocks (strategies/_memory.py)
-        if self._zero_stage < 2:
-            super().setup(trainer)
-            return self._join_replicas()
-        # As DDPStrategy.setup, with FSDP in place of DDP in every trainer function ([Note: zero_stage 2 and 3 ...]).
-        self.accelerator.setup(trainer)
-        module = self.lightning_module
-        sharded = fsdp.is_sharded(module)
-        reader = None if sharded else self._open_weights(module)  # checked before anything is placed
-        if not sharded:
-            self.precision_plugin.convert_module(module)
-            move_real(module, self.root_device)  # a meta-built module gets its shards' storage below
-        mesh = Topology.resolve(self.world_size, data_parallel_size=self.world_size).build_mesh(
-            self.root_device.type, timeout=self._timeout)["dp"]
-        self._fsdp_units = fsdp.shard_module(module, mesh, zero_stage=self._zero_stage,
-                                             precision=self.precision_plugin.precision, **self._shard_options(module))
-        if not sharded:
-            self._place_share(module, reader)  # each rank's FSDP shards: storage, init, weights=
-        self._steps = fsdp.StepRunner(module)
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            optimizers_to_device(self.optimizers, self.root_device)
+    def _consolidates_weights(self) -> bool:
+        return self.zero_stage >= 2  # fork / spawn: the caller's module receives the whole weights of the shards
 
-    def model_to_device(self) -> None:  # DDPStrategy.setup (zero_stage 0 / 1): a meta-built module, weights=
-        move_real(self.model, self.root_device)
-        self._place_share(self.model, self._open_weights(self.model))
+    def _engine_class(self, pipelined: bool) -> type:
+        return ReplicaEngine
 
-    # Each *_step runs inside the module's __call__ once it is sharded ([Note: zero_stage 2 and 3 ...]).
-    training_step = _step_through_root("training_step", "train_step_context")
-    validation_step = _step_through_root("validation_step", "val_step_context")
-    test_step = _step_through_root("test_step", "test_step_context")
-    predict_step = _step_through_root("predict_step", "predict_step_context")
+    def _build_groups(self, pipelined: bool) -> Groups:
+        """No group beyond Lightning's (DDP's is the world's); under zero_stage 2 / 3 FSDP's ``dp`` mesh."""
+        sharded = self.zero_stage >= 2
+        mesh = self.topology.build_mesh(self.root_device.type, timeout=self._timeout) if sharded else None
+        return Groups(mesh=mesh, timeout=self._timeout, sharded_replicas=sharded)
 
-    def _reshard(self) -> None:
-        if self._fsdp_units is not None:  # forward-only passes leave some units gathered
-            fsdp.reshard(self.lightning_module)
-
-    def on_validation_end(self) -> None:
-        super().on_validation_end()
-        self._reshard()
-
-    def on_test_end(self) -> None:
-        super().on_test_end()
-        self._reshard()
+    def setup_optimizers(self, trainer) -> None:
+        super(HybridParallelStrategy, self).setup_optimizers(trainer)  # Lightning's: the replicas' plain parameters
+        if self.zero_stage == 1:  # [Note: wrapping the user's optimizer] in lightning_par.dp.zero
+            self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs)
 
     def on_predict_end(self) -> None:
         super().on_predict_end()
-        self._reshard()
-
-    def teardown(self) -> None:
-        self._stop_replica()
-        self._restore_loader()
-        self._uncheckpoint_blocks()
-        if self._fsdp_units is None:
-            return super().teardown()
-        # As Lightning's ModelParallelStrategy: the sharded module stays where it is (see TensorParallelStrategy).
-        self._close_checkpointing()
-        self._steps.close()
-        self._fsdp_units = self._steps = None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        self._checkpoint_prepare()  # FSDP's forward-only passes leave units gathered
 
     # -- checkpoints: the hooks of lightning_par.strategies._checkpoint, every parameter under its own name --
 
-    def _checkpoint_prepare(self) -> None:
-        self._reshard()  # the state at rest: shards
-
-    def _checkpoint_layout(self) -> dict[str, Any]:
-        return {**super()._checkpoint_layout(), "data_parallel_size": self.world_size, "zero_stage": self._zero_stage}
+    def _checkpoint_layout(self) -> dict[str, Any]:  # the replicas' layout, without the core's pp / tp axes
+        return {**CheckpointMixin._checkpoint_layout(self), "data_parallel_size": self.world_size,
+                "zero_stage": self.zero_stage}
 
     def _register_ddp_hooks(self) -> None:
         """Register the chosen communication hook on every device type (Lightning: CUDA only; for bf16 on
         a CPU build see [Note: bf16 hook on CPU] in :mod:`lightning_par.dp.comm_hooks`); or torchft's."""
         if self._start_replica(self.lightning_module.trainer):
             return
-        selected = comm_hooks.select_comm_hook(self._comm_hook, powersgd_rank=self._powersgd_rank,
-                                               powersgd_start_iter=self._powersgd_start_iter,
+        replicas = self._dp_options.replicas
+        selected = comm_hooks.select_comm_hook(replicas.comm_hook, powersgd_rank=replicas.powersgd_rank,
+                                               powersgd_start_iter=replicas.powersgd_start_iter,
                                                backend=torch.distributed.get_backend())
         if selected is None:
             return
         if not isinstance(self.model, DistributedDataParallel):
-            raise RuntimeError(f"comm_hook={self._comm_hook!r} needs the DDP-wrapped model, found "
+            raise RuntimeError(f"comm_hook={replicas.comm_hook!r} needs the DDP-wrapped model, found "
                                f"{type(self.model).__name__}.")
         state, hook = selected
         self.model.register_comm_hook(state, hook)
 
-    def setup_optimizers(self, trainer) -> None:
-        super().setup_optimizers(trainer)
-        if self._zero_stage == 1:  # [Note: wrapping the user's optimizer] in lightning_par.dp.zero
-            self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs)
-
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self._lr_scaling == "none":
+        scaled = self._dp_options.lr_scaling
+        if scaled.lr_scaling == "none":
             return
         # The train dataloader exists only from here on; a resumed run has restored already-scaled learning
         # rates by now, which apply_lr_scale detects ([Note: scaling an optimizer that a scheduler drives]).
@@ -290,15 +187,15 @@ class DataParallelStrategy(OptimizerStep, FaultTolerantReplicas, CheckpointMixin
         trainer = self.lightning_module.trainer
         per_device = scaling.find_batch_size(trainer.train_dataloader)
         factor = scaling.resolve_lr_scale_factor(
-            lr_scaling=self._lr_scaling, reference_batch_size=self._reference_batch_size,
+            lr_scaling=scaled.lr_scaling, reference_batch_size=scaled.reference_batch_size,
             per_device_batch=per_device, world_size=self.world_size,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
         )
         scaling.apply_lr_scale(self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], factor)
         self._lr_scale_factor = factor
         global_batch = scaling.global_batch_size(per_device, self.world_size, trainer.accumulate_grad_batches)
-        reference = self._reference_batch_size or per_device * trainer.accumulate_grad_batches
-        rank_zero_info(f"lr_scaling={self._lr_scaling!r}: learning rates x {factor:g} (global batch {global_batch} = "
+        reference = scaled.reference_batch_size or per_device * trainer.accumulate_grad_batches
+        rank_zero_info(f"lr_scaling={scaled.lr_scaling!r}: learning rates x {factor:g} (global batch {global_batch} = "
                        f"{per_device} per device x {self.world_size} devices x {trainer.accumulate_grad_batches} "
                        f"accumulated, reference batch {reference})")
         for logger in trainer.loggers:

@@ -3,13 +3,12 @@
     Trainer(devices=8, strategy=HybridParallelStrategy(data_parallel_size=2, pipeline_parallel_size=2,
                                                         tensor_parallel_size=2, schedule="1f1b", microbatches=4))
 
-The work lives in :mod:`lightning_par.pipeline` and :mod:`lightning_par.tensor`; this class wires it into
-Lightning's hooks. :class:`~lightning_par.PipelineParallelStrategy` is this class with one tensor-parallel
-rank per stage, :class:`~lightning_par.TensorParallelStrategy` this class with one stage. A layout with
-several stages (or the pipeline preset at any size) runs the pipeline engine
-(:mod:`~lightning_par.strategies._pipeline_engine`), one with a single stage the SPMD engine
-(:mod:`~lightning_par.strategies._spmd_engine`: Lightning runs the user's step as it is); both behind one
-interface ([Note: engines behind one interface] in :mod:`~lightning_par.strategies._engine`), chosen once.
+The work lives in :mod:`lightning_par.pipeline`, :mod:`lightning_par.tensor` and :mod:`lightning_par.dp`; this
+class wires it into Lightning's hooks. Its presets fix sizes: :class:`~lightning_par.PipelineParallelStrategy`
+tp = 1, :class:`~lightning_par.TensorParallelStrategy` pp = 1, :class:`~lightning_par.DataParallelStrategy`
+pp = tp = 1. Several stages (or the pipeline preset) run the pipeline engine (``_pipeline_engine``), one stage
+the SPMD engine (``_spmd_engine``), DataParallelStrategy the replica engine (``_replica_engine``: DDP or FSDP2);
+all behind one interface ([Note: engines behind one interface] in :mod:`~lightning_par.strategies._engine`).
 
 1. ``setup_environment``: the (pp, dp, tp) layout, the process group, one group per pipeline, replica set
    and point-to-point direction, and with tensor parallelism the ``DeviceMesh`` (axes ``pp``, ``dp``, ``tp``;
@@ -38,7 +37,7 @@ from lightning_par.pipeline.options import check_layout
 from lightning_par.pipeline.stage import StageRuntime
 from lightning_par.strategies._base import LayoutStrategy, check_accumulation, size_names
 from lightning_par.strategies._engine import Engine, EngineOptions, Groups, Host
-from lightning_par.strategies._ft_core import FaultTolerantCore
+from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
 from lightning_par.strategies._pipeline_engine import PipelineEngine
 from lightning_par.strategies._spmd_engine import SpmdEngine
 from lightning_par.tensor.mixed import split_step_by_kind
@@ -46,7 +45,7 @@ from lightning_par.tensor.rules import restore_rules
 from lightning_par.topology import ORDERS, Topology, keep_loader_on_one_process
 
 
-class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
+class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
     """``pipeline_parallel_size`` stages × ``tensor_parallel_size`` ranks per stage × ``data_parallel_size``
     replicas on one ``DeviceMesh`` (axes ``pp``, ``dp``, ``tp``; tp innermost, pp outermost by default,
     ``mesh_order="dp_pp_tp"`` for replicas across nodes).
@@ -59,14 +58,15 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
     ``activation_checkpointing`` recomputes). With several stages under
     ``sequence_parallel`` each tensor-parallel rank sends only its sequence chunk to the next stage
     ([Note: sequence-sharded stage boundaries] in :mod:`lightning_par.tensor.boundary`), and under
-    ``loss_parallel`` the last stage computes the loss on vocabulary shards. With data-parallel replicas every
-    rank returns and logs the mean over the replicas. ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in
-    :mod:`lightning_par.nonfinite`). ``weights`` / ``weights_prefix``: a weights file or directory read into each
-    rank's share at setup; with ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is
-    built on the meta device and each rank materializes only its share (:mod:`lightning_par.materialize`).
+    ``loss_parallel`` the last stage computes the loss on vocabulary shards. Every rank returns and logs the
+    mean over the replicas ([Note: loss reporting, one rule] in :mod:`~lightning_par.strategies._engine`).
+    ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in :mod:`lightning_par.nonfinite`).
+    ``weights`` / ``weights_prefix``: a weights file or directory read into each rank's share at setup; with
+    ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is built on the meta device and
+    each rank materializes only its share (:mod:`lightning_par.materialize`).
     ``fault_tolerance="torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one replica group holding
     the whole pp × tp model, and the replicas are the live groups ([Note: the replica axis under torchft] in
-    :mod:`lightning_par.strategies._ft_core`)."""
+    :mod:`lightning_par.strategies._fault_tolerance`)."""
 
     strategy_name = "hybrid_parallel"
     strategy_description = "lightning_par data × pipeline × tensor parallel (unchanged module)"
@@ -152,7 +152,7 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         super().setup_environment()
         if self._engine is not None:  # a later fit / validate / test of the same Trainer keeps the installed stage
             return
-        engine = PipelineEngine if pipelined else SpmdEngine
+        engine = self._engine_class(pipelined)
         self._groups = groups = self._build_groups(pipelined)
         o = self._options
         options = EngineOptions(pipeline=o.pipeline, tensor=o.tensor, sharding=o.sharding, stack=o.stack,
@@ -160,8 +160,11 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         host = Host(open_weights=self._open_weights, place_share=self._place_share,
                     install_precision=self._install_precision, record_one_device_order=self._record_one_device_order,
                     lightning_setup=super().setup, lightning_teardown=super().teardown,
-                    forward_redirection=self._forward_redirection)
+                    forward_redirection=self._forward_redirection, lightning_configure_ddp=super().configure_ddp)
         self._engine = engine(self, options, groups, host)
+
+    def _engine_class(self, pipelined: bool) -> type:  # DataParallelStrategy: the replica engine
+        return PipelineEngine if pipelined else SpmdEngine
 
     def _build_groups(self, pipelined: bool) -> Groups:
         """One group per replica set, and with a pipeline per pipeline, point-to-point direction and result
@@ -189,7 +192,8 @@ class HybridParallelStrategy(FaultTolerantCore, LayoutStrategy):
         check_accumulation(trainer)
         self._restore_loader = keep_loader_on_one_process(trainer, self._loader_processes())  # [Note: one process ...]
         self._engine.setup(trainer)
-        self._join_as_replica(trainer)  # fault_tolerance="torchft": the first quorum
+        self._start_replica(trainer)  # fault_tolerance="torchft": this rank's replica ...
+        self._join_replicas()  # ... and the first quorum
 
     def model_to_device(self) -> None:
         self._engine.place(super().model_to_device)  # the pipeline: the stage first, nothing else placed

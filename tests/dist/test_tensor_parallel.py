@@ -54,7 +54,7 @@ def test_sequence_and_loss_parallel_match_one_process(tmp_path, tp, sp, lp):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp_times_dp_matches_one_process(tmp_path, sequence_parallel):
     ref, got = run_pair(tmp_path, tp=2, dp=2, batch=2, strategy_kw=dict(sequence_parallel=sequence_parallel))
-    # the loss rule of every model-parallel layout ([Note: loss reporting over replicas]): every rank returns
+    # the loss rule of every model-parallel layout ([Note: loss reporting, one rule]): every rank returns
     # and logs the mean over the replicas, what one device gives for the global batch
     for rec in got:
         assert_close_records(ref, rec)

@@ -11,6 +11,7 @@ import lightning_par
 from lightning_par import DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_par.strategies import _engine
 from lightning_par.strategies._pipeline_engine import PipelineEngine
+from lightning_par.strategies._replica_engine import ReplicaEngine
 from lightning_par.strategies._spmd_engine import SpmdEngine
 
 STRATEGIES = Path(lightning_par.__file__).parent / "strategies"
@@ -19,7 +20,7 @@ INTERFACE = ["setup", "place", "install", "use_replica_average", "on_train_start
              "layout", "reshard", "teardown"]
 
 
-@pytest.mark.parametrize("engine", [PipelineEngine, SpmdEngine])
+@pytest.mark.parametrize("engine", [PipelineEngine, SpmdEngine, ReplicaEngine])
 def test_engines_have_the_interface_with_its_signatures(engine):
     for name in INTERFACE:
         mine, theirs = getattr(engine, name), getattr(_engine.Engine, name)
@@ -32,7 +33,7 @@ def test_engines_have_the_interface_with_its_signatures(engine):
 def test_every_hook_the_engines_need_is_implemented_by_both():
     abstract = [n for n in INTERFACE if "NotImplementedError" in inspect.getsource(getattr(_engine.Engine, n))]
     assert abstract  # setup, the steps, clipping: no default for these
-    for engine in (PipelineEngine, SpmdEngine):
+    for engine in (PipelineEngine, SpmdEngine, ReplicaEngine):
         for name in abstract:
             assert name in vars(engine), (engine.__name__, name)
 
@@ -51,7 +52,7 @@ def test_the_strategy_delegates_without_isinstance_on_engines():
     assert not [c for c in checked if "Engine" in c or "Path" in c], checked
 
 
-@pytest.mark.parametrize("file", ["_pipeline_engine.py", "_spmd_engine.py", "_engine.py"])
+@pytest.mark.parametrize("file", ["_pipeline_engine.py", "_spmd_engine.py", "_replica_engine.py", "_engine.py"])
 def test_engines_read_no_private_attribute_of_the_strategy(file):
     """``self.s`` / ``s`` / ``self.strategy`` is the strategy: only its public names are read."""
     tree = ast.parse((STRATEGIES / file).read_text())
