@@ -12,11 +12,18 @@ entered by a block's forward pre-hook and left by its forward hook (``always_cal
 so it is active only while a block runs and nothing remains once the hooks are removed. Every other function
 passes through untouched. The mode counts the calls it routed, so that a block that ran no SDPA (attention of its
 own: eager attention) is refused after its first call instead of training silently wrong.
+
+[Note: DTensor attention]
+Under tensor parallelism (and on a tensor-parallel mesh of one rank) q, k and v are DTensors, sharded by head
+(``Shard(1)``) or replicated. Attention mixes positions, never heads, so each rank runs the context-parallel
+attention on its local heads (``to_local``, differentiable) and the result takes the query's placements again
+(``from_local``): the cp group and the tp group are different axes of the mesh and never meet in one collective.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.context.attention import context_attention
@@ -39,7 +46,19 @@ class RouteAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         self.calls += 1
         named = dict(zip(_NAMES, args), **kwargs)
-        return context_attention(**named, group=self.group, method=self.method)
+        q = named["query"]
+        if not isinstance(q, DTensor):
+            return context_attention(**named, group=self.group, method=self.method)
+        # [Note: DTensor attention]: heads are independent, so each tensor-parallel rank attends with its local heads
+        layout = (q.device_mesh, q.placements)
+        for name in ("key", "value", "attn_mask"):
+            t = named.get(name)
+            if isinstance(t, DTensor) and (t.device_mesh, t.placements) != layout:
+                raise ValueError(f"Context-parallel attention takes the query, key and value on one layout; the "
+                                 f"query is {q.placements} and the {name} {t.placements} on the mesh.")
+        local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in named.items()}
+        out = context_attention(**local, group=self.group, method=self.method)
+        return DTensor.from_local(out, *layout, run_check=False)
 
 
 __all__ = ["RouteAttention"]

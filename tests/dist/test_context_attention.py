@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.context import context_attention, gather, shard
-from tests.harness import TIMEOUT_S, free_port, start_ranks
+from harness import TIMEOUT_S, free_port, start_ranks
 
 B, H, S, E = 2, 4, 16, 8
 

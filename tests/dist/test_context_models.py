@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.context import apply_context_parallel
 from lightning_par.memory.checkpointing import apply_activation_checkpointing
-from tests.harness import TIMEOUT_S, free_port, start_ranks
-from tests.models import hf_model, tiny_gpt
+from harness import TIMEOUT_S, free_port, start_ranks
+from models import hf_model, tiny_gpt
 
 B, S = 2, 16
 
@@ -103,3 +103,71 @@ def _worker(rank, cp, port, families):
 @pytest.mark.parametrize("families", [("gpt",), ("llama", "qwen2", "bert")], ids=["gpt", "hf"])
 def test_context_parallel_equals_one_process(cp, families):
     start_ranks(_worker, (cp, free_port(), families), nprocs=cp)
+
+
+class _Blk(torch.nn.Module):
+    """A block taking an extra tensor; with ``attend=False`` it mixes nothing across positions (no SDPA)."""
+
+    def __init__(self, attend=True):
+        super().__init__()
+        self.lin, self.attend = torch.nn.Linear(4, 4), attend
+
+    def forward(self, x, extra=None):
+        y = self.lin(x)
+        if self.attend:
+            y = F.scaled_dot_product_attention(y[:, None], y[:, None], y[:, None], is_causal=True)[:, 0]
+        return y
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, attend=True):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Blk(attend), _Blk(attend)])
+
+    def forward(self, x, extra=None):
+        for b in self.blocks:
+            x = b(x, extra)
+        return x
+
+
+def _refused(group, model, call, error, match):
+    applied = apply_context_parallel(model, group)
+    try:
+        with pytest.raises(error, match=match):
+            call()
+    finally:
+        applied.remove()
+    q = torch.randn(1, 2, 4, 8)  # no mode is left routing SDPA: cross-attention runs as usual
+    F.scaled_dot_product_attention(q, torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))
+
+
+def _refusal_worker(rank, cp, port):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", rank=rank, world_size=cp, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        group = dist.new_group(list(range(cp)))
+        gpt = tiny_gpt()
+        _refused(group, gpt, lambda: gpt(torch.zeros(2, 10, dtype=torch.long)), ValueError,
+                 r"sequence entering `blocks.0` .* length 10 into 2 × context_parallel_size = 4")
+        drop = tiny_gpt(dropout=0.1)
+        _refused(group, drop, lambda: drop(torch.zeros(2, 16, dtype=torch.long)), ValueError,
+                 r"dropout_p == 0 only; SDPA was called with dropout_p=0.1")
+        stack, x = _Stack(), torch.randn(2, 8, 4)
+        _refused(group, stack, lambda: stack(x, torch.randn(8, 3, 8)), ValueError,
+                 r"enters `blocks.0` as extra along the sequence \(length 8\), and this tensor of shape \(8, 3, 8\) "
+                 r"has that length in dimensions \[0, 2\]")
+        plain = _Stack(attend=False)
+        _refused(group, plain, lambda: plain(x), RuntimeError,
+                 r"Block `blocks.0` \(_Blk\) ran without calling `torch.nn.functional.scaled_dot_product_attention`")
+        # a tensor with the sequence in one dimension is cut along it, a key mask [.., 1, S] is kept whole
+        applied = apply_context_parallel(stack, group)
+        out = stack(x, torch.randn(3, 8))
+        applied.remove()
+        torch.testing.assert_close(out, stack(x))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_context_parallel_refusals_name_the_block_and_leave_nothing_behind():
+    start_ranks(_refusal_worker, (2, free_port()), nprocs=2)
