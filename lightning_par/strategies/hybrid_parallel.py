@@ -63,7 +63,7 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
     ``loss_parallel`` the last stage computes the loss on vocabulary shards. Every rank returns and logs the
     mean over the replicas ([Note: loss reporting, one rule] in :mod:`~lightning_par.strategies._engine`).
     ``context_parallel_size``: ranks that share every sequence, each running the block stack on its piece
-    (:mod:`lightning_par.context`); with one stage and tensor_parallel_size=1 for now (dp × cp).
+    (:mod:`lightning_par.context`); with one stage for now (dp × cp × tp).
     ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in :mod:`lightning_par.nonfinite`).
     ``weights`` / ``weights_prefix``: a weights file or directory read into each rank's share at setup; with
     ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is built on the meta device and
@@ -139,10 +139,10 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         world = self.num_nodes * len(self.parallel_devices or [None])
         topo = Topology.resolve(world, model_axis=self._model_axis, order=self._order, named=size_names(type(self)),
                                 **self._options.layout.sizes)
+        o = self._options
         check_context_layout(topo.context_parallel_size, pipeline_parallel_size=topo.pipeline_parallel_size,
-                             tensor_parallel_size=topo.tensor_parallel_size,
-                             zero_stage=self._options.sharding.zero_stage,
-                             fault_tolerance=self._options.fault_tolerance.fault_tolerance)
+                             zero_stage=o.sharding.zero_stage, fault_tolerance=o.fault_tolerance.fault_tolerance,
+                             sequence_parallel=o.tensor.sequence_parallel, loss_parallel=o.tensor.loss_parallel)
         return topo
 
     def _configure_launcher(self) -> None:  # in the launching process: bad sizes fail before any process starts

@@ -1,5 +1,5 @@
 """HybridParallelStrategy(context_parallel_size=...) on real gloo ranks against one process on the same global
-batches: cp 2 and dp 2 × cp 2 (the reference GPT), cp 2 (Hugging Face Llama): 8 AdamW steps, every rank's losses
+batches: cp 2, dp 2 × cp 2 and cp 2 × tp 2 (the reference GPT), cp 2 and cp 2 × tp 2 (Hugging Face Llama): 8 AdamW steps, every rank's losses
 within 2e-4, the first two steps' gradients and the parameters after them within 1e-5; validation and predict
 under cp; layouts cp does not compose with yet are refused before any process starts."""
 import lightning.pytorch as pl
@@ -47,13 +47,13 @@ def assert_matches(ref: dict, got: list[dict], steps: int):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("dp,cp", [(1, 2), (2, 2)])
-def test_dp_cp_gpt_matches_one_process(tmp_path, dp, cp):
+@pytest.mark.parametrize("dp,cp,tp", [(1, 2, 1), (2, 2, 1), (1, 2, 2)])
+def test_dp_cp_gpt_matches_one_process(tmp_path, dp, cp, tp):
     ref = one_process_fit(tiny_gpt, DATA.train_set, 4 * dp, max_steps=8)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "c"),
-                         strategy=hybrid(data_parallel_size=dp, context_parallel_size=cp), devices=dp * cp,
-                         max_steps=8, callbacks=[SharesSequences()])
-    assert len(got) == dp * cp
+                         strategy=hybrid(data_parallel_size=dp, context_parallel_size=cp, tensor_parallel_size=tp),
+                         devices=dp * cp * tp, max_steps=8, callbacks=[SharesSequences()])
+    assert len(got) == dp * cp * tp
     assert_matches(ref, got, 8)
     for rec in got:  # every rank returns and logs one device's loss of the global batch
         assert rec["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=2e-4)
@@ -63,10 +63,12 @@ llama = causal_lm("llama", call={"use_cache": False}, attn_implementation="sdpa"
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_cp2_llama_matches_one_process(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cp2_llama_matches_one_process(tmp_path, tp):
     ref = one_process_fit(llama, DATA.train_set, 4, max_steps=2)
     got = fit_and_record(seeded(llama), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "l"),
-                         strategy=hybrid(context_parallel_size=2), devices=2, max_steps=2)
+                         strategy=hybrid(context_parallel_size=2, tensor_parallel_size=tp), devices=2 * tp,
+                         max_steps=2)
     assert_matches(ref, got, 2)
     for rec in got:
         for name, p in rec["params"].items():
@@ -81,10 +83,10 @@ def test_a_sequence_length_that_2cp_does_not_divide_is_refused(tmp_path):
                        strategy=hybrid(context_parallel_size=2), devices=2, max_steps=1)
 
 
-@pytest.mark.parametrize("kw,named", [(dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
-                                      (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
-                                      (dict(zero_stage=2), "zero_stage=2")])
+@pytest.mark.parametrize("kw,named", [(dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
+                                      (dict(zero_stage=2), "zero_stage=2"),
+                                      (dict(tensor_parallel_size=2, sequence_parallel=True), "sequence_parallel=True")])
 def test_layouts_cp_does_not_compose_with_yet_are_refused_before_processes_start(kw, named):
     with pytest.raises(ValueError, match=rf"`context_parallel_size=2` with `{named}` is not supported yet"):
-        pl.Trainer(accelerator="cpu", devices=4 if "zero_stage" not in kw else 2, max_steps=1, logger=False,
+        pl.Trainer(accelerator="cpu", devices=2 if "zero_stage" in kw else 4, max_steps=1, logger=False,
                    strategy=hybrid(context_parallel_size=2, **kw), enable_checkpointing=False)
