@@ -196,7 +196,7 @@ class ContextParallel:
         return hook
 
 
-def apply_context_parallel(module: nn.Module, group, *, blocks: str | None = None, method: str = "allgather",
+def apply_context_parallel(module: nn.Module, group, *, blocks: str | None = None, method: str = "ring",
                            seq_dim: int = 1) -> ContextParallel:
     """Run ``module``'s block stack on this rank's piece of every sequence, attention across ``group`` ([Note: where
     the sequence is cut]); ``blocks``: the stack's dotted name (None: found); ``method``: [Note: all-gather or ring];

@@ -10,22 +10,27 @@ columns whole), float32 / bfloat16 inputs (computed in float32). ``dropout_p > 0
 
 [Note: all-gather or ring]
 Two ways to bring every rank's keys/values to every rank's queries, both written here over the same kernel
-([Note: a kernel of our own]) and measured on gloo (``benchmarks/context_attention.py``; a tiny Llama-like layer,
-batch 1, 8 heads of 64, float32, 2 shared CPU cores; forward + backward per layer):
+([Note: a kernel of our own]) and measured on gloo with ``benchmarks/context_attention.py`` (one layer's op,
+causal, float32, batch 1, 8 heads of 64, forward + backward, median of 5 steps with the methods interleaved, on a
+2-core machine shared with other work; ``--seq 2048`` and ``--seq 2048 --kv-heads 2``; the quick run at 1024 alike):
 
-    ranks  sequence  method     wire MB/rank  ms/layer
-    2      2048      allgather   4.2          see docs/context-parallel.md
-    2      2048      ring        ...
+    sequence 2048   k/v heads   cp   all-gather MB / ms    ring MB / ms
+                    8           2    8.39 / 1498           16.78 / 1257
+                    8           4   12.58 / 2037           20.97 / 1481
+                    2           2    2.10 / 3826            4.19 / 4156
+                    2           4    3.15 / 1803            5.24 / 1144
 
-Bytes: the all-gather sends each rank's K/V (``kv``) to the others in forward (``(cp-1)·kv``) and reduce-scatters
-the K/V gradients in backward (``(cp-1)·kv``), the formula of the issue; the ring sends ``(cp-1)·kv`` in forward
-and ``(cp-1)·kv + cp·kv`` in backward (the K/V again, and their gradient accumulators, which travel one hop
-further to reach their owner), 1.5× the all-gather's total at cp 2 and more at cp 4. Time: on gloo the ring's
-overlap of a hop with the block's compute wins nothing measurable on CPU (gloo's transfers share the cores that
-compute), and it runs ``cp`` kernel calls of ``L × L`` where the all-gather runs one of ``L × cp·L``. Memory: the
-all-gather keeps the whole sequence's K/V per layer until backward (``cp·kv``, Llama 3's choice for long context:
-K/V are ``2·kv_heads/heads`` of the activations with GQA), the ring keeps only its own. So the all-gather is the
-default (``method="allgather"``), and ``method="ring"`` is there for K/V too large to keep whole.
+Bytes (exact, counted by ``count_comm``, per rank and layer, ``kv`` = this rank's K and V): the all-gather sends
+``(cp-1)·kv`` in forward and reduce-scatters the K/V gradients in backward, ``(cp-1)·kv``; the ring sends
+``(cp-1)·kv`` in forward and ``(cp-1)·kv + cp·kv`` in backward (the K/V again, and their gradient accumulators,
+which travel one hop further to reach their owner): 1.7-2× the all-gather's. Time: the ring was faster in 7 of the
+8 interleaved comparisons made (these four and four more at 1024 and 2048, by 5-70%; the machine's noise is of that
+order too): its hops overlap with the block's compute (``batch_isend_irecv`` runs on gloo's threads) and its
+``L × L`` blocks stay smaller than the all-gather's one ``L × cp·L``. Memory: the all-gather keeps the whole
+sequence's K/V per layer until backward (``cp·kv``: Llama 3's choice, cheap with few k/v heads), the ring only its
+own (``kv``), which is what lets activation memory fall as ``1/cp``. On gloo bytes between local processes are
+cheap and time and memory decide: the ring is the default (``method="ring"``); ``method="allgather"`` sends half
+the bytes, for links where bytes cost more than the overlap gains.
 
 [Note: one op for activation checkpointing]
 Each method is one ``torch.library`` custom op (``lightning_par::context_attention_allgather`` / ``_ring``) whose
@@ -50,7 +55,7 @@ from lightning_par._compat import resolve_process_group
 from lightning_par.context.kernel import block_backward, block_bias, block_forward, merge
 from lightning_par.context.sharding import group_positions, local_positions
 
-METHODS = ("allgather", "ring")
+METHODS = ("ring", "allgather")  # the first is the default: [Note: all-gather or ring]
 
 
 def _pack(k: Tensor, v: Tensor) -> Tensor:
@@ -231,7 +236,7 @@ def _local_mask(mask: Optional[Tensor], q: Tensor, seq: int, cp: int, rank: int)
 
 def context_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                       dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                      enable_gqa: bool = False, *, group, method: str = "allgather") -> Tensor:
+                      enable_gqa: bool = False, *, group, method: str = "ring") -> Tensor:
     """This rank's piece of SDPA over the whole sequence of ``group``; SDPA's arguments (see the module docstring,
     [Note: all-gather or ring] for ``method``)."""
     if method not in METHODS:

@@ -36,7 +36,7 @@ class RouteAttention(TorchFunctionMode):
     """Routes SDPA to :func:`~lightning_par.context.attention.context_attention` over ``group`` ([Note: routing
     SDPA]); ``calls``: how many it routed since entered."""
 
-    def __init__(self, group, method: str = "allgather"):
+    def __init__(self, group, method: str = "ring"):
         super().__init__()
         self.group, self.method, self.calls = group, method, 0
 

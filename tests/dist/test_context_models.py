@@ -50,7 +50,7 @@ def _hooks(model):
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
-def _check(family, cp, group, checkpointing=None, method="allgather"):
+def _check(family, cp, group, checkpointing=None, method="ring"):
     model = _build(family)
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
@@ -88,12 +88,17 @@ def _worker(rank, cp, port, families):
             _check(family, cp, group)
         if "gpt" in families:
             n_layer = 2
-            _check("gpt", cp, group, method="ring")
-            _, calls = _check("gpt", cp, group, checkpointing="selective")
-            # forward: one all-gather per layer plus the output's; backward: the reduce-scatters only
+            _check("gpt", cp, group, method="allgather")
+            # selective keeps the op's outputs: backward runs only the op's backward (all-gather: the reduce-scatter;
+            # ring: K/V again, cp - 1 hops, and their gradients, cp hops); full recomputes the op's forward too
+            _, calls = _check("gpt", cp, group, checkpointing="selective", method="allgather")
             assert calls.get("all_gather[bwd]", 0) == 0 and calls["reduce_scatter[bwd]"] == n_layer, calls
-            _, calls = _check("gpt", cp, group, checkpointing="full")
+            _, calls = _check("gpt", cp, group, checkpointing="full", method="allgather")
             assert calls["all_gather[bwd]"] == n_layer and calls["reduce_scatter[bwd]"] == n_layer, calls
+            _, calls = _check("gpt", cp, group, checkpointing="selective")
+            assert calls["send[bwd]"] == n_layer * (2 * cp - 1), calls
+            _, calls = _check("gpt", cp, group, checkpointing="full")
+            assert calls["send[bwd]"] == n_layer * (3 * cp - 2), calls
     finally:
         dist.destroy_process_group()
 
