@@ -98,3 +98,29 @@ def test_eager_attention_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"attn_implementation='eager'.*attn_implementation=\"sdpa\""):
         apply_context_parallel(model, group=None)
     assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_the_hydra_override_reaches_the_strategy():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from lightning_par import config as schemas
+    from lightning_par import train
+
+    schemas.register_configs()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
+        cfg = compose("config", overrides=["strategy=hybrid", "strategy.context_parallel_size=2"])
+    strategy = train.build_strategy(cfg.strategy)
+    assert strategy._options.layout.context_parallel_size == 2
+
+
+def test_layouts_context_parallelism_does_not_compose_with_yet_are_named():
+    from lightning_par.context.layout import check_context_layout
+
+    check_context_layout(1, pipeline_parallel_size=4, zero_stage=3)  # nothing to check without cp
+    with pytest.raises(ValueError, match=r"`context_parallel_size=2` with `zero_stage=3` .* Use zero_stage=0 or 1"):
+        check_context_layout(2, pipeline_parallel_size=1, zero_stage=3)
+    with pytest.raises(ValueError, match=r"`context_parallel_size=2` with `fault_tolerance='torchft'`"):
+        check_context_layout(2, pipeline_parallel_size=1, fault_tolerance="torchft")
