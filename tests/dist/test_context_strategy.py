@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, one_process_fit, seeded
+from harness import TIMEOUT_S, SavePredictions, fit_and_record, one_process_fit, seeded, trainer_kwargs
 from models import causal_lm, corpus, tiny_gpt
 from lightning_par import HybridParallelStrategy
 
@@ -76,6 +76,25 @@ def test_cp2_llama_matches_one_process(tmp_path, tp):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+def test_cp2_validation_predict_and_selective_checkpointing(tmp_path):
+    val = dict(val_loader=DataLoader(DATA.val_set, batch_size=4), limit_val_batches=2, val_check_interval=2)
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 4, max_steps=2, **val)
+    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "v"),
+                         strategy=hybrid(context_parallel_size=2, activation_checkpointing="selective"), devices=2,
+                         max_steps=2, **val)
+    assert_matches(ref, got, 2)
+    for rec in got:
+        assert rec["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], abs=1e-5)
+    idx = DATA.val_set.windows[:, :-1]
+    expected = seeded(tiny_gpt)(idx).argmax(-1)
+    trainer = pl.Trainer(**trainer_kwargs(strategy=hybrid(context_parallel_size=2), devices=2,
+                                          callbacks=[SavePredictions(str(tmp_path))]))
+    trainer.predict(seeded(tiny_gpt), DataLoader(idx, batch_size=4), return_predictions=False)
+    for rank in range(2):  # every rank of the group returns the whole sequences' predictions
+        torch.testing.assert_close(torch.load(tmp_path / f"pred{rank}.pt"), expected)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
 def test_a_sequence_length_that_2cp_does_not_divide_is_refused(tmp_path):
     data = corpus(seq_len=10)
     with pytest.raises(Exception, match=r"length 10 into 2 × context_parallel_size = 4"):
@@ -90,3 +109,29 @@ def test_layouts_cp_does_not_compose_with_yet_are_refused_before_processes_start
     with pytest.raises(ValueError, match=rf"`context_parallel_size=2` with `{named}` is not supported yet"):
         pl.Trainer(accelerator="cpu", devices=2 if "zero_stage" in kw else 4, max_steps=1, logger=False,
                    strategy=hybrid(context_parallel_size=2, **kw), enable_checkpointing=False)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_checkpoint_saved_under_cp2_resumes_on_one_device_and_the_other_way_round(tmp_path):
+    """cp does not shard parameters: a checkpoint of either run resumes under the other and continues as the
+    uninterrupted one-device run (2 epochs of 4 steps)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from harness import reference_loader
+
+    loader = reference_loader(DATA.train_set, 16)  # Lightning's sampler of one replica, as cp 2 × dp 1 has
+    whole = fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / "whole"), max_steps=-1, max_epochs=2)[0]
+    layouts = {"cp2": dict(strategy=hybrid(context_parallel_size=2), devices=2), "one": {}}
+    for saved, resumed in (("cp2", "one"), ("one", "cp2")):
+        ckpt = ModelCheckpoint(dirpath=str(tmp_path / saved), save_top_k=-1, every_n_epochs=1)
+        fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / f"first-{saved}"), max_steps=-1, max_epochs=1,
+                       callbacks=[ckpt], enable_checkpointing=True, **layouts[saved])
+        if saved == "cp2":  # a fresh strategy object for the next run
+            layouts["cp2"] = dict(strategy=hybrid(context_parallel_size=2), devices=2)
+        got = fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / f"then-{resumed}"), max_steps=-1, max_epochs=2,
+                             ckpt_path=str(tmp_path / saved / "epoch=0-step=4.ckpt"), **layouts[resumed])
+        for rec in got:
+            torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(whole["losses"][4:]), atol=1e-5,
+                                       rtol=1e-5, msg=lambda m: f"saved {saved}, resumed {resumed}: {m}")
+            for name, p in rec["params"].items():
+                torch.testing.assert_close(p, whole["params"][name], atol=1e-5, rtol=1e-5)
