@@ -83,7 +83,8 @@ class ContextParallel:
         self._handles.clear()
         while self._modes:
             self._modes.pop()[1].__exit__(None, None, None)
-        self._local.clear(), self._cuts.clear()
+        self._local.clear()
+        self._cuts.clear()
 
     # -- tracking --------------------------------------------------------------------------------------------
     def _is_local(self, t: torch.Tensor) -> bool:
@@ -125,14 +126,17 @@ class ContextParallel:
                 return value
             dim = self._cut_dim(value, seq, where)
             return value if dim is None else self._cut(value, dim)
-        if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        if type(value) in (tuple, list):
             return type(value)(self._cut_value(v, seq, where) for v in value)
         if type(value) is dict:
             return {k: self._cut_value(v, seq, where) for k, v in value.items()}
         return value
 
     # -- hooks -----------------------------------------------------------------------------------------------
-    def _pre(self, i: int, name: str, hname: str | None) -> Callable:
+    def _pre(self, i: int, name: str, block: nn.Module) -> Callable:
+        hname = hidden_name(block)
+        labels = [p.name for p in inspect.signature(block.forward).parameters.values()]
+
         def hook(block, args, kwargs):
             hidden = args[0] if args else kwargs.get(hname)
             if not isinstance(hidden, torch.Tensor):
@@ -150,7 +154,6 @@ class ContextParallel:
                     if i == 0:
                         self._cuts.clear()
                 hidden = self._cut(hidden, self.seq_dim)
-            labels = [p.name for p in inspect.signature(block.forward).parameters.values()]
             new_args = [hidden if p == 0 else self._cut_value(
                 a, seq, f"`{name}` as {labels[p] if p < len(labels) else f'positional argument {p}'}")
                 for p, a in enumerate(args)]
@@ -184,6 +187,7 @@ class ContextParallel:
                 return None
             if _in_backward():
                 return None  # a recompute's output is discarded
+            self._cuts.clear()  # the stack is done with this forward's whole tensors
             piece = (self._seq or 0) // self.size
 
             def cut(k, o):  # the hidden state, and any other output of this rank's length
@@ -214,7 +218,7 @@ def apply_context_parallel(module: nn.Module, group, *, blocks: str | None = Non
     for i, block in enumerate(stack):
         name = f"{path}.{i}" if path else str(i)
         applied._handles.append(block.register_forward_pre_hook(
-            applied._pre(i, name, hidden_name(block)), with_kwargs=True))
+            applied._pre(i, name, block), with_kwargs=True))
         applied._handles.append(block.register_forward_hook(
             applied._post(name, i == len(stack) - 1), with_kwargs=True, always_call=True))
     return applied

@@ -9,13 +9,17 @@ efficient / cuDNN kernels (the CPU kernel is not in its dispatch). So the block 
 backward (probabilities recomputed from the saved log-sum-exp, never kept between forward and backward). Positions
 are global: the bias of a block comes from the queries' and keys' positions in the whole sequence (causal) and
 from the user's mask, whose key columns are taken at the keys' positions. A row with no key to attend to gets
-log-sum-exp ``-inf`` and output 0, and merges away.
+log-sum-exp ``-inf`` and output 0, and merges away. The queries run in chunks of :data:`ROWS` rows, as a flash
+kernel's blocks do: the float32 scores and probabilities of one chunk are the only ``L × Lk`` temporaries, so the
+kernel's transient memory does not grow with the square of the local length (without it, at a sequence of 512 over
+two ranks the temporaries of one block matched the whole step's activations).
 """
 from __future__ import annotations
 
 import torch
 
 NEG_INF = float("-inf")
+ROWS = 128  # query rows per chunk (see the module docstring)
 
 
 def block_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -53,12 +57,25 @@ def _probs(s, lse):
     return torch.exp(s - safe.unsqueeze(-1))
 
 
-def block_forward(q, k, v, scale: float, bias, groups: int = 1):
+def _chunks(length: int, rows: int):
+    return [(lo, min(lo + rows, length)) for lo in range(0, length, rows)]
+
+
+def _rows(bias, lo: int, hi: int):
+    """The bias of query rows ``lo:hi`` (a bias broadcast over the queries as it is)."""
+    return bias if bias is None or bias.shape[-2] == 1 else bias[..., lo:hi, :]
+
+
+def block_forward(q, k, v, scale: float, bias, groups: int = 1, rows: int = ROWS):
     """Output (float32) and log-sum-exp of queries ``q`` [..., H, Lq, E] against ``k``/``v`` [..., H/groups, Lk, E]."""
-    k, v = _expand(k, groups), _expand(v, groups)
-    s = _scores(q, k, scale, bias)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(_probs(s, lse), v.float()), lse
+    k, v = _expand(k, groups).float(), _expand(v, groups).float()
+    outs, lses = [], []
+    for lo, hi in _chunks(q.shape[-2], rows):
+        s = _scores(q[..., lo:hi, :], k, scale, _rows(bias, lo, hi))
+        lse = torch.logsumexp(s, dim=-1)
+        outs.append(torch.matmul(_probs(s, lse), v))
+        lses.append(lse)
+    return torch.cat(outs, -2), torch.cat(lses, -1)
 
 
 def merge(out, lse, out_b, lse_b):
@@ -71,19 +88,21 @@ def merge(out, lse, out_b, lse_b):
     return out * w + out_b * w_b, new
 
 
-def block_backward(q, k, v, scale: float, bias, out, lse, dout, groups: int = 1):
+def block_backward(q, k, v, scale: float, bias, out, lse, dout, groups: int = 1, rows: int = ROWS):
     """Gradients (float32) of ``q``, ``k``, ``v`` for one key block, given the *final* output and log-sum-exp of
     the queries over all keys ([Note: a kernel of our own])."""
-    ke, ve = _expand(k, groups), _expand(v, groups)
-    p = _probs(_scores(q, ke, scale, bias), lse)
-    dout = dout.float()
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    dp = torch.matmul(dout, ve.float().transpose(-1, -2))
-    delta = (dout * out.float()).sum(-1, keepdim=True)
-    ds = p * (dp - delta)
-    dq = torch.matmul(ds, ke.float()) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
-    return dq, _reduce(dk, groups), _reduce(dv, groups)
+    ke, ve = _expand(k, groups).float(), _expand(v, groups).float()
+    dqs, dk, dv = [], None, None
+    for lo, hi in _chunks(q.shape[-2], rows):
+        qc, doc = q[..., lo:hi, :].float(), dout[..., lo:hi, :].float()
+        p = _probs(_scores(qc, ke, scale, _rows(bias, lo, hi)), lse[..., lo:hi])
+        dv_c = torch.matmul(p.transpose(-1, -2), doc)
+        delta = (doc * out[..., lo:hi, :].float()).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(doc, ve.transpose(-1, -2)) - delta)
+        dqs.append(torch.matmul(ds, ke) * scale)
+        dk_c = torch.matmul(ds.transpose(-1, -2), qc) * scale
+        dk, dv = (dk_c, dv_c) if dk is None else (dk + dk_c, dv + dv_c)
+    return torch.cat(dqs, -2), _reduce(dk, groups), _reduce(dv, groups)
 
 
 __all__ = ["block_backward", "block_bias", "block_forward", "merge"]

@@ -36,8 +36,9 @@ def _qkv(h=4, hk=4, s=12, e=8, seed=0):
     return [torch.randn(2, n, s, e, generator=g, dtype=torch.float64).float().requires_grad_() for n in (h, hk, hk)]
 
 
+@pytest.mark.parametrize("rows", [128, 5])  # one chunk of queries, or chunks of 5 rows (12 = 5 + 5 + 2)
 @pytest.mark.parametrize("kind", ["causal", "bidirectional", "gqa", "bool", "additive"])
-def test_block_kernel_and_merge_equal_sdpa(kind):
+def test_block_kernel_and_merge_equal_sdpa(kind, rows):
     hk = 2 if kind == "gqa" else 4
     q, k, v = _qkv(hk=hk)
     s, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
@@ -50,17 +51,17 @@ def test_block_kernel_and_merge_equal_sdpa(kind):
     ref.backward(dout)
     pos = torch.arange(s)
     groups = 4 // hk
-    out, lse = block_forward(q, k, v, scale, block_bias(pos, pos, causal, mask), groups)
+    out, lse = block_forward(q, k, v, scale, block_bias(pos, pos, causal, mask), groups, rows)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # two disjoint key sets merged by their log-sum-exp give the same output
     halves = [pos[:5], pos[5:]]
     parts = [block_forward(q, k[..., p, :], v[..., p, :], scale,
-                           block_bias(pos, p, causal, None if mask is None else mask[..., p]), groups)
+                           block_bias(pos, p, causal, None if mask is None else mask[..., p]), groups, rows)
              for p in halves]
     merged, merged_lse = merge(*parts[0], *parts[1])
     torch.testing.assert_close(merged, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged_lse, lse, atol=1e-5, rtol=1e-5)
-    dq, dk, dv = block_backward(q, k, v, scale, block_bias(pos, pos, causal, mask), out, lse, dout, groups)
+    dq, dk, dv = block_backward(q, k, v, scale, block_bias(pos, pos, causal, mask), out, lse, dout, groups, rows)
     for mine, full in zip((dq, dk, dv), (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(mine, full, atol=1e-5, rtol=1e-5)
 
