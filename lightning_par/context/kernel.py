@@ -10,16 +10,16 @@ backward (probabilities recomputed from the saved log-sum-exp, never kept betwee
 are global: the bias of a block comes from the queries' and keys' positions in the whole sequence (causal) and
 from the user's mask, whose key columns are taken at the keys' positions. A row with no key to attend to gets
 log-sum-exp ``-inf`` and output 0, and merges away. The queries run in chunks of :data:`ROWS` rows, as a flash
-kernel's blocks do: the float32 scores and probabilities of one chunk are the only ``L × Lk`` temporaries, so the
-kernel's transient memory does not grow with the square of the local length (without it, at a sequence of 512 over
-two ranks the temporaries of one block matched the whole step's activations).
+kernel's blocks do, each of at most :data:`SCORES` scores (batch × heads × rows × keys): those of one chunk are the
+only ``L × Lk`` temporaries, so the kernel's transient memory does not grow with the square of the local length
+(without chunks, at a sequence of 512 over two ranks the temporaries of one block were a third of the step's peak).
 """
 from __future__ import annotations
 
 import torch
 
 NEG_INF = float("-inf")
-ROWS = 128  # query rows per chunk (see the module docstring)
+SCORES = 1 << 18  # float32 scores per chunk (1 MiB): the query rows of a chunk (see the module docstring)
 
 
 def block_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -57,7 +57,11 @@ def _probs(s, lse):
     return torch.exp(s - safe.unsqueeze(-1))
 
 
-def _chunks(length: int, rows: int):
+def _chunks(q, k, rows):
+    """Query row ranges of at most :data:`SCORES` scores each (``rows``: a fixed number of rows instead)."""
+    length = q.shape[-2]
+    if rows is None:
+        rows = max(1, SCORES // max(1, q[..., 0, 0].numel() * k.shape[-2]))
     return [(lo, min(lo + rows, length)) for lo in range(0, length, rows)]
 
 
@@ -66,11 +70,11 @@ def _rows(bias, lo: int, hi: int):
     return bias if bias is None or bias.shape[-2] == 1 else bias[..., lo:hi, :]
 
 
-def block_forward(q, k, v, scale: float, bias, groups: int = 1, rows: int = ROWS):
+def block_forward(q, k, v, scale: float, bias, groups: int = 1, rows: int | None = None):
     """Output (float32) and log-sum-exp of queries ``q`` [..., H, Lq, E] against ``k``/``v`` [..., H/groups, Lk, E]."""
     k, v = _expand(k, groups).float(), _expand(v, groups).float()
     outs, lses = [], []
-    for lo, hi in _chunks(q.shape[-2], rows):
+    for lo, hi in _chunks(q, k, rows):
         s = _scores(q[..., lo:hi, :], k, scale, _rows(bias, lo, hi))
         lse = torch.logsumexp(s, dim=-1)
         outs.append(torch.matmul(_probs(s, lse), v))
@@ -88,12 +92,12 @@ def merge(out, lse, out_b, lse_b):
     return out * w + out_b * w_b, new
 
 
-def block_backward(q, k, v, scale: float, bias, out, lse, dout, groups: int = 1, rows: int = ROWS):
+def block_backward(q, k, v, scale: float, bias, out, lse, dout, groups: int = 1, rows: int | None = None):
     """Gradients (float32) of ``q``, ``k``, ``v`` for one key block, given the *final* output and log-sum-exp of
     the queries over all keys ([Note: a kernel of our own])."""
     ke, ve = _expand(k, groups).float(), _expand(v, groups).float()
     dqs, dk, dv = [], None, None
-    for lo, hi in _chunks(q.shape[-2], rows):
+    for lo, hi in _chunks(q, k, rows):
         qc, doc = q[..., lo:hi, :].float(), dout[..., lo:hi, :].float()
         p = _probs(_scores(qc, ke, scale, _rows(bias, lo, hi)), lse[..., lo:hi])
         dv_c = torch.matmul(p.transpose(-1, -2), doc)
