@@ -76,11 +76,12 @@ def test_cp2_llama_matches_one_process(tmp_path, tp):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_cp2_validation_predict_and_selective_checkpointing(tmp_path):
+@pytest.mark.parametrize("checkpointing", ["selective", "full"])
+def test_cp2_validation_predict_and_activation_checkpointing(tmp_path, checkpointing):
     val = dict(val_loader=DataLoader(DATA.val_set, batch_size=4), limit_val_batches=2, val_check_interval=2)
     ref = one_process_fit(tiny_gpt, DATA.train_set, 4, max_steps=2, **val)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "v"),
-                         strategy=hybrid(context_parallel_size=2, activation_checkpointing="selective"), devices=2,
+                         strategy=hybrid(context_parallel_size=2, activation_checkpointing=checkpointing), devices=2,
                          max_steps=2, **val)
     assert_matches(ref, got, 2)
     for rec in got:
