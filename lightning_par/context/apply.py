@@ -77,7 +77,7 @@ class ContextParallel:
         return dist.get_world_size(self.group)
 
     def remove(self) -> None:
-        """Take every hook out; leave any mode still entered (a forward interrupted between hooks)."""
+        """Take every hook out and exit any routing mode still entered (a forward interrupted between hooks)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
