@@ -12,25 +12,25 @@ columns whole), float32 / bfloat16 inputs (computed in float32). ``dropout_p > 0
 Two ways to bring every rank's keys/values to every rank's queries, both written here over the same kernel
 ([Note: a kernel of our own]) and measured on gloo with ``benchmarks/context_attention.py`` (one layer's op,
 causal, float32, batch 1, 8 heads of 64, forward + backward, median of 5 steps with the methods interleaved, on a
-2-core machine shared with other work; ``--seq 2048`` and ``--seq 2048 --kv-heads 2``; the quick run at 1024 alike):
+2-core machine shared with other work; ``--seq 2048`` and ``--seq 2048 --kv-heads 2``):
 
     sequence 2048   k/v heads   cp   all-gather MB / ms    ring MB / ms
-                    8           2    8.39 / 1498           16.78 / 1257
-                    8           4   12.58 / 2037           20.97 / 1481
-                    2           2    2.10 / 3826            4.19 / 4156
-                    2           4    3.15 / 1803            5.24 / 1144
+                    8           2    8.39 / 3267           16.78 / 2192
+                    8           4   12.58 / 4290           20.97 / 2844
+                    2           2    2.10 / 2053            4.19 / 1100
+                    2           4    3.15 / 1147            5.24 /  753
 
 Bytes (exact, counted by ``count_comm``, per rank and layer, ``kv`` = this rank's K and V): the all-gather sends
 ``(cp-1)·kv`` in forward and reduce-scatters the K/V gradients in backward, ``(cp-1)·kv``; the ring sends
 ``(cp-1)·kv`` in forward and ``(cp-1)·kv + cp·kv`` in backward (the K/V again, and their gradient accumulators,
-which travel one hop further to reach their owner): 1.7-2× the all-gather's. Time: the ring was faster in 7 of the
-8 interleaved comparisons made (these four and four more at 1024 and 2048, by 5-70%; the machine's noise is of that
-order too): its hops overlap with the block's compute (``batch_isend_irecv`` runs on gloo's threads) and its
-``L × L`` blocks stay smaller than the all-gather's one ``L × cp·L``. Memory: the all-gather keeps the whole
-sequence's K/V per layer until backward (``cp·kv``: Llama 3's choice, cheap with few k/v heads), the ring only its
-own (``kv``), which is what lets activation memory fall as ``1/cp``. On gloo bytes between local processes are
-cheap and time and memory decide: the ring is the default (``method="ring"``); ``method="allgather"`` sends half
-the bytes, for links where bytes cost more than the overlap gains.
+which travel one hop further to reach their owner): 1.7-2× the all-gather's. Time: the ring was faster in every
+row above (1.5-1.9×; the kernel running its queries in chunks) and in 7 of 8 comparisons made before the chunks
+(by 5-70%; the machine's noise is of that order too): its hops overlap with the block's compute
+(``batch_isend_irecv`` runs on gloo's threads); why the all-gather is slower beyond that was not profiled. Memory: the all-gather keeps the whole sequence's K/V per layer until backward
+(``cp·kv``: Llama 3's choice, cheap with few k/v heads), the ring only its own (``kv``), which is what lets
+activation memory fall as ``1/cp``. On gloo bytes between local processes are cheap and time and memory decide:
+the ring is the default (``method="ring"``); ``method="allgather"`` sends half the bytes, for links where bytes
+cost more than the overlap gains.
 
 [Note: one op for activation checkpointing]
 Each method is one ``torch.library`` custom op (``lightning_par::context_attention_allgather`` / ``_ring``) whose
