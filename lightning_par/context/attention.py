@@ -24,13 +24,14 @@ Bytes (exact, counted by ``count_comm``, per rank and layer, ``kv`` = this rank'
 ``(cp-1)·kv`` in forward and reduce-scatters the K/V gradients in backward, ``(cp-1)·kv``; the ring sends
 ``(cp-1)·kv`` in forward and ``(cp-1)·kv + cp·kv`` in backward (the K/V again, and their gradient accumulators,
 which travel one hop further to reach their owner): 1.7-2× the all-gather's. Time: the ring was faster in every
-row above (1.5-1.9×; the kernel running its queries in chunks) and in 7 of 8 comparisons made before the chunks
+row above (1.5-1.9×; the kernel in query chunks of 2^18 scores) and in 7 of 8 comparisons made before the chunks
 (by 5-70%; the machine's noise is of that order too): its hops overlap with the block's compute
-(``batch_isend_irecv`` runs on gloo's threads); why the all-gather is slower beyond that was not profiled. Memory: the all-gather keeps the whole sequence's K/V per layer until backward
-(``cp·kv``: Llama 3's choice, cheap with few k/v heads), the ring only its own (``kv``), which is what lets
-activation memory fall as ``1/cp``. On gloo bytes between local processes are cheap and time and memory decide:
-the ring is the default (``method="ring"``); ``method="allgather"`` sends half the bytes, for links where bytes
-cost more than the overlap gains.
+(``batch_isend_irecv`` runs on gloo's threads); why the all-gather is slower beyond that was not profiled.
+Memory: the all-gather keeps the whole sequence's K/V per layer until backward (``cp·kv``: Llama 3's choice, cheap
+with few k/v heads), the ring only its own (``kv``), which is what lets activation memory fall as ``1/cp``. On
+gloo bytes between local processes are cheap and time and memory decide: the ring is the default
+(``method="ring"``); ``method="allgather"`` sends half the bytes, for links where bytes cost more than the overlap
+gains.
 
 [Note: one op for activation checkpointing]
 Each method is one ``torch.library`` custom op (``lightning_par::context_attention_allgather`` / ``_ring``) whose

@@ -23,7 +23,8 @@ NEG_INF = float("-inf")
 SCORES = 1 << 16  # float32 scores per chunk (256 KiB): the query rows of a chunk (see the module docstring)
 
 
-def block_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> torch.Tensor | None:
+def block_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
+               mask: torch.Tensor | None) -> torch.Tensor | None:
     """The additive float32 bias of queries at ``q_pos`` against keys at ``k_pos``: ``-inf`` where the causal mask
     (key after query) or a boolean ``mask`` (False) forbids, plus a float ``mask``'s values. ``mask``: the user's
     mask with its key dimension (last) already at ``k_pos`` and its query dimension (−2) at ``q_pos`` or 1."""

@@ -1,8 +1,9 @@
 """HybridParallelStrategy(context_parallel_size=...) on real gloo ranks against one process on the same global
-batches: cp 2, dp 2 × cp 2 and cp 2 × tp 2 (the reference GPT), cp 2 and cp 2 × tp 2 (Hugging Face Llama): 8 AdamW steps, every rank's losses
-within 2e-4, the first two steps' gradients and the parameters after them within 1e-5; validation, predict and
-activation checkpointing under cp; bf16-mixed at its derived tolerance; a checkpoint's round trip between cp 2 and
-one device; the refusals (a sequence length 2·cp does not divide, layouts cp does not compose with yet)."""
+batches: cp 2, dp 2 × cp 2 and cp 2 × tp 2 (the reference GPT), cp 2 and cp 2 × tp 2 (Hugging Face Llama):
+8 AdamW steps, every rank's losses within 2e-4, the first two steps' gradients and the parameters after them
+within 1e-5; validation, predict and activation checkpointing under cp; bf16-mixed at its derived tolerance; a
+checkpoint's round trip between cp 2 and one device; the refusals (a sequence length 2·cp does not divide,
+layouts cp does not compose with yet)."""
 import lightning.pytorch as pl
 import pytest
 import torch
