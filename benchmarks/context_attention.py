@@ -8,7 +8,8 @@ One attention layer's op (``lightning_par.context.context_attention``, causal, f
 ranks, each holding ``seq / cp`` tokens. Bytes: what ``lightning_par.comm.count_comm`` counts one rank sending in one
 forward + backward (the two methods' formulas: [Note: all-gather or ring]); time: the median over ``--steps`` of
 the slowest rank's forward + backward (the first call, counted for bytes, is the warm-up), the methods
-interleaved step by step. The numbers behind the default ``method="allgather"``.
+interleaved step by step. The numbers behind the default ``method="ring"`` ([Note: all-gather or ring] in
+lightning_par/context/attention.py).
 """
 from __future__ import annotations
 
