@@ -1,5 +1,6 @@
 """HybridParallelStrategy(context_parallel_size=...) on real gloo ranks against one process on the same global
-batches: cp 2, dp 2 × cp 2 and cp 2 × tp 2 (the reference GPT), cp 2 and cp 2 × tp 2 (Hugging Face Llama):
+batches: cp 2, dp 2 × cp 2 and cp 2 × tp 2 (the reference GPT), cp 2 (Hugging Face Llama, Qwen2, BERT) and
+cp 2 × tp 2 (Llama):
 8 AdamW steps, every rank's losses within 2e-4, the first two steps' gradients and the parameters after them
 within 1e-5; validation, predict and activation checkpointing under cp; bf16-mixed at its derived tolerance; a
 checkpoint's round trip between cp 2 and one device; the refusals (a sequence length 2·cp does not divide,
@@ -61,14 +62,17 @@ def test_dp_cp_gpt_matches_one_process(tmp_path, dp, cp, tp):
         assert rec["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=2e-4)
 
 
-llama = causal_lm("llama", call={"use_cache": False}, attn_implementation="sdpa", max_position_embeddings=16)
+HF = {"llama": causal_lm("llama", call={"use_cache": False}, attn_implementation="sdpa", max_position_embeddings=16),
+      "qwen2": causal_lm("qwen2", call={"use_cache": False}, attn_implementation="sdpa", max_position_embeddings=16),
+      "bert": causal_lm("bert", attn_implementation="sdpa")}
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("tp", [1, 2])
-def test_cp2_llama_matches_one_process(tmp_path, tp):
-    ref = one_process_fit(llama, DATA.train_set, 4, max_steps=2)
-    got = fit_and_record(seeded(llama), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "l"),
+@pytest.mark.parametrize("family,tp", [("llama", 1), ("llama", 2), ("qwen2", 1), ("bert", 1)])
+def test_cp2_hugging_face_matches_one_process(tmp_path, family, tp):
+    factory = HF[family]
+    ref = one_process_fit(factory, DATA.train_set, 4, max_steps=2)
+    got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "l"),
                          strategy=hybrid(context_parallel_size=2, tensor_parallel_size=tp), devices=2 * tp,
                          max_steps=2)
     assert_matches(ref, got, 2)
