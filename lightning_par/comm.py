@@ -163,8 +163,9 @@ def count_comm(counter: CommCounter | None = None):
             if func.namespace == "lightning_par":  # our custom ops hold collectives: count those inside
                 from lightning_par.context.attention import IMPLEMENTATIONS
 
-                with self:
-                    return IMPLEMENTATIONS[func](*args, **(kwargs or {}))
+                if func in IMPLEMENTATIONS:
+                    with self:
+                        return IMPLEMENTATIONS[func](*args, **(kwargs or {}))
             name = func.__name__.split(".")[0]
             if func.namespace not in _NAMESPACES or name not in _OPS:
                 return func(*args, **(kwargs or {}))

@@ -35,10 +35,11 @@ torchtitan's op-level selective checkpointing (``_op_sac_save_list``) keeps the 
 attention kernels and ``reduce_scatter``, and recomputes everything else; we keep the same ops and the other
 matrix products a Linear with bias or a batched attention dispatches to on CPU (``addmm``, ``bmm``, ``baddbmm``),
 the CPU flash-attention kernel, tensor parallelism's all-reduce and context parallelism's attention ops (keeping
-their outputs spares recomputing a collective, [Note: one op for activation checkpointing]). Unlike torchtitan we keep every matmul output, not every second one: "selective" sits between off and
-full on both memory and time; "every k-th block" is the finer knob. ``torch.utils.checkpoint.
-create_selective_checkpoint_contexts`` with this policy is passed as the composable checkpoint's ``context_fn``
-(checked on torch 2.13: the saved ops are not run again in backward).
+their outputs spares recomputing a collective, [Note: one op for activation checkpointing]). Unlike torchtitan we
+keep every matmul output, not every second one: "selective" sits between off and full on both memory and time;
+"every k-th block" is the finer knob. ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with this
+policy is passed as the composable checkpoint's ``context_fn`` (checked on torch 2.13: the saved ops are not run
+again in backward).
 """
 from __future__ import annotations
 
