@@ -125,3 +125,21 @@ def test_layouts_context_parallelism_does_not_compose_with_yet_are_named():
         check_context_layout(2, pipeline_parallel_size=1, zero_stage=3)
     with pytest.raises(ValueError, match=r"`context_parallel_size=2` with `fault_tolerance='torchft'`"):
         check_context_layout(2, pipeline_parallel_size=1, fault_tolerance="torchft")
+
+
+def test_the_cp_axis_sits_just_outside_tp_and_sizes_that_miss_the_world_are_named():
+    from lightning_par.topology import DP_OUTERMOST, Topology
+
+    t = Topology.resolve(8, context_parallel_size=2, tensor_parallel_size=2)  # dp "auto": 8 / (cp × tp) = 2
+    assert (t.data_parallel_size, t.axes, t.shape) == (2, ("pp", "dp", "cp", "tp"), (1, 2, 2, 2))
+    assert t.all_groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]] and t.sampler_kwargs(2) == {"num_replicas": 2,
+                                                                                            "rank": 0}
+    assert Topology.resolve(8, context_parallel_size=2, tensor_parallel_size=2, order=DP_OUTERMOST).axes == (
+        "dp", "pp", "cp", "tp")
+    assert "cp" not in Topology.resolve(4).axes  # without cp the mesh is as before
+    with pytest.raises(ValueError, match=r"`data_parallel_size=2`, `pipeline_parallel_size=1`, "
+                                         r"`context_parallel_size=2` and `tensor_parallel_size=1` multiplied \(4\) "
+                                         r"should equal the world size \(6\)"):
+        Topology.resolve(6, data_parallel_size=2, context_parallel_size=2,
+                         named=("data_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                                "tensor_parallel_size"))
