@@ -5,6 +5,7 @@ off / full / every 2nd block / selective, per layout (one device, DP2, PP2, TP2)
     python benchmarks/activation_memory.py                    # GPT 8 x 128, 1024 tokens, batch 4
     python benchmarks/activation_memory.py --layouts single,pp2 --modes off,full
     python benchmarks/activation_memory.py --accelerator cuda --layouts single   # max_memory_allocated
+    python benchmarks/activation_memory.py --quick --layouts single,cp2,cp4 --modes off,full   # context parallel
 
 The sequence is long beside the width, so activations dominate the step (Korthikanti et al.: about
 s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit, against 16·12·h² bytes of parameters, gradients and AdamW state).
@@ -41,6 +42,7 @@ if ROOT not in sys.path:  # run from a checkout without installing the package
     sys.path.insert(0, ROOT)
 
 LAYOUTS = ("single", "dp2", "pp2", "tp2")
+CONTEXT = ("cp2", "cp4")  # context parallelism (not in the default list): compare with single's rows
 MODES = ("off", "full", "2", "selective")
 QUICK = dict(n_layer=4, n_embd=64, n_head=4, block_size=512, vocab_size=64, batch_size=4)
 FULL = dict(n_layer=8, n_embd=128, n_head=4, block_size=1024, vocab_size=64, batch_size=4)
@@ -49,7 +51,7 @@ FULL = dict(n_layer=8, n_embd=128, n_head=4, block_size=1024, vocab_size=64, bat
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the small size (a few minutes on 2 CPU cores)")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {LAYOUTS}")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {LAYOUTS + CONTEXT}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is a warm-up)")
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
@@ -63,10 +65,14 @@ def setting(mode: str):
 
 
 def strategy_for(layout: str, mode: str, accelerator: str):
-    from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
+    from lightning_par import (DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy,
+                               TensorParallelStrategy)
 
     ac = setting(mode)
     start = "fork" if accelerator == "cpu" else "spawn"
+    if layout in CONTEXT:  # every rank holds 1/cp of each sequence inside the blocks
+        cp = int(layout[2:])
+        return HybridParallelStrategy(context_parallel_size=cp, activation_checkpointing=ac, start_method=start), cp
     if layout == "single":  # popen at one device: no process is started, the fit runs in this one
         return DataParallelStrategy(activation_checkpointing=ac), 1
     if layout == "dp2":

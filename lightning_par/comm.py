@@ -10,7 +10,8 @@ thread, so it is seen; on CUDA the autograd engine uses device threads — count
 ``CommDebugMode`` or profile. ``payload`` is the bytes handed to the op; ``wire`` is what one rank sends
 under the textbook algorithm (ring all-reduce 2(N−1)/N × payload, all-gather (N−1) × input,
 reduce-scatter (N−1)/N × input, broadcast/send = payload from the root or sender, nothing for a
-receiver). Every op passes through Python while the mode
+receiver). A custom op of this package (context-parallel attention) is one op to a dispatch mode, its
+collectives inside it: the mode enters it again to count them. Every op passes through Python while the mode
 is on: count on a few steps, never on timed ones.
 """
 from __future__ import annotations
@@ -159,6 +160,12 @@ def count_comm(counter: CommCounter | None = None):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented
+            if func.namespace == "lightning_par":  # our custom ops hold collectives: count those inside
+                from lightning_par.context.attention import IMPLEMENTATIONS
+
+                if func in IMPLEMENTATIONS:
+                    with self:
+                        return IMPLEMENTATIONS[func](*args, **(kwargs or {}))
             name = func.__name__.split(".")[0]
             if func.namespace not in _NAMESPACES or name not in _OPS:
                 return func(*args, **(kwargs or {}))

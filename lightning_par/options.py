@@ -98,10 +98,11 @@ class LayoutOptions:
     pipeline_parallel_size: Size = 1
     tensor_parallel_size: Size = 1
     mesh_order: str = "pp_dp_tp"
+    context_parallel_size: int = 1  # ranks sharing every sequence (lightning_par.context), just outside tp
 
     def __post_init__(self) -> None:
         check_sizes(pipeline_parallel_size=self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size,
-                    tensor_parallel_size=self.tensor_parallel_size)
+                    tensor_parallel_size=self.tensor_parallel_size, context_parallel_size=self.context_parallel_size)
         if self.mesh_order not in ORDERS:
             raise ValueError(f"`mesh_order={self.mesh_order!r}` must be one of {sorted(ORDERS)}: 'pp_dp_tp' "
                              f"(pipelines span nodes, as Megatron and torchtitan) or 'dp_pp_tp' (replicas span "
@@ -110,7 +111,7 @@ class LayoutOptions:
     @property
     def sizes(self) -> dict[str, Size]:
         return {"data_parallel_size": self.data_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
-                "tensor_parallel_size": self.tensor_parallel_size}
+                "tensor_parallel_size": self.tensor_parallel_size, "context_parallel_size": self.context_parallel_size}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,11 +34,12 @@ loss) is kept as always.
 torchtitan's op-level selective checkpointing (``_op_sac_save_list``) keeps the outputs of ``mm``, the fused
 attention kernels and ``reduce_scatter``, and recomputes everything else; we keep the same ops and the other
 matrix products a Linear with bias or a batched attention dispatches to on CPU (``addmm``, ``bmm``, ``baddbmm``),
-the CPU flash-attention kernel, and tensor parallelism's all-reduce (keeping its output spares recomputing a
-collective). Unlike torchtitan we keep every matmul output, not every second one: "selective" sits between off and
-full on both memory and time; "every k-th block" is the finer knob. ``torch.utils.checkpoint.
-create_selective_checkpoint_contexts`` with this policy is passed as the composable checkpoint's ``context_fn``
-(checked on torch 2.13: the saved ops are not run again in backward).
+the CPU flash-attention kernel, tensor parallelism's all-reduce and context parallelism's attention ops (keeping
+their outputs spares recomputing a collective, [Note: one op for activation checkpointing]). Unlike torchtitan we
+keep every matmul output, not every second one: "selective" sits between off and full on both memory and time;
+"every k-th block" is the finer knob. ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with this
+policy is passed as the composable checkpoint's ``context_fn`` (checked on torch 2.13: the saved ops are not run
+again in backward).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import lightning_par.context.attention  # noqa: F401  - registers the context-parallel attention ops listed below
 from lightning_par._compat import composable_checkpoint, is_checkpointed
 from lightning_par.pipeline.discovery import find_blocks, other_stacks
 from lightning_par.pipeline.ghost import Ghost
@@ -96,6 +98,7 @@ SAVED_OPS = _ops(
     "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_reduce.default",
+    "lightning_par.context_attention_allgather.default", "lightning_par.context_attention_ring.default",
 )
 
 

@@ -86,6 +86,7 @@ class Groups:
     dp: Any = None
     pp: Any = None
     tp: Any = None
+    cp: Any = None  # the ranks sharing every sequence (lightning_par.context)
     mesh: Any = None
     p2p: tuple = (None, None, None, None)
     result: Any = None

@@ -3,7 +3,8 @@ in :mod:`~lightning_par.strategies._engine`): the whole module is parallelized o
 tensor-parallel group by a plan found by inspecting it (:mod:`lightning_par.tensor.plan`; rank 0 prints the
 plan), Lightning runs the user's step as usual, and the gradients are settled over the tensor-parallel
 ranks and averaged over the data-parallel replicas after the last backward of each optimizer step, before
-clipping.
+clipping. With ``context_parallel_size > 1`` the block stack runs on this rank's piece of every sequence
+(:func:`lightning_par.context.apply_context_parallel`) and the gradients are averaged over the cp group too.
 
 [Note: the replicas' mean of a step]
 With data-parallel replicas every rank returns and logs the mean over the replicas ([Note: loss reporting, one
@@ -28,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par._compat import optimizers_to_device
+from lightning_par.context.apply import apply_context_parallel
 from lightning_par.dp import fsdp
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
@@ -50,6 +52,7 @@ class SpmdEngine(Engine):
         self.plan = None
         self.planned = None  # the module this engine applied ``plan`` to
         self.steps = None  # zero_stage 2 / 3: runs each step through FSDP's root unit
+        self.context = None  # context_parallel_size > 1: the block stack's hooks (lightning_par.context)
 
     def setup(self, trainer) -> None:
         s = self.s
@@ -58,6 +61,8 @@ class SpmdEngine(Engine):
         move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
         self.checkpoint_blocks(s.lightning_module, self.options.blocks)  # inside the blocks TP and FSDP shard next
         self._parallelize()
+        if self.groups.cp is not None and self.context is None:  # context_parallel_size > 1
+            self.context = apply_context_parallel(s.lightning_module, self.groups.cp, blocks=self.options.blocks)
         if trainer.state.fn == TrainerFn.FITTING:
             s.setup_optimizers(trainer)
         # DTensor and plain gradients clipped and unscaled apart ([Note: precision subclasses])
@@ -77,6 +82,9 @@ class SpmdEngine(Engine):
         clip_grad_norm_(_params(optimizer), clip_val)
 
     def teardown(self) -> None:
+        if self.context is not None:
+            self.context.remove()
+            self.context = None
         self.uncheckpoint_blocks()
         if self.steps is not None:
             self.steps.close()
@@ -186,6 +194,8 @@ class SpmdEngine(Engine):
             result = closure()
             params = list(s.lightning_module.parameters())
             reduce_partial_grads(params, self.groups.mesh["tp"].get_group())
+            if self.groups.cp is not None:  # [Note: gradients under context parallelism]: the group's mean
+                average_grads(params, self.groups.cp, s.topology.context_parallel_size)
             if not fsdp.is_sharded(s.lightning_module):  # FSDP reduce-scattered the replicas' average already
                 average_grads(params, self.groups.dp, dp, average=self.replica_average)  # torchft's (fault tolerance)
             return result

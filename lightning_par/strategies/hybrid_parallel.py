@@ -10,9 +10,10 @@ pp = tp = 1. Several stages (or the pipeline preset) run the pipeline engine (``
 the SPMD engine (``_spmd_engine``), DataParallelStrategy the replica engine (``_replica_engine``: DDP or FSDP2);
 all behind one interface ([Note: engines behind one interface] in :mod:`~lightning_par.strategies._engine`).
 
-1. ``setup_environment``: the (pp, dp, tp) layout, the process group, one group per pipeline, replica set
+1. ``setup_environment``: the (pp, dp, cp, tp) layout, the process group, one group per pipeline, replica set
    and point-to-point direction, and with tensor parallelism the ``DeviceMesh`` (axes ``pp``, ``dp``, ``tp``;
-   tp innermost, pp outermost by default, ``mesh_order="dp_pp_tp"`` for replicas across nodes).
+   tp innermost, pp outermost by default, ``mesh_order="dp_pp_tp"`` for replicas across nodes; ``cp`` just
+   outside tp when ``context_parallel_size > 1``).
 2. ``configure_ddp`` / ``setup``: every rank takes rank 0's weights; the block stack is found, traced and
    partitioned; the tensor plan is found on the whole module; this rank's stage is installed (other
    stages' blocks become ghosts) and what is left is parallelized over its tensor-parallel group, before the
@@ -31,6 +32,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
+from lightning_par.context.layout import check_context_layout
 from lightning_par.dp import fsdp, zero
 from lightning_par.options import CoreOptions, SyncOptions, takes_options
 from lightning_par.pipeline.options import check_layout
@@ -60,6 +62,8 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
     ([Note: sequence-sharded stage boundaries] in :mod:`lightning_par.tensor.boundary`), and under
     ``loss_parallel`` the last stage computes the loss on vocabulary shards. Every rank returns and logs the
     mean over the replicas ([Note: loss reporting, one rule] in :mod:`~lightning_par.strategies._engine`).
+    ``context_parallel_size``: ranks that share every sequence, each running the block stack on its piece
+    (:mod:`lightning_par.context`); with one stage for now (dp × cp × tp).
     ``nonfinite``: ``"error"`` or ``"skip"`` ([Note: non-finite values] in :mod:`lightning_par.nonfinite`).
     ``weights`` / ``weights_prefix``: a weights file or directory read into each rank's share at setup; with
     ``trainer.init_module(empty_init=True)`` or ``configure_model`` the module is built on the meta device and
@@ -133,8 +137,13 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
 
     def _resolve(self) -> Topology:
         world = self.num_nodes * len(self.parallel_devices or [None])
-        return Topology.resolve(world, model_axis=self._model_axis, order=self._order, named=size_names(type(self)),
+        topo = Topology.resolve(world, model_axis=self._model_axis, order=self._order, named=size_names(type(self)),
                                 **self._options.layout.sizes)
+        o = self._options
+        check_context_layout(topo.context_parallel_size, pipeline_parallel_size=topo.pipeline_parallel_size,
+                             zero_stage=o.sharding.zero_stage, fault_tolerance=o.fault_tolerance.fault_tolerance,
+                             sequence_parallel=o.tensor.sequence_parallel, loss_parallel=o.tensor.loss_parallel)
+        return topo
 
     def _configure_launcher(self) -> None:  # in the launching process: bad sizes fail before any process starts
         self._resolve()
@@ -174,6 +183,7 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         mailbox; the ``DeviceMesh`` with one stage, several tensor-parallel ranks or FSDP replicas."""
         topo = self.topology
         dp = self._new_groups("dp")
+        cp = self._new_groups("cp")  # the ranks sharing every sequence (lightning_par.context)
         pp = result = None
         p2p: tuple = (None, None, None, None)
         if pipelined:
@@ -187,7 +197,7 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         if topo.tensor_parallel_size > 1 or not pipelined or self._sharded_replicas():
             mesh = topo.build_mesh(self.root_device.type, timeout=self._timeout)
             tp = mesh["tp"].get_group() if topo.tensor_parallel_size > 1 else None
-        return Groups(dp=dp, pp=pp, tp=tp, mesh=mesh, p2p=p2p, result=result, timeout=self._timeout,
+        return Groups(dp=dp, pp=pp, tp=tp, cp=cp, mesh=mesh, p2p=p2p, result=result, timeout=self._timeout,
                       sharded_replicas=self._sharded_replicas())
 
     # -- setup and teardown: the engine's ----------------------------------------------------------------

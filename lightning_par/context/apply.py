@@ -1,0 +1,227 @@
+"""Context parallelism for an unchanged module: its block stack runs on this rank's piece of every sequence.
+
+    >>> applied = apply_context_parallel(model, group)     # doctest: +SKIP
+    >>> loss = loss_fn(model(idx), targets)                 # the same loss on every rank of the group
+    >>> loss.backward()                                     # then average the gradients over the group
+    >>> applied.remove()                                    # no hook, no mode left behind
+
+[Note: where the sequence is cut]
+The block stack is the pipeline's (:func:`~lightning_par.pipeline.discovery.find_blocks`). What enters a block from
+outside the stack was computed by the module on the whole sequence (hidden states from the embeddings, rotary
+cos/sin, position ids, masks), and what a block hands the next (its outputs, tracked by identity as the block
+flow does, [Note: block flow]) is already this rank's piece. So every block's forward pre-hook cuts the tensors
+it receives that are whole: the hidden state (the block's first argument) along ``seq_dim``; any other tensor along
+its one dimension of the sequence's length ``S``; a square mask ``[..., S, S]`` along its query rows (dim −2), its
+key columns kept whole for the attention to pick from; a key mask ``[..., 1, S]`` is kept whole. A tensor with
+``S`` in several other dimensions (a batch size or a width equal to ``S``) is ambiguous and refused, naming the
+block and the argument. While a block runs, its SDPA calls are routed to attention across the group ([Note:
+routing SDPA]). The last block's forward hook gathers its output back to the whole sequence, so that what comes
+after the stack (final norm, head, loss) runs unchanged, on every rank alike ([Note: gradients under context
+parallelism]: average the gradients over the group). Positions and masks stay right without changing the module,
+since it computed them on the whole sequence before cutting. Cuts are made once per forward for a tensor that
+several blocks receive (the rotary cos/sin), and again in a checkpoint's recompute (there is no collective in a
+cut; the gather is skipped in recompute, whose output is discarded).
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_par._compat import current_autograd_node
+from lightning_par.context.attention import METHODS
+from lightning_par.context.intercept import RouteAttention
+from lightning_par.context.sharding import check_divisible, gather, shard
+from lightning_par.pipeline.discovery import find_blocks
+from lightning_par.pipeline.flow import hidden_name
+
+
+def check_sdpa(module: nn.Module) -> None:
+    """``ValueError`` naming a Hugging Face (sub)module whose attention implementation is not SDPA."""
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        impl = getattr(config, "_attn_implementation", None)
+        if impl is not None and impl != "sdpa":
+            raise ValueError(
+                f"Context parallelism routes the blocks' `scaled_dot_product_attention` calls across the group, and "
+                f"`{name or type(sub).__name__}` ({type(sub).__name__}) uses attn_implementation={impl!r}, whose "
+                f"attention cannot be intercepted. Build the model with `attn_implementation=\"sdpa\"` (e.g. "
+                f"`AutoModelForCausalLM.from_config(config, attn_implementation=\"sdpa\")`).")
+
+
+def _in_backward() -> bool:
+    return current_autograd_node() is not None
+
+
+@dataclass
+class ContextParallel:
+    """What :func:`apply_context_parallel` installed: the stack's dotted name, its hooks, and :meth:`remove`."""
+
+    path: str
+    group: Any
+    method: str
+    seq_dim: int
+    _handles: list = field(default_factory=list, repr=False)
+    _modes: list = field(default_factory=list, repr=False)
+    _local: dict = field(default_factory=dict, repr=False)   # id -> weakref of tensors that are this rank's piece
+    _cuts: dict = field(default_factory=dict, repr=False)    # id -> (weakref of a whole tensor, its piece)
+    _seq: int | None = None
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def remove(self) -> None:
+        """Take every hook out and exit any routing mode still entered (a forward interrupted between hooks)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        while self._modes:
+            self._modes.pop()[1].__exit__(None, None, None)
+        self._local.clear()
+        self._cuts.clear()
+
+    # -- tracking --------------------------------------------------------------------------------------------
+    def _is_local(self, t: torch.Tensor) -> bool:
+        ref = self._local.get(id(t))
+        return ref is not None and ref() is t
+
+    def _mark_local(self, t: torch.Tensor) -> None:
+        key = id(t)
+        self._local[key] = weakref.ref(t, lambda _, key=key: self._local.pop(key, None))
+
+    # -- cutting ---------------------------------------------------------------------------------------------
+    def _cut(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        hit = self._cuts.get(id(t))
+        if hit is not None and hit[0]() is t and not _in_backward():
+            return hit[1]
+        piece = shard(t, dim, self.size, dist.get_rank(self.group))
+        self._cuts[id(t)] = (weakref.ref(t), piece)
+        self._mark_local(piece)
+        return piece
+
+    def _cut_dim(self, t: torch.Tensor, seq: int, where: str) -> int | None:
+        """The dimension of ``t`` to cut, or None to keep it whole ([Note: where the sequence is cut])."""
+        dims = [d for d, n in enumerate(t.shape) if n == seq]
+        nd = t.dim()
+        if not dims or (nd >= 3 and dims == [nd - 1] and t.shape[-2] == 1):
+            return None
+        if len(dims) == 1:
+            return dims[0]
+        if dims == [nd - 2, nd - 1]:
+            return nd - 2
+        raise ValueError(
+            f"Context parallelism cuts what enters {where} along the sequence (length {seq}), and this tensor of "
+            f"shape {tuple(t.shape)} has that length in dimensions {dims}: which one is the sequence is ambiguous. "
+            f"Use a batch size and widths other than the sequence length {seq}.")
+
+    def _cut_value(self, value, seq: int, where: str):
+        if isinstance(value, torch.Tensor):
+            if self._is_local(value) or value.dim() == 0:
+                return value
+            dim = self._cut_dim(value, seq, where)
+            return value if dim is None else self._cut(value, dim)
+        if type(value) in (tuple, list):
+            return type(value)(self._cut_value(v, seq, where) for v in value)
+        if type(value) is dict:
+            return {k: self._cut_value(v, seq, where) for k, v in value.items()}
+        return value
+
+    # -- hooks -----------------------------------------------------------------------------------------------
+    def _pre(self, i: int, name: str, block: nn.Module) -> Callable:
+        hname = hidden_name(block)
+        labels = [p.name for p in inspect.signature(block.forward).parameters.values()]
+
+        def hook(block, args, kwargs):
+            hidden = args[0] if args else kwargs.get(hname)
+            if not isinstance(hidden, torch.Tensor):
+                raise ValueError(f"Context parallelism cuts the hidden state of block `{name}`, its first argument "
+                                 f"{'`' + hname + '` ' if hname else ''}; it received a {type(hidden).__name__}.")
+            length = hidden.shape[self.seq_dim]
+            if self._is_local(hidden) or (i and self._seq is not None and length * self.size == self._seq):
+                seq = length * self.size
+            else:
+                seq = length
+                check_divisible(seq, self.size, f"the sequence entering `{name}` (dimension {self.seq_dim} of its "
+                                                f"hidden state, shape {tuple(hidden.shape)})")
+                if not _in_backward():
+                    self._seq = seq
+                    if i == 0:
+                        self._cuts.clear()
+                hidden = self._cut(hidden, self.seq_dim)
+            new_args = [hidden if p == 0 else self._cut_value(
+                a, seq, f"`{name}` as {labels[p] if p < len(labels) else f'positional argument {p}'}")
+                for p, a in enumerate(args)]
+            new_kwargs = {k: hidden if (not args and k == hname) else self._cut_value(v, seq, f"`{name}` as `{k}`")
+                          for k, v in kwargs.items()}
+            mode = RouteAttention(self.group, self.method)
+            mode.__enter__()
+            self._modes.append((block, mode))
+            return tuple(new_args), new_kwargs
+        return hook
+
+    def _post(self, name: str, last: bool) -> Callable:
+        def hook(block, args, kwargs, output):
+            if not self._modes or self._modes[-1][0] is not block:
+                return None  # its pre-hook raised: no mode was entered
+            mode = self._modes.pop()[1]
+            mode.__exit__(None, None, None)
+            if output is None:
+                return None  # the forward raised (or a checkpoint's recompute stopped early)
+            if mode.calls == 0:
+                raise RuntimeError(
+                    f"Block `{name}` ({type(block).__name__}) ran without calling "
+                    f"`torch.nn.functional.scaled_dot_product_attention`: context parallelism routes only those "
+                    f"calls across the group, so its attention (if it has any) would see this rank's piece of the "
+                    f"sequence alone. Use an SDPA attention (`attn_implementation=\"sdpa\"` for Hugging Face models).")
+            outs = list(output) if isinstance(output, (tuple, list)) else [output]
+            if not last:
+                for o in outs:
+                    if isinstance(o, torch.Tensor):
+                        self._mark_local(o)
+                return None
+            if _in_backward():
+                return None  # a recompute's output is discarded
+            self._cuts.clear()  # the stack is done with this forward's whole tensors
+            piece = (self._seq or 0) // self.size
+
+            def cut(k, o):  # the hidden state, and any other output of this rank's length
+                return isinstance(o, torch.Tensor) and o.dim() > self.seq_dim and (
+                    k == 0 or o.shape[self.seq_dim] == piece)
+
+            done = [gather(o, self.seq_dim, self.group, grad_scale=float(self.size)) if cut(k, o) else o
+                    for k, o in enumerate(outs)]
+            return type(output)(done) if isinstance(output, (tuple, list)) else done[0]
+        return hook
+
+
+def apply_context_parallel(module: nn.Module, group, *, blocks: str | None = None, method: str = "ring",
+                           seq_dim: int = 1) -> ContextParallel:
+    """Run ``module``'s block stack on this rank's piece of every sequence, attention across ``group`` ([Note: where
+    the sequence is cut]); ``blocks``: the stack's dotted name (None: found); ``method``: [Note: all-gather or ring];
+    ``seq_dim``: the sequence dimension of the hidden state (1: batch first). Refuses, by name, a module without a
+    block stack and a Hugging Face attention that is not SDPA; a forward refuses a sequence length that ``2·cp``
+    does not divide, an ambiguous block input and a block that calls no SDPA. Gradients: average over ``group``."""
+    if method not in METHODS:
+        raise ValueError(f"context parallel `method={method!r}`: choose one of {METHODS}.")
+    try:
+        path, stack = find_blocks(module, blocks)
+    except ValueError as err:
+        raise ValueError(f"Context parallelism cuts the sequence inside a block stack, and {err}") from None
+    check_sdpa(module)
+    applied = ContextParallel(path=path, group=group, method=method, seq_dim=seq_dim)
+    for i, block in enumerate(stack):
+        name = f"{path}.{i}" if path else str(i)
+        applied._handles.append(block.register_forward_pre_hook(
+            applied._pre(i, name, block), with_kwargs=True))
+        applied._handles.append(block.register_forward_hook(
+            applied._post(name, i == len(stack) - 1), with_kwargs=True, always_call=True))
+    return applied
+
+
+__all__ = ["ContextParallel", "apply_context_parallel", "check_sdpa"]

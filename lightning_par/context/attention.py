@@ -1,0 +1,271 @@
+"""Attention across a context-parallel group: each rank's queries against every rank's keys and values.
+
+    >>> out = context_attention(q, k, v, is_causal=True, group=cp_group)    # doctest: +SKIP
+
+``q``, ``k``, ``v`` are this rank's pieces ([Note: load-balanced causal sharding]) in SDPA's layout
+``[..., heads, L, E]``; the result is this rank's piece of what ``F.scaled_dot_product_attention`` computes on the
+whole sequence. Causal and bidirectional attention, grouped-query attention (``enable_gqa``, k/v with fewer heads),
+boolean or additive masks over the whole sequence (query rows whole, or already this rank's, or broadcast; key
+columns whole), float32 / bfloat16 inputs (computed in float32). ``dropout_p > 0`` is refused by name.
+
+[Note: all-gather or ring]
+Two ways to bring every rank's keys/values to every rank's queries, both written here over the same kernel
+([Note: a kernel of our own]) and measured on gloo with ``benchmarks/context_attention.py`` (one layer's op,
+causal, float32, batch 1, 8 heads of 64, forward + backward, median of 5 steps with the methods interleaved, on a
+2-core machine shared with other work; ``--seq 2048`` and ``--seq 2048 --kv-heads 2``):
+
+    sequence 2048   k/v heads   cp   all-gather MB / ms    ring MB / ms
+                    8           2    8.39 / 3267           16.78 / 2192
+                    8           4   12.58 / 4290           20.97 / 2844
+                    2           2    2.10 / 2053            4.19 / 1100
+                    2           4    3.15 / 1147            5.24 /  753
+
+Bytes (exact, counted by ``count_comm``, per rank and layer, ``kv`` = this rank's K and V): the all-gather sends
+``(cp-1)·kv`` in forward and reduce-scatters the K/V gradients in backward, ``(cp-1)·kv``; the ring sends
+``(cp-1)·kv`` in forward and ``(cp-1)·kv + cp·kv`` in backward (the K/V again, and their gradient accumulators,
+which travel one hop further to reach their owner): 1.7-2× the all-gather's. Time: the ring was faster in every
+row above (1.5-1.9×; the kernel in query chunks of 2^18 scores) and in 7 of 8 comparisons made before the chunks
+(by 5-70%; the machine's noise is of that order too): its hops overlap with the block's compute
+(``batch_isend_irecv`` runs on gloo's threads); why the all-gather is slower beyond that was not profiled.
+Memory: the all-gather keeps the whole sequence's K/V per layer until backward (``cp·kv``: Llama 3's choice, cheap
+with few k/v heads), the ring only its own (``kv``), which is what lets activation memory fall as ``1/cp``. On
+gloo bytes between local processes are cheap and time and memory decide: the ring is the default
+(``method="ring"``); ``method="allgather"`` sends half the bytes, for links where bytes cost more than the overlap
+gains.
+
+[Note: one op for activation checkpointing]
+Each method is one ``torch.library`` custom op (``lightning_par::context_attention_allgather`` / ``_ring``) whose
+implementation holds the communication; its backward is registered with ``torch.library.register_autograd``. A
+``TorchDispatchMode`` sees the op as a unit (its inside runs below the mode), so torch's selective checkpointing
+with the policy of :mod:`lightning_par.memory.checkpointing` (which lists these ops as saved) keeps its outputs
+from forward and replays them in recompute: no communication is repeated. Full checkpointing recomputes the op,
+communication included, in the same block order on every rank (the backward order is the same on every rank).
+The all-gather op returns the gathered K/V as outputs too (not differentiable), so that what its backward needs is
+what checkpointing saves. :func:`lightning_par.comm.count_comm` enters these ops to count their collectives.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_par._compat import resolve_process_group
+from lightning_par.context.kernel import block_backward, block_bias, block_forward, merge
+from lightning_par.context.sharding import group_positions, local_positions
+
+METHODS = ("ring", "allgather")  # the first is the default: [Note: all-gather or ring]
+
+
+def _pack(k: Tensor, v: Tensor) -> Tensor:
+    """``k``, ``v`` as one ``[L, n]`` buffer, sequence first (the layout the collectives cut along)."""
+    return torch.cat([k.movedim(-2, 0).reshape(k.shape[-2], -1), v.movedim(-2, 0).reshape(v.shape[-2], -1)], 1)
+
+
+def _unpack(buf: Tensor, k_shape, v_shape) -> tuple[Tensor, Tensor]:
+    def shaped(part, shape):
+        moved = (shape[-2], *shape[:-2], shape[-1])
+        return part.reshape(buf.shape[0], *moved[1:]).movedim(0, -2)
+
+    nk = math.prod(k_shape) // k_shape[-2]
+    return shaped(buf[:, :nk], k_shape), shaped(buf[:, nk:], v_shape)
+
+
+def _columns(mask: Optional[Tensor], pos: Tensor) -> Optional[Tensor]:
+    return None if mask is None else mask.index_select(-1, pos)
+
+
+def _group(name: str):
+    group = resolve_process_group(name)
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+# ---- all-gather ------------------------------------------------------------------------------------------------
+
+def _allgather_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, scale: float,
+                         groups: int, group_name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    group, cp, rank = _group(group_name)
+    kv = _pack(k, v)
+    everything = kv.new_empty((cp * kv.shape[0], kv.shape[1]))
+    dist.all_gather_single(everything, kv, group=group)
+    seq = everything.shape[0]
+    k_all, v_all = _unpack(everything, (*k.shape[:-2], seq, k.shape[-1]), (*v.shape[:-2], seq, v.shape[-1]))
+    k_pos = group_positions(seq, cp, q.device)
+    bias = block_bias(local_positions(seq, cp, rank, q.device), k_pos, is_causal, _columns(mask, k_pos))
+    out, lse = block_forward(q, k_all, v_all, scale, bias, groups)
+    return out.to(q.dtype), lse, k_all.clone(), v_all.clone()  # outputs own their storage
+
+
+_allgather_attention = torch.library.custom_op("lightning_par::context_attention_allgather", _allgather_impl,
+                                               mutates_args=())
+
+
+@_allgather_attention.register_fake
+def _(q, k, v, mask, is_causal, scale, groups, group_name):
+    cp = dist.get_world_size(resolve_process_group(group_name))
+    seq = cp * k.shape[-2]
+    return (q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32),
+            k.new_empty((*k.shape[:-2], seq, k.shape[-1])), v.new_empty((*v.shape[:-2], seq, v.shape[-1])))
+
+
+def _allgather_setup(ctx, inputs, output):
+    q, k, v, mask, is_causal, scale, groups, group_name = inputs
+    out, lse, k_all, v_all = output
+    ctx.save_for_backward(q, k_all, v_all, mask, out, lse)
+    ctx.is_causal, ctx.scale, ctx.groups, ctx.group_name = is_causal, scale, groups, group_name
+    ctx.k_dtype, ctx.v_dtype = k.dtype, v.dtype
+
+
+def _allgather_backward(ctx, dout, dlse, dk_all, dv_all):
+    q, k_all, v_all, mask, out, lse = ctx.saved_tensors
+    group, cp, rank = _group(ctx.group_name)
+    seq = k_all.shape[-2]
+    k_pos = group_positions(seq, cp, q.device)
+    bias = block_bias(local_positions(seq, cp, rank, q.device), k_pos, ctx.is_causal, _columns(mask, k_pos))
+    dq, dk, dv = block_backward(q, k_all, v_all, ctx.scale, bias, out, lse, dout, ctx.groups)
+    full = _pack(dk.to(ctx.k_dtype), dv.to(ctx.v_dtype)).contiguous()
+    mine = full.new_empty((seq // cp, full.shape[1]))
+    dist.reduce_scatter_single(mine, full, group=group)
+    l_shape = lambda t: (*t.shape[:-2], seq // cp, t.shape[-1])  # noqa: E731
+    dk, dv = _unpack(mine, l_shape(k_all), l_shape(v_all))
+    return dq.to(q.dtype), dk, dv, None, None, None, None, None
+
+
+_allgather_attention.register_autograd(_allgather_backward, setup_context=_allgather_setup)
+
+
+# ---- ring ------------------------------------------------------------------------------------------------------
+
+def _peers(group, cp: int, rank: int) -> tuple[int, int]:
+    return dist.get_global_rank(group, (rank + 1) % cp), dist.get_global_rank(group, (rank - 1) % cp)
+
+
+def _exchange(group, send: Tensor, nxt: int, prv: int, tag: int):
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _ring_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, scale: float,
+                    groups: int, group_name: str) -> tuple[Tensor, Tensor]:
+    group, cp, rank = _group(group_name)
+    nxt, prv = _peers(group, cp, rank)
+    seq = cp * q.shape[-2]
+    q_pos = local_positions(seq, cp, rank, q.device)
+    kv, out, lse = _pack(k, v).contiguous(), None, None
+    for step in range(cp):
+        pending = _exchange(group, kv, nxt, prv, 0) if step < cp - 1 else None  # overlaps the block below
+        k_pos = local_positions(seq, cp, (rank - step) % cp, q.device)
+        k_b, v_b = _unpack(kv, k.shape, v.shape)
+        bias = block_bias(q_pos, k_pos, is_causal, _columns(mask, k_pos))
+        out, lse = merge(out, lse, *block_forward(q, k_b, v_b, scale, bias, groups))
+        if pending is not None:
+            for work in pending[1]:
+                work.wait()
+            kv = pending[0]
+    return out.to(q.dtype), lse
+
+
+_ring_attention = torch.library.custom_op("lightning_par::context_attention_ring", _ring_impl, mutates_args=())
+
+
+@_ring_attention.register_fake
+def _(q, k, v, mask, is_causal, scale, groups, group_name):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, mask, is_causal, scale, groups, group_name = inputs
+    ctx.save_for_backward(q, k, v, mask, *output)
+    ctx.is_causal, ctx.scale, ctx.groups, ctx.group_name = is_causal, scale, groups, group_name
+
+
+def _ring_backward(ctx, dout, dlse):
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    group, cp, rank = _group(ctx.group_name)
+    nxt, prv = _peers(group, cp, rank)
+    seq = cp * q.shape[-2]
+    q_pos = local_positions(seq, cp, rank, q.device)
+    kv = _pack(k, v).contiguous()
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for step in range(cp):
+        pending = _exchange(group, kv, nxt, prv, 0) if step < cp - 1 else None
+        k_pos = local_positions(seq, cp, (rank - step) % cp, q.device)
+        k_b, v_b = _unpack(kv, k.shape, v.shape)
+        bias = block_bias(q_pos, k_pos, ctx.is_causal, _columns(mask, k_pos))
+        dq_b, dk_b, dv_b = block_backward(q, k_b, v_b, ctx.scale, bias, out, lse, dout, ctx.groups)
+        dq += dq_b
+        dkv, moving = _exchange(group, (dkv + _pack(dk_b, dv_b)).contiguous(), nxt, prv, 1)  # one hop on
+        for work in moving + (pending[1] if pending is not None else []):
+            work.wait()
+        if pending is not None:
+            kv = pending[0]
+    dk, dv = _unpack(dkv, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+_ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
+
+OPS = (torch.ops.lightning_par.context_attention_allgather.default,
+       torch.ops.lightning_par.context_attention_ring.default)
+IMPLEMENTATIONS = dict(zip(OPS, (_allgather_impl, _ring_impl)))  # what a dispatch mode may enter to see inside
+
+
+# ---- the entry point -------------------------------------------------------------------------------------------
+
+def _local_mask(mask: Optional[Tensor], q: Tensor, seq: int, cp: int, rank: int) -> Optional[Tensor]:
+    """The mask with its query rows at this rank's positions (whole rows are cut, local or broadcast rows kept)."""
+    if mask is None:
+        return None
+    if mask.requires_grad:
+        raise ValueError(
+            "Context-parallel attention takes masks that need no gradient; this attention mask requires grad (a "
+            "learned additive bias, such as T5's relative position bias, is not supported under context "
+            "parallelism). Run this model with context_parallel_size=1.")
+    if mask.dim() < 2 or mask.shape[-1] != seq or mask.shape[-2] not in (1, q.shape[-2], seq):
+        raise ValueError(
+            f"Context-parallel attention needs masks over the whole sequence ({seq} keys, as the module computes "
+            f"them before its blocks), with {seq}, {q.shape[-2]} (this rank's) or 1 query rows; got a mask of shape "
+            f"{tuple(mask.shape)}. A mask built inside the blocks from the local length cannot be sliced.")
+    if mask.shape[-2] == seq:
+        mask = mask.index_select(-2, local_positions(seq, cp, rank, mask.device))
+    return mask
+
+
+def context_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                      dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                      enable_gqa: bool = False, *, group, method: str = "ring") -> Tensor:
+    """This rank's piece of SDPA over the whole sequence of ``group``; SDPA's arguments (see the module docstring,
+    [Note: all-gather or ring] for ``method``)."""
+    if method not in METHODS:
+        raise ValueError(f"context attention `method={method!r}`: choose one of {METHODS}.")
+    if dropout_p:
+        raise ValueError(
+            f"Context-parallel attention runs with dropout_p == 0 only; SDPA was called with dropout_p={dropout_p} "
+            f"(training with attention dropout). Set the model's attention dropout to 0 (e.g. "
+            f"`attention_dropout=0.0` in a Hugging Face config, `dropout=0.0` in the reference GPT).")
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention takes `attn_mask` or `is_causal=True`, not both.")
+    if query.shape[-2] != key.shape[-2] or key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"Context-parallel attention is self-attention over one sequence: queries, keys and values of one length "
+            f"per rank; got {query.shape[-2]} queries against {key.shape[-2]} keys (cross-attention, or decoding "
+            f"with a cache, is not sharded). Call the model with `use_cache=False`, or without context parallelism.")
+    heads, kv_heads = query.shape[-3], key.shape[-3]
+    if heads != kv_heads and (not enable_gqa or heads % kv_heads):
+        raise ValueError(
+            f"scaled_dot_product_attention got {heads} query heads and {kv_heads} key/value heads; that needs "
+            f"`enable_gqa=True` and {kv_heads} dividing {heads}.")
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq = cp * query.shape[-2]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    mask = _local_mask(attn_mask, query, seq, cp, rank)
+    op = _allgather_attention if method == "allgather" else _ring_attention
+    return op(query, key.contiguous(), value.contiguous(), mask, bool(is_causal), scale, heads // kv_heads,
+              group.group_name)[0]
+
+
+__all__ = ["IMPLEMENTATIONS", "METHODS", "OPS", "context_attention"]

@@ -1,0 +1,78 @@
+"""Attention across a context-parallel group (lightning_par.context) on real gloo ranks: every rank's piece of the
+output and of the gradients of q, k, v equals one process's SDPA over the whole sequence (float32, 1e-5), for causal
+and bidirectional attention, grouped-query attention, boolean and additive masks, by all-gather and by ring; and
+the bytes each rank sends per layer equal the formula of [Note: all-gather or ring]."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_par.comm import CommCounter, count_comm
+from lightning_par.context import context_attention, gather, shard
+from harness import TIMEOUT_S, free_port, start_ranks
+
+B, H, S, E = 2, 4, 16, 8
+
+CASES = {  # name: (kv heads, sdpa keywords, a mask maker)
+    "causal": (H, dict(is_causal=True), None),
+    "bidirectional": (H, dict(), None),
+    "gqa_causal": (2, dict(is_causal=True, enable_gqa=True), None),
+    "bool_mask": (H, dict(), lambda g: (torch.rand(B, 1, S, S, generator=g) > 0.4) | torch.eye(S, dtype=torch.bool)),
+    "additive_mask": (2, dict(enable_gqa=True), lambda g: torch.randn(B, H, S, S, generator=g)),
+    "key_mask": (H, dict(), lambda g: torch.arange(S).expand(B, 1, 1, S) < torch.tensor([S, S - 5]).view(B, 1, 1, 1)),
+}
+
+
+def _case(name, rank, cp, method, group):
+    kv_heads, kw, make_mask = CASES[name]
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, n, S, E, generator=g, requires_grad=True) for n in (H, kv_heads, kv_heads))
+    dout = torch.randn(B, H, S, E, generator=g)
+    mask = make_mask(g) if make_mask else None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    ref.backward(dout)
+    pieces = [shard(t.detach(), 2, cp, rank).requires_grad_() for t in (q, k, v)]
+    local_mask = None if mask is None else (mask if mask.shape[-2] == 1 else shard(mask, 2, cp, rank))
+    out = context_attention(*pieces, attn_mask=local_mask, group=group, method=method, **kw)
+    out.backward(shard(dout, 2, cp, rank))
+    torch.testing.assert_close(gather(out.detach(), 2, group), ref.detach(), atol=1e-5, rtol=1e-5)
+    for piece, full in zip(pieces, (q, k, v)):
+        torch.testing.assert_close(piece.grad, shard(full.grad, 2, cp, rank), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{name} {method} cp{cp}: {m}")
+
+
+def _bytes(rank, cp, method, group):
+    """Wire bytes per layer: forward (cp-1)·kv; backward (cp-1)·kv (all-gather) or (2cp-1)·kv (ring)."""
+    q, k, v = (torch.randn(B, n, S // cp, E, requires_grad=True) for n in (H, 2, 2))
+    kv = (k.numel() + v.numel()) * 4
+    counter = CommCounter()
+    with count_comm(counter):
+        out = context_attention(q, k, v, is_causal=True, enable_gqa=True, group=group, method=method)
+        forward = counter.wire_bytes
+        out.sum().backward()
+    backward = counter.wire_bytes - forward
+    assert forward == (cp - 1) * kv, (method, forward, kv)
+    assert backward == ((cp - 1) * kv if method == "allgather" else (2 * cp - 1) * kv), (method, backward, kv)
+
+
+def _worker(rank, cp, port):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", rank=rank, world_size=cp, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        group = dist.new_group(list(range(cp)))
+        for method in ("allgather", "ring"):
+            for name in CASES:
+                _case(name, rank, cp, method, group)
+            _bytes(rank, cp, method, group)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_attention_equals_sdpa_on_the_whole_sequence(cp):
+    start_ranks(_worker, (cp, free_port()), nprocs=cp)
