@@ -1,7 +1,8 @@
 """The strategies' options, each defined once: frozen groups (layout, pipeline, tensor, sharding, block stack,
 memory, DDP replicas, replica sync, learning-rate scaling, weights, steps, fault tolerance, checkpointing, launch:
 :mod:`lightning_par.option_groups`), each with its fields' types and defaults and the check of its own values,
-composed per strategy (:class:`CoreOptions`, :class:`DataParallelOptions`) and spelled as flat keywords by the constructors (:func:`takes_options`).
+composed per strategy (:class:`CoreOptions`, :class:`DataParallelOptions`) and spelled as flat keywords by the
+constructors (:func:`takes_options`).
 
     >>> o = CoreOptions.from_flat({"microbatches": 8, "zero_stage": 1})
     >>> o.pipeline.microbatches, o.sharding.zero_stage, o.fault_tolerance.ft_timeout
