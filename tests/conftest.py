@@ -120,6 +120,10 @@ def _environment_restored():
 # launch collects only what its test made and its ranks skip the rest. Frozen objects are still freed by their
 # reference counts; only cycles among them stay (this process's lifetime).
 def pytest_collection_finish(session):
+    # what every DDP / tensor-parallel rank imports at setup, imported once here rather than in each rank
+    import torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook  # noqa: F401
+    import lightning_par.tensor.probe  # noqa: F401
+
     gc.collect()
     gc.freeze()
 
