@@ -219,13 +219,21 @@ def union_of_grad_names(records: list[dict]) -> set[str]:
 def start_ranks(fn, args, nprocs: int):
     """``torch.multiprocessing.start_processes`` by fork, after collecting this process's garbage: a process
     group an earlier test destroyed may still be held by a reference cycle, and its destructor hangs a forked
-    child ([Note: collect before fork] in lightning_par/strategies/_materialize.py)."""
+    child ([Note: collect before fork] in lightning_par/strategies/_materialize.py), and freezing what survives
+    until the ranks are back ([Note: freeze before fork] there)."""
     import gc
 
     import torch.multiprocessing as mp
 
     gc.collect()
-    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork")
+    ours = gc.get_freeze_count() == 0
+    if ours:
+        gc.freeze()
+    try:
+        return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork")
+    finally:
+        if ours:
+            gc.unfreeze()
 
 
 def free_port() -> int:

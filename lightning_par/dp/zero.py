@@ -33,6 +33,7 @@ With one replica there is nothing to shard: every stage trains as stage 0.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 from torch.optim import Optimizer
@@ -110,10 +111,14 @@ def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
 
 
 def local_optimizer(optimizer: Optimizer) -> Optimizer:
-    """The optimizer that holds this rank's state: ZeRO's local shard optimizer, else the optimizer."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    """The optimizer that holds this rank's state: ZeRO's local shard optimizer, else the optimizer.
 
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    [Note: no import for an isinstance check]
+    Importing ``torch.distributed.optim`` compiles its functional optimizers with TorchScript (~0.4 s of CPU in
+    every rank that imports it); an optimizer can only be a ``ZeroRedundancyOptimizer`` once that module is
+    imported, so a run without ZeRO-1 does not import it here."""
+    zero = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", None)
+    return optimizer.optim if zero is not None and isinstance(optimizer, zero) else optimizer
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:

@@ -1,11 +1,15 @@
 """A process killed at any moment of a save leaves every checkpoint under its final name complete and
 loadable ([Note: atomic checkpoints] in lightning_par/atomic.py): tests/dist/saver.py saves files and
 torch.distributed.checkpoint directories as the strategies do and is SIGKILLed mid-save, at random
-moments and at each step of the protocol; everything left under a final name must load, whole."""
+moments and at each step of the protocol; everything left under a final name must load, whole.
+
+saver.py runs in a child forked from this process (what is killed is a process of its own; a fresh
+interpreter would add only ~5 s of imports per run), as ``python tests/dist/saver.py`` runs it by hand."""
+import gc
 import os
-import subprocess
-import sys
+import signal
 import time
+import traceback
 
 import pytest
 import torch
@@ -15,26 +19,70 @@ from lightning_par import DataParallelStrategy, PipelineParallelStrategy, Tensor
 from lightning_par.checkpoint import read_meta
 from lightning_par.strategies._checkpoint_io import AtomicCheckpointIO
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 N = 1 << 20
 
 
+class Saver:
+    """saver.py's ``main(folder, mode)`` in a forked child, its stderr kept in a pipe."""
+
+    def __init__(self, folder, mode):
+        import saver
+
+        gc.collect()  # [Note: collect before fork] in lightning_par/strategies/_materialize.py
+        read_end, write_end = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: save as told (the modes that die kill themselves), never return
+            os.close(read_end)
+            os.dup2(write_end, 2)
+            try:
+                saver.main(str(folder), mode)
+            except BaseException:  # noqa: BLE001 -- reported through the pipe
+                traceback.print_exc()
+            os._exit(1)
+        os.close(write_end)
+        self.err, self.status = os.fdopen(read_end, "rb"), None
+
+    def poll(self):
+        if self.status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = os.waitstatus_to_exitcode(status)
+        return self.status
+
+    def wait(self, timeout: float = 120.0):
+        deadline = time.time() + timeout
+        while self.poll() is None:
+            if time.time() > deadline:
+                self.kill()
+                raise TimeoutError(f"saver.py did not end within {timeout} s")
+            time.sleep(0.01)
+        return self.status
+
+    def kill(self):
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def stderr(self) -> str:
+        self.kill()
+        self.wait()
+        return self.err.read().decode()[-2000:]
+
+
 def run_saver(folder, mode, kill_after=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "saver.py"), str(folder), mode], env=env,
-                            stderr=subprocess.PIPE)
-    if kill_after is None:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == -9, err.decode()[-2000:]  # it died where it was told to
-        return
-    deadline = time.time() + 120
-    while not any(n.endswith(".ckpt") for n in os.listdir(folder)):  # imports done, saving
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.02)
-    time.sleep(kill_after)
-    proc.kill()
-    proc.wait()
+    proc = Saver(folder, mode)
+    try:
+        if kill_after is None:
+            assert proc.wait() == -9, proc.stderr()  # it died where it was told to
+            return
+        deadline = time.time() + 120
+        while not any(n.endswith(".ckpt") for n in os.listdir(folder)):  # started, saving
+            assert proc.poll() is None and time.time() < deadline, proc.stderr()
+            time.sleep(0.02)
+        time.sleep(kill_after)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.err.close()
 
 
 def check_all_loadable(folder) -> dict:
