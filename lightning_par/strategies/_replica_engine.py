@@ -45,6 +45,7 @@ from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.strategies._checkpoint import _unwrap
 from lightning_par.strategies._engine import Engine, optimizer_params
 from lightning_par.strategies._materialize import teardown_in_place
+from lightning_par.tensor.parallelize import broadcast_state
 
 
 class ReplicaEngine(Engine):
@@ -104,10 +105,8 @@ class ReplicaEngine(Engine):
     def install(self) -> None:
         if self.sync.sync == "every_step":
             return self.host.lightning_configure_ddp()  # DDP with the strategy's options and comm hook
-        if dist.is_initialized():  # no DDP wrapper: rank 0's start, as DDP's constructor broadcasts it
-            with torch.no_grad():
-                for t in [*self.s.model.parameters(), *self.s.model.buffers()]:
-                    dist.broadcast(t.data, src=0)
+        if dist.is_initialized():  # no DDP wrapper: rank 0's start, coalesced as DDP's constructor broadcasts it
+            broadcast_state(self.s.model, src=0)
 
     # -- sync="local_sgd" | "diloco" ([Note: replicas without DDP between syncs]) ---------------------------
     def _periodic_sync(self) -> local_sgd.PeriodicSync:
