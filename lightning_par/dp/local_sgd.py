@@ -46,6 +46,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_par.tensor.mixed import average_flat_
+
 SYNCS = ("every_step", "local_sgd", "diloco")
 
 
@@ -93,19 +95,8 @@ def check_combination(sync: str, *, zero_stage: int, ddp_options: dict) -> None:
 
 def average_(tensors: Sequence[torch.Tensor], group=None) -> None:
     """Average ``tensors`` in place over the ranks of ``group``: one flat all-reduce (SUM, then / ranks) per
-    dtype and device."""
-    world = dist.get_world_size(group)
-    buckets: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        buckets.setdefault((t.dtype, t.device), []).append(t)
-    for same in buckets.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(world)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+    dtype and device (:func:`lightning_par.tensor.mixed.average_flat_`, the replicas' gradient average)."""
+    average_flat_(tensors, group, dist.get_world_size(group))
 
 
 class PeriodicSync:

@@ -187,27 +187,32 @@ def settle_grads(parameters: list[torch.Tensor], grads: list, group) -> list:
 
 def average_grads(parameters: Iterable[torch.Tensor], group, size: int, *,
                   average: Optional[Callable[[torch.Tensor], None]] = None) -> None:
-    """Average gradients over a data-parallel ``group`` of ``size`` replicas, one all-reduce per dtype; or, given
+    """Average gradients over a data-parallel ``group`` of ``size`` replicas (:func:`average_flat_`); or, given
     ``average`` (a flat tensor averaged in place, e.g. over torchft's live replica groups), with it.
 
     A DTensor gradient is averaged through its local shard: data-parallel peers hold the same shard.
     """
     if size == 1 and average is None:
         return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is None:
-            continue
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    average_flat_(grads, group, size, average=average)
+
+
+def average_flat_(tensors: Iterable[torch.Tensor], group, size: int, *,
+                  average: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+    """Average ``tensors`` in place over the ``size`` ranks of ``group``: one flat all-reduce (SUM, then / size) per
+    dtype and device; or each flat tensor through ``average``."""
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    for same in buckets.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
         if average is not None:
             average(flat)
         else:
             dist.all_reduce(flat, group=group)
             flat /= size
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
