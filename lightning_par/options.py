@@ -97,6 +97,7 @@ class CoreOptions(Options):
     sharding: ShardingOptions = ShardingOptions()
     stack: BlockOptions = BlockOptions()
     memory: MemoryOptions = MemoryOptions()
+    sync: SyncOptions = SyncOptions()  # the data axis: every step, or local SGD / DiLoCo
     weights: WeightsOptions = WeightsOptions()
     steps: StepOptions = StepOptions()
     fault_tolerance: FaultToleranceOptions = FaultToleranceOptions()
@@ -105,6 +106,7 @@ class CoreOptions(Options):
 
     def __post_init__(self) -> None:
         check_core_fault_tolerance(self)
+        check_core_sync(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +135,10 @@ class DataParallelOptions(Options):
         fsdp.check_offload_stage(self.memory.offload, zero_stage)
         local_sgd.check_combination(self.sync.sync, zero_stage=zero_stage, ddp_options=changed)
         f = self.fault_tolerance
+        if f.fault_tolerance is not None and self.sync.fragments > 1:
+            raise ValueError(f"`fragments={self.sync.fragments}` (streaming DiLoCo) with `fault_tolerance='torchft'` is "
+                             f"not supported: each fragment's sync would need a torchft quorum of its own. Use "
+                             f"fragments=1 under torchft.")
         ft.validate_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout, zero_stage=zero_stage,
                                     comm_hook=self.replicas.comm_hook, static_graph=self.replicas.static_graph,
                                     lr_scaling=self.lr_scaling.lr_scaling)
@@ -163,6 +169,27 @@ def check_core_fault_tolerance(options: CoreOptions) -> None:
                          "decides a skip on its own batch's loss, and the other groups would step without it (their "
                          "weights would part silently). Use nonfinite='error' (a group that stops rejoins from a "
                          "peer).")
+
+
+def check_core_sync(options: CoreOptions) -> None:
+    """What ``sync="local_sgd" | "diloco"`` on the core's data axis does not compose with ([Note: periodic sync on
+    the data axis] in :mod:`lightning_par.strategies._periodic_sync`)."""
+    sync = options.sync
+    if sync.sync == "every_step":
+        return
+    local_sgd.check_combination(sync.sync, zero_stage=options.sharding.zero_stage, ddp_options={})
+    if options.fault_tolerance.fault_tolerance is not None:
+        raise ValueError(f"`sync={sync.sync!r}` with `fault_tolerance='torchft'` is not supported on the hybrid core "
+                         f"(the replica groups would meet on torchft's quorum at syncs only; DataParallelStrategy "
+                         f"does that). Use sync='every_step', or DataParallelStrategy.")
+    if options.layout.context_parallel_size > 1:
+        raise ValueError(f"`sync={sync.sync!r}` with `context_parallel_size={options.layout.context_parallel_size}` "
+                         f"is not supported yet (not tested together). Use context_parallel_size=1, or "
+                         f"sync='every_step'.")
+    if sync.fragments > 1:
+        raise ValueError(f"`fragments={sync.fragments}` (streaming DiLoCo) is not supported on the hybrid core yet "
+                         f"(its fragments would cut the block stack across pipeline stages); use fragments=1, or "
+                         f"DataParallelStrategy for streaming DiLoCo.")
 
 
 def one_replica_per_job(size) -> str:

@@ -37,6 +37,20 @@ state, this sync state among it, at a step boundary), and its sync averages over
 torchft's all-reduce and commits with ``should_commit``. Between syncs no quorum is asked for and nothing is
 committed, so torchft's step counts syncs, not optimizer steps. A sync that does not commit is discarded as torchft
 discards it (:meth:`PeriodicSync.sync_now`).
+
+[Note: streaming DiLoCo]
+``fragments=F > 1`` (Douillard et al. 2025, "Streaming DiLoCo"; torchft's ``DiLoCo`` with several model fragments):
+the block stack is cut into F contiguous ranges (the parameters before it join the first, those after it the last),
+each with its own synced copy and outer momentum. As in torchft, fragment f is synced at the optimizer steps
+s = (f + 1) H / F + k H (H = ``sync_every``, a multiple of F), so one fragment's bytes cross the link every H / F
+steps and each fragment every H. Its all-reduce is started at the end of its sync step (the pseudo-gradient, in
+flight on a background gloo / NCCL work) and finished at the fragment's next use: the forward pre-hook of the first
+module holding one of its parameters (an inner optimizer step, a checkpoint or the end of training finish whatever
+is still in flight). The fragment's parameters do not change in between, so the numbers are torchft's with
+``fragment_sync_delay=0`` (the outer step on the averaged pseudo-gradient, ``fragment_update_alpha=0``), while
+the communication overlaps the forward of the fragments before it. Between a sync step's end and the
+fragment's next forward, hooks see its parameters before the sync. Not under torchft (refused): torchft's own
+streaming needs its quorum per fragment sync.
 """
 from __future__ import annotations
 
@@ -46,7 +60,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_par.tensor.mixed import average_flat_
+from lightning_par.tensor.mixed import average_flat_, start_average_flat
 
 SYNCS = ("every_step", "local_sgd", "diloco")
 
@@ -71,10 +85,13 @@ def check_sync(sync: Any, sync_every: Any, outer_lr: Any, outer_momentum: Any, f
                          f"momentum (the paper's 0.9; 0: plain SGD).")
     if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
         raise ValueError(f"`fragments={fragments!r}` must be an integer >= 1.")
-    if fragments > 1:
-        raise ValueError(f"`fragments={fragments}` (streaming DiLoCo: fragments synced at staggered steps, "
-                         f"overlapped with compute) is not supported; use fragments=1 (the whole model synced "
-                         f"at once). See docs/limitations.md.")
+    if fragments > 1 and sync != "diloco":
+        raise ValueError(f"`fragments={fragments}` (streaming DiLoCo) needs sync='diloco', not sync={sync!r}; for "
+                         f"streamed parameter averaging use sync='diloco' with outer_lr=1.0, outer_momentum=0.0.")
+    if fragments > 1 and (sync_every < fragments or sync_every % fragments):
+        raise ValueError(f"`fragments={fragments}` needs `sync_every` to be a multiple of it (got sync_every="
+                         f"{sync_every}): one fragment is synced every sync_every / fragments steps, as torchft's "
+                         f"streaming DiLoCo. Use sync_every={max(1, sync_every // fragments) * fragments}.")
 
 
 def check_combination(sync: str, *, zero_stage: int, ddp_options: dict) -> None:
@@ -100,22 +117,36 @@ def average_(tensors: Sequence[torch.Tensor], group=None) -> None:
 
 
 class PeriodicSync:
-    """Local SGD or DiLoCo over ``params`` (the replica's own tensors, in one order on every rank), torchft's
-    numbers over a plain process group ([Note: our own periodic averaging]).
+    """Local SGD or DiLoCo over ``params`` (the replica's own tensors, in one order on every rank; a DTensor
+    parameter is synced through its local shard), torchft's numbers over a plain process group of ``replicas``
+    ranks ([Note: our own periodic averaging]).
 
-    ``step()`` after every optimizer step of the inner optimizer; it syncs at every ``every``-th and says so.
+    ``fragments`` (streaming DiLoCo, [Note: streaming DiLoCo]): the indices into ``params`` of each fragment, and
+    ``owners`` the modules holding each fragment's parameters, whose forward waits for the fragment's sync.
+    ``step()`` after every optimizer step of the inner optimizer; it syncs when a fragment is due and says so.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], *, sync: str, every: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, group=None) -> None:
+                 outer_momentum: float = 0.9, group=None, replicas: Optional[int] = None,
+                 fragments: Optional[Sequence[Sequence[int]]] = None,
+                 owners: Optional[Sequence[Sequence[torch.nn.Module]]] = None) -> None:
         if sync not in ("local_sgd", "diloco"):
             raise ValueError(f"PeriodicSync syncs 'local_sgd' or 'diloco', not {sync!r}.")
-        self.params = [p for p in params]
+        self.params = [_local(p) for p in params]
         self.sync, self.every, self.group = sync, every, group
+        if replicas is None:
+            replicas = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        self.replicas = replicas
         # averages tensors in place over the replicas and says whether the sync commits: the group's all-reduce
         # (always), or torchft's over the live replica groups ([Note: syncs on torchft's quorum])
         self.reduce: Callable[[Sequence[torch.Tensor]], bool] = self._all_reduce
-        self.since = 0  # optimizer steps since the last sync
+        self.since = 0  # optimizer steps since the last sync of the whole model (modulo every)
+        self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(self.params)))]
+        n = len(self.fragments)
+        self.offsets = [every // n * (f + 1) for f in range(n)]  # torchft's: fragment f at (f + 1) H / F, then + H
+        self.pending: dict[int, Callable[[], None]] = {}  # fragments whose all-reduce is in flight
+        self.hooks = [m.register_forward_pre_hook(lambda *_, f=f: self.finish(f))
+                      for f, ms in enumerate(owners or []) for m in ms]
         self.synced: Optional[list[torch.Tensor]] = None
         self.outer: Optional[torch.optim.SGD] = None
         if sync == "diloco":
@@ -124,43 +155,88 @@ class PeriodicSync:
                                          nesterov=outer_momentum > 0)
 
     def step(self) -> bool:
-        """Count one optimizer step; sync when it is the ``every``-th since the last sync (True then)."""
+        """Count one optimizer step; sync each fragment that is due (True when one is)."""
         self.since += 1
-        if self.since < self.every:
-            return False
-        self.sync_now()
-        return True
+        due = [f for f, offset in enumerate(self.offsets) if self.since == offset]
+        if self.since >= self.every:
+            self.since = 0
+        if len(self.fragments) == 1:
+            if due:
+                self._sync_fragments([0])
+            return bool(due)
+        for f in due:
+            self.start(f)
+        return bool(due)
 
     def _all_reduce(self, tensors: Sequence[torch.Tensor]) -> bool:
-        average_(tensors, self.group)
+        if self.replicas > 1:
+            average_flat_(tensors, self.group, self.replicas)
         return True
 
     @torch.no_grad()
     def sync_now(self) -> bool:
-        """Average the parameters (local SGD), or step the outer optimizer on the averaged pseudo-gradient and
-        continue from its result (DiLoCo); every rank of the group calls it. A sync that does not commit (a
-        replica group lost under torchft) leaves local SGD's replica as it is and resets DiLoCo's to the last
-        synced parameters, as torchft's LocalSGD and DiLoCo do; returns whether it committed."""
+        """Sync the whole model now (every rank of the group calls it); the count starts again."""
+        self.finish()
         self.since = 0
+        return self._sync_fragments(range(len(self.fragments)))
+
+    def _sync_fragments(self, fragments: Iterable[int]) -> bool:
+        """Average the parameters (local SGD), or step the outer optimizer on the averaged pseudo-gradient and
+        continue from its result (DiLoCo). A sync that does not commit (a replica group lost under torchft)
+        leaves local SGD's replica as it is and resets DiLoCo's to the last synced parameters, as torchft's
+        LocalSGD and DiLoCo do; returns whether it committed."""
+        idx = [i for f in fragments for i in self.fragments[f]]
         if self.synced is None:
-            averaged = [p.data.clone() for p in self.params]
+            averaged = [self.params[i].clone() for i in idx]
             if self.reduce(averaged):
-                for p, a in zip(self.params, averaged):
-                    p.data.copy_(a)
+                for i, a in zip(idx, averaged):
+                    self.params[i].copy_(a)
                 return True
             return False
-        deltas = [s - p.data for s, p in zip(self.synced, self.params)]  # the pseudo-gradient
+        deltas = [self.synced[i] - self.params[i] for i in idx]  # the pseudo-gradient
         if not self.reduce(deltas):
-            for p, s in zip(self.params, self.synced):
-                p.data.copy_(s)
+            for i in idx:
+                self.params[i].copy_(self.synced[i])
             return False
-        for s, d in zip(self.synced, deltas):
-            s.grad = d
-        self.outer.step()
-        self.outer.zero_grad(set_to_none=True)
-        for p, s in zip(self.params, self.synced):
-            p.data.copy_(s)
+        self._outer_step(idx, deltas)
         return True
+
+    def _outer_step(self, idx: list[int], deltas: list[torch.Tensor]) -> None:
+        for i, d in zip(idx, deltas):
+            self.synced[i].grad = d
+        self.outer.step()  # parameters without a gradient (other fragments) are left alone, momentum too
+        self.outer.zero_grad(set_to_none=True)
+        for i in idx:
+            self.params[i].copy_(self.synced[i])
+
+    # -- streaming DiLoCo ([Note: streaming DiLoCo]) ------------------------------------------------------------
+    @torch.no_grad()
+    def start(self, f: int) -> None:
+        """Fragment ``f``'s pseudo-gradient, its average started (in flight on return)."""
+        self.finish(f)
+        idx = self.fragments[f]
+        deltas = [self.synced[i] - self.params[i] for i in idx]
+        finish = start_average_flat(deltas, self.group, self.replicas) if self.replicas > 1 else (lambda: None)
+
+        def apply() -> None:
+            finish()
+            self._outer_step(idx, deltas)
+
+        self.pending[f] = apply
+
+    @torch.no_grad()
+    def finish(self, f: Optional[int] = None) -> None:
+        """Wait for fragment ``f``'s sync (None: every fragment's) and apply it."""
+        for g in ([f] if f is not None else list(self.pending)):
+            apply = self.pending.pop(g, None)
+            if apply is not None:
+                apply()
+
+    def close(self) -> None:
+        """Finish what is in flight and take the forward hooks out."""
+        self.finish()
+        while self.hooks:
+            self.hooks.pop().remove()
 
     def restart(self) -> None:
         """Start afresh from the parameters as they are now (a checkpoint without sync state): no step counted,
@@ -176,7 +252,9 @@ class PeriodicSync:
     def state_dict(self) -> dict[str, Any]:
         """What every rank shares (the same on every rank): the step count since the last sync, and under
         DiLoCo the last synced parameters and the outer optimizer's state; on CPU."""
-        state: dict[str, Any] = {"sync": self.sync, "every": self.every, "since": self.since}
+        self.finish()
+        state: dict[str, Any] = {"sync": self.sync, "every": self.every, "since": self.since,
+                                 "fragments": len(self.fragments)}
         if self.synced is not None:
             state["synced"] = [s.detach().cpu().clone() for s in self.synced]
             state["outer"] = _to_cpu(self.outer.state_dict())
@@ -186,6 +264,9 @@ class PeriodicSync:
         if state.get("sync") != self.sync:
             raise ValueError(f"{where} was saved with `sync={state.get('sync')!r}`; this run has sync={self.sync!r}. "
                              f"Resume with sync={state.get('sync')!r}.")
+        if state.get("fragments", 1) != len(self.fragments):
+            raise ValueError(f"{where} was saved with `fragments={state.get('fragments', 1)}`; this run has "
+                             f"fragments={len(self.fragments)}. Resume with fragments={state.get('fragments', 1)}.")
         self.since = int(state["since"]) % self.every  # another sync_every: the count continues modulo it
         if self.synced is None:
             return
@@ -199,9 +280,85 @@ class PeriodicSync:
         self.outer.load_state_dict(state["outer"])
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage: writes reach the parameter), a plain tensor itself, detached."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        return t.to_local() if isinstance(t, DTensor) else t.detach()
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Per parameter (in the optimizer's order) its state: tensors as this rank's local values on CPU."""
+    return [{k: (_local(v).cpu().clone() if isinstance(v, torch.Tensor) else v)
+             for k, v in optimizer.state.get(p, {}).items()}
+            for group in optimizer.param_groups for p in group["params"]]
+
+
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], *, where: str) -> None:
+    """:func:`optimizer_tensors`' values written into the optimizer's state in place (a DTensor's local shard),
+    which Lightning's restore of the same layout has created."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(saved) != len(params):
+        raise ValueError(f"{where} holds this rank's optimizer state of {len(saved)} parameters; its optimizer has "
+                         f"{len(params)}: was it saved from another model?")
+    with torch.no_grad():
+        for p, state in zip(params, saved):
+            current = optimizer.state[p]
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and isinstance(current.get(k), torch.Tensor):
+                    _local(current[k]).copy_(v)
+                elif isinstance(v, torch.Tensor):
+                    if isinstance(p, DTensor):
+                        raise ValueError(f"{where}: the optimizer has no state {k!r} for a sharded parameter to "
+                                         f"load this rank's into (was the optimizer state restored?).")
+                    current[k] = v.to(p.device) if v.dim() > 0 else v
+                else:
+                    current[k] = v
+
+
+def block_fragments(module: torch.nn.Module, params: Sequence[torch.Tensor], fragments: int,
+                    blocks: Optional[str] = None) -> tuple[list[list[int]], list[list[torch.nn.Module]]]:
+    """Streaming DiLoCo's fragments of ``module`` ([Note: streaming DiLoCo]): its block stack cut into
+    ``fragments`` contiguous ranges, the parameters before the stack with the first, those after it with the last.
+    Returns each fragment's indices into ``params`` and the modules directly holding them."""
+    from lightning_par.pipeline.discovery import find_blocks
+
+    path, stack = find_blocks(module, blocks)
+    children = list(stack.children())
+    if len(children) < fragments:
+        raise ValueError(f"`fragments={fragments}` cuts the block stack `{path}` of {type(module).__name__} into "
+                         f"that many ranges, and it has {len(children)} blocks. Use fragments <= {len(children)}.")
+    where: dict[int, int] = {}
+    start = 0
+    for f in range(fragments):
+        count = len(children) // fragments + (1 if f < len(children) % fragments else 0)
+        for block in children[start:start + count]:
+            for p in block.parameters():
+                where.setdefault(id(p), f)
+        start += count
+    seen_stack, owners = False, [[] for _ in range(fragments)]
+    for name, p in module.named_parameters():
+        if id(p) in where:
+            seen_stack = True
+        else:
+            where[id(p)] = fragments - 1 if seen_stack else 0
+    wanted = {id(p): i for i, p in enumerate(params)}
+    indices = [[] for _ in range(fragments)]
+    for p in params:
+        indices[where[id(p)]].append(wanted[id(p)])
+    for m in module.modules():
+        held = {where[id(p)] for p in m.parameters(recurse=False) if id(p) in wanted}
+        for f in held:
+            owners[f].append(m)
+    return indices, owners
+
+
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
+        return _local(obj).cpu().clone()
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -219,4 +376,5 @@ def rank_states(local: dict[str, Any], group=None) -> Optional[list]:
     return everyone
 
 
-__all__ = ["SYNCS", "PeriodicSync", "average_", "check_combination", "check_sync", "rank_states"]
+__all__ = ["SYNCS", "PeriodicSync", "average_", "block_fragments", "check_combination", "check_sync",
+           "load_optimizer_tensors", "optimizer_tensors", "rank_states"]

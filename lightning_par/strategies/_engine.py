@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from lightning_par.memory.checkpointing import Checkpointed, apply_activation_checkpointing
+from lightning_par.strategies._periodic_sync import PeriodicSyncHooks
 from lightning_par.options import (BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, SyncOptions,
                                    TensorOptions)
 
@@ -108,7 +109,7 @@ class Host:
     lightning_configure_ddp: Optional[Callable] = None  # (): DDPStrategy.configure_ddp (the replica engine's DDP)
 
 
-class Engine:
+class Engine(PeriodicSyncHooks):
     """The methods every engine has; the defaults are what an engine that needs nothing there does."""
 
     runtime = None  # the pipeline stage (the pipeline engine, once installed)
@@ -120,6 +121,7 @@ class Engine:
     def __init__(self, strategy, options: EngineOptions, groups: Groups, host: Host) -> None:
         self.strategy, self.options, self.groups, self.host = strategy, options, groups, host
         self.replica_average: Optional[Callable] = None  # torchft's average over the live replica groups
+        self.periodic = None  # sync="local_sgd" | "diloco" while fitting (lightning_par.dp.local_sgd.PeriodicSync)
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
@@ -162,9 +164,6 @@ class Engine:
         """The optimizer step's closure followed by whatever settles the gradients (reductions over ranks)."""
         return closure
 
-    def after_step(self) -> None:
-        """After every optimizer step (taken or skipped): the replica engine's periodic sync."""
-
     def clip_grad_norm(self, optimizer, clip_val: Union[int, float]) -> None:
         raise NotImplementedError
 
@@ -196,6 +195,8 @@ class Engine:
         """After forward-only passes and before checkpoints: the module at rest."""
 
     def teardown(self) -> None:
+        self.stop_periodic_sync()
+        self.periodic = None
         self.uncheckpoint_blocks()
         self.host.lightning_teardown()
 

@@ -92,9 +92,10 @@ class PipelineEngine(Engine):
             s.setup_precision_plugin()
             if trainer.state.fn == TrainerFn.FITTING:
                 optimizers_to_device(s.optimizers, s.root_device)
-            return
-        self.host.lightning_setup(trainer)  # DDPStrategy.setup: model_to_device installs the stage, then optimizers
-        ddp_ignore(s.lightning_module, None)
+        else:
+            self.host.lightning_setup(trainer)  # DDPStrategy.setup: model_to_device installs the stage, then optimizers
+            ddp_ignore(s.lightning_module, None)
+        self.start_periodic_sync(trainer)  # sync="local_sgd" | "diloco": [Note: periodic sync on the data axis]
 
     def place(self, run=None) -> None:
         """DDPStrategy.setup's first step (``model_to_device``): the stage is installed before anything is placed.
@@ -197,7 +198,7 @@ class PipelineEngine(Engine):
         self.shared = SharedParameters(lm, [p for p in lm.parameters() if p.requires_grad],
                                        {id(p) for b in container for p in b.parameters()}, topology=topo,
                                        rank=s.global_rank, timeout=g.timeout,
-                                       dp_group=None if shards is not None else g.dp,  # FSDP averaged
+                                       dp_group=None if shards is not None or self.syncs_periodically else g.dp,
                                        default_owner=first_owner(uses, bounds, v))
         s.model = lm
         confine_metrics(lm, is_last=rt.is_last, dp_group=g.dp)

@@ -28,22 +28,21 @@ parameters and buffers (broadcast once, as DDP's constructor does); every optimi
 step, so the hooks that follow it (``on_train_batch_end``, logging, a validation or checkpoint at that step) see
 the synced model; at other steps they see this rank's own. Buffers (BatchNorm statistics) stay rank-local after
 the start, as under torchft's LocalSGD. A checkpoint holds the sync state and every rank's own parameters and
-inner optimizer state (:meth:`ReplicaEngine.sync_state`), so a run resumes exactly at any step.
+inner optimizer state ([Note: periodic sync on the data axis] in
+:mod:`~lightning_par.strategies._periodic_sync`), so a run resumes exactly at any step.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par._compat import optimizers_to_device
-from lightning_par.dp import fsdp, local_sgd
+from lightning_par.dp import fsdp
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.discovery import find_blocks
-from lightning_par.strategies._checkpoint import _unwrap
-from lightning_par.strategies._engine import Engine, optimizer_params
+from lightning_par.strategies._engine import Engine
 from lightning_par.strategies._materialize import teardown_in_place
 from lightning_par.tensor.parallelize import broadcast_state
 
@@ -56,16 +55,13 @@ class ReplicaEngine(Engine):
         self.s = strategy  # its public Lightning attributes only
         self.units: Optional[list[str]] = None  # zero_stage 2 / 3: the FSDP units, once sharded
         self.steps: Optional[fsdp.StepRunner] = None  # zero_stage 2 / 3: runs each step through the root unit
-        self.sync = options.sync  # "local_sgd" | "diloco": [Note: replicas without DDP between syncs]
-        self.periodic: Optional[local_sgd.PeriodicSync] = None  # its state, while fitting
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
         self.checkpoint_blocks(self.s.lightning_module, self.options.blocks)  # before DDP / FSDP wrap the blocks
         if self.options.zero_stage < 2:
             self.host.lightning_setup(trainer)  # DDPStrategy.setup: place, wrap in DDP, optimizers
-            if self.sync.sync != "every_step" and trainer.state.fn == TrainerFn.FITTING:
-                self.periodic = self._periodic_sync()
+            self.start_periodic_sync(trainer)  # sync="local_sgd" | "diloco" while fitting
             return
         # As DDPStrategy.setup, with FSDP in place of DDP in every trainer function ([Note: zero_stage 2 and 3 ...]).
         s = self.s
@@ -103,60 +99,10 @@ class ReplicaEngine(Engine):
         self.host.place_share(s.model, self.host.open_weights(s.model))
 
     def install(self) -> None:
-        if self.sync.sync == "every_step":
+        if not self.syncs_periodically:
             return self.host.lightning_configure_ddp()  # DDP with the strategy's options and comm hook
         if dist.is_initialized():  # no DDP wrapper: rank 0's start, coalesced as DDP's constructor broadcasts it
             broadcast_state(self.s.model, src=0)
-
-    # -- sync="local_sgd" | "diloco" ([Note: replicas without DDP between syncs]) ---------------------------
-    def _periodic_sync(self) -> local_sgd.PeriodicSync:
-        optimizers = self.s.optimizers
-        if len(optimizers) != 1:
-            raise ValueError(f"`sync={self.sync.sync!r}` counts the steps of one optimizer: `configure_optimizers` of "
-                             f"{type(self.s.lightning_module).__name__} returns {len(optimizers)}. Return one, or use "
-                             f"sync='every_step'.")
-        params = list(dict.fromkeys(optimizer_params(_unwrap(optimizers[0]))))  # a tied parameter once
-        return local_sgd.PeriodicSync(params, sync=self.sync.sync, every=self.sync.sync_every,
-                                      outer_lr=self.sync.outer_lr, outer_momentum=self.sync.outer_momentum)
-
-    def after_step(self) -> None:
-        if self.periodic is not None:
-            self.periodic.step()
-
-    def sync_follows(self) -> bool:
-        """Whether this step ends with a sync (its optimizer step is the ``sync_every``-th)."""
-        return self.periodic is not None and self.periodic.since == self.periodic.every - 1
-
-    def use_replica_sync(self, reduce) -> None:
-        """torchft: syncs average over the live replica groups and commit (``reduce(tensors) -> committed``)."""
-        self.periodic.reduce = reduce
-
-    def sync_state(self) -> Optional[dict[str, Any]]:
-        """The sync state for a checkpoint (every rank calls it): the shared state and, on rank 0, every rank's own
-        parameters and inner optimizer state (``ranks``); None without a periodic sync."""
-        if self.periodic is None:
-            return None
-        local = {"params": [p.detach() for p in self.periodic.params],
-                 "inner": _unwrap(self.s.optimizers[0]).state_dict()}
-        return {**self.periodic.state_dict(), "ranks": local_sgd.rank_states(local)}
-
-    def load_sync_state(self, state: Optional[dict[str, Any]], where: str) -> None:
-        """After Lightning restored the module (rank 0's) and the optimizer: this rank's own and the shared state."""
-        if self.periodic is None:
-            return
-        if state is None:  # saved under sync="every_step": the replicas start equal, from the checkpoint's weights
-            self.periodic.restart()
-            return
-        ranks, world, rank = state["ranks"], self.s.world_size, self.s.global_rank
-        if len(ranks) != world:
-            raise ValueError(f"{where} holds the replicas of a {len(ranks)}-rank sync={state['sync']!r} run; this run "
-                             f"has {world} ranks. Resume with {len(ranks)} ranks (each resumes its own replica).")
-        mine = ranks[rank]
-        with torch.no_grad():
-            for p, saved in zip(self.periodic.params, mine["params"], strict=True):
-                p.copy_(saved)
-        _unwrap(self.s.optimizers[0]).load_state_dict(mine["inner"])
-        self.periodic.load_state_dict(state, where=where)
 
     # -- steps: Lightning's, through FSDP's root unit once sharded ---------------------------------------
     def training_step(self, run, args: tuple, kwargs: dict) -> Any:
@@ -181,6 +127,7 @@ class ReplicaEngine(Engine):
 
     def teardown(self) -> None:
         self.uncheckpoint_blocks()
+        self.stop_periodic_sync()
         self.periodic = None
         if self.steps is None:
             return self.host.lightning_teardown()

@@ -65,6 +65,7 @@ class SpmdEngine(Engine):
             self.context = apply_context_parallel(s.lightning_module, self.groups.cp, blocks=self.options.blocks)
         if trainer.state.fn == TrainerFn.FITTING:
             s.setup_optimizers(trainer)
+        self.start_periodic_sync(trainer)  # sync="local_sgd" | "diloco": [Note: periodic sync on the data axis]
         # DTensor and plain gradients clipped and unscaled apart ([Note: precision subclasses])
         self.host.install_precision(PrecisionHooks(
             clip_by_norm=self.clip_grad_norm,
@@ -82,6 +83,8 @@ class SpmdEngine(Engine):
         clip_grad_norm_(_params(optimizer), clip_val)
 
     def teardown(self) -> None:
+        self.stop_periodic_sync()
+        self.periodic = None
         if self.context is not None:
             self.context.remove()
             self.context = None
@@ -196,7 +199,7 @@ class SpmdEngine(Engine):
             reduce_partial_grads(params, self.groups.mesh["tp"].get_group())
             if self.groups.cp is not None:  # [Note: gradients under context parallelism]: the group's mean
                 average_grads(params, self.groups.cp, s.topology.context_parallel_size)
-            if not fsdp.is_sharded(s.lightning_module):  # FSDP reduce-scattered the replicas' average already
+            if not fsdp.is_sharded(s.lightning_module) and not self.syncs_periodically:  # FSDP: averaged already
                 average_grads(params, self.groups.dp, dp, average=self.replica_average)  # torchft's (fault tolerance)
             return result
 

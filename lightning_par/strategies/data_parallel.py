@@ -30,10 +30,9 @@ from lightning_par.options import DataParallelOptions, SyncOptions, takes_option
 from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._engine import Groups
 from lightning_par.strategies._replica_engine import ReplicaEngine
-from lightning_par.strategies.hybrid_parallel import HybridParallelStrategy
+from lightning_par.strategies.hybrid_parallel import SYNC_KEY, HybridParallelStrategy
 
 
-SYNC_KEY = "lightning_par_sync"  # the checkpoint entry of sync="local_sgd" | "diloco"
 
 
 class DataParallelStrategy(HybridParallelStrategy):
@@ -63,7 +62,8 @@ class DataParallelStrategy(HybridParallelStrategy):
       and every ``sync_every`` optimizer steps the replicas average their parameters (local SGD) or their change
       since the last sync, stepped by an outer Nesterov SGD (``outer_lr``, ``outer_momentum``; DiLoCo); see
       :mod:`lightning_par.dp.local_sgd` and [Note: replicas without DDP between syncs] in
-      :mod:`~lightning_par.strategies._replica_engine`. ``fragments`` > 1 (streaming DiLoCo) is refused.
+      :mod:`~lightning_par.strategies._replica_engine`. ``fragments`` > 1 (``sync="diloco"``): streaming DiLoCo, the
+      block stack's fragments synced at staggered steps, overlapped with the forward ([Note: streaming DiLoCo]).
 
     ``weights`` / ``weights_prefix``: a weights file read into the module at setup (each rank reads its FSDP
     shards only under stages 2 / 3, which also build ``trainer.init_module()`` modules on the meta device).
@@ -194,17 +194,6 @@ class DataParallelStrategy(HybridParallelStrategy):
     def _checkpoint_layout(self) -> dict[str, Any]:  # the replicas' layout, without the core's pp / tp axes
         return {**CheckpointMixin._checkpoint_layout(self), "data_parallel_size": self.world_size,
                 "zero_stage": self.zero_stage}
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        state = self._engine.sync_state() if self._engine is not None else None  # every rank: a gather
-        if state is not None:  # sync="local_sgd" | "diloco": [Note: replicas without DDP between syncs]
-            checkpoint = {**checkpoint, SYNC_KEY: state}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        if self._engine is not None:
-            self._engine.load_sync_state(checkpoint.get(SYNC_KEY), where=self._ckpt_where)
 
     def _register_ddp_hooks(self) -> None:
         """Register the chosen communication hook on every device type (Lightning: CUDA only; for bf16 on

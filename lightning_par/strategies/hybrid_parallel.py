@@ -47,6 +47,9 @@ from lightning_par.tensor.rules import restore_rules
 from lightning_par.topology import ORDERS, Topology, keep_loader_on_one_process
 
 
+SYNC_KEY = "lightning_par_sync"  # the checkpoint entry of sync="local_sgd" | "diloco"
+
+
 class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
     """``pipeline_parallel_size`` stages × ``tensor_parallel_size`` ranks per stage × ``data_parallel_size``
     replicas on one ``DeviceMesh`` (axes ``pp``, ``dp``, ``tp``; tp innermost, pp outermost by default,
@@ -175,8 +178,8 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
     def _engine_class(self, pipelined: bool) -> type:  # DataParallelStrategy: the replica engine
         return PipelineEngine if pipelined else SpmdEngine
 
-    def _sync_options(self) -> SyncOptions:  # DataParallelStrategy's sync="local_sgd" | "diloco"; the core: DDP's
-        return SyncOptions()
+    def _sync_options(self) -> SyncOptions:  # sync="local_sgd" | "diloco" on the data axis (DataParallelStrategy's own)
+        return self._options.sync
 
     def _build_groups(self, pipelined: bool) -> Groups:
         """One group per replica set, and with a pipeline per pipeline, point-to-point direction and result
@@ -251,6 +254,10 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         super().on_train_start()
         self._engine.on_train_start()
 
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._engine.stop_periodic_sync()  # streaming DiLoCo: the last fragment's sync finished
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._engine.training_step(lambda: super(HybridParallelStrategy, self).training_step(*args, **kwargs),
                                           args, kwargs)
@@ -311,6 +318,17 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
     def _checkpoint_layout(self) -> dict[str, Any]:
         return {**super()._checkpoint_layout(), "mesh_order": "_".join(self.topology.order),
                 **(self._engine.layout() if self._engine is not None else {})}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        state = self._engine.sync_state() if self._engine is not None else None  # every rank: a gather
+        if state is not None:  # sync="local_sgd" | "diloco": [Note: periodic sync on the data axis]
+            checkpoint = {**checkpoint, SYNC_KEY: state}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self._engine is not None:
+            self._engine.load_sync_state(checkpoint.get(SYNC_KEY), where=self._ckpt_where)
 
 
 __all__ = ["HybridParallelStrategy"]

@@ -202,17 +202,36 @@ def average_flat_(tensors: Iterable[torch.Tensor], group, size: int, *,
                   average: Optional[Callable[[torch.Tensor], None]] = None) -> None:
     """Average ``tensors`` in place over the ``size`` ranks of ``group``: one flat all-reduce (SUM, then / size) per
     dtype and device; or each flat tensor through ``average``."""
+    if average is None:
+        return start_average_flat(tensors, group, size)()
+    for same, flat in _flat_buckets(tensors):
+        average(flat)
+        _copy_back(same, flat)
+
+
+def start_average_flat(tensors: Iterable[torch.Tensor], group, size: int) -> Callable[[], None]:
+    """:func:`average_flat_` started asynchronously: the all-reduces are in flight on return; the returned callable
+    waits for them and writes the averages into ``tensors`` (which must not change in between)."""
+    pending = [(same, flat, dist.all_reduce(flat, group=group, async_op=True)) for same, flat in _flat_buckets(tensors)]
+
+    def finish() -> None:
+        for same, flat, work in pending:
+            work.wait()
+            flat /= size
+            _copy_back(same, flat)
+
+    return finish
+
+
+def _flat_buckets(tensors: Iterable[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         buckets.setdefault((t.dtype, t.device), []).append(t)
-    for same in buckets.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        if average is not None:
-            average(flat)
-        else:
-            dist.all_reduce(flat, group=group)
-            flat /= size
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+    return [(same, torch.cat([t.reshape(-1) for t in same])) for same in buckets.values()]
+
+
+def _copy_back(same: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for t in same:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

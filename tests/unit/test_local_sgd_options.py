@@ -25,7 +25,11 @@ def test_defaults_are_todays_ddp_and_the_papers_outer_step():
     (dict(sync="local_sgd", sync_every=2.5), r"`sync_every=2.5` must be an integer >= 1"),
     (dict(sync="diloco", outer_lr=0), r"`outer_lr=0` must be a finite positive number"),
     (dict(sync="diloco", outer_momentum=1.0), r"`outer_momentum=1.0` must be a number in \[0, 1\)"),
-    (dict(sync="diloco", fragments=2), r"`fragments=2` \(streaming DiLoCo.*\) is not supported; use fragments=1"),
+    (dict(sync="diloco", fragments=2), r"`fragments=2` needs `sync_every` to be a multiple of it \(got sync_every=1\)"),
+    (dict(sync="diloco", sync_every=6, fragments=4), r"`fragments=4` needs .* Use sync_every=4"),
+    (dict(sync="local_sgd", sync_every=4, fragments=2), r"`fragments=2` \(streaming DiLoCo\) needs sync='diloco'"),
+    (dict(sync="diloco", sync_every=4, fragments=2, fault_tolerance="torchft"),
+     r"`fragments=2` \(streaming DiLoCo\) with `fault_tolerance='torchft'` is not supported"),
     (dict(sync="diloco", zero_stage=1), r"`sync='diloco'` does not support `zero_stage=1`.*Use zero_stage=0"),
     (dict(sync="local_sgd", zero_stage=3), r"`sync='local_sgd'` does not support `zero_stage=3`"),
     (dict(sync="local_sgd", comm_hook="bf16"), r"`sync='local_sgd'` trains each replica without DDP's gradient "
@@ -43,11 +47,23 @@ def test_fault_tolerance_takes_the_sync():
     assert DataParallelStrategy(fault_tolerance="torchft")._per_step_commit()
 
 
-def test_the_hybrid_core_takes_no_sync_option():
-    """Local SGD / DiLoCo on the core's data axis (with pp / tp) is not built: its constructor names the keyword."""
-    with pytest.raises(TypeError, match=r"HybridParallelStrategy.__init__\(\) got an unexpected keyword argument "
-                                        r"'sync'"):
-        HybridParallelStrategy(sync="diloco")
+def test_the_hybrid_core_takes_the_sync_options():
+    o = HybridParallelStrategy(sync="diloco", sync_every=4, pipeline_parallel_size=2)._options.sync
+    assert (o.sync, o.sync_every, o.fragments) == ("diloco", 4, 1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sync="diloco", zero_stage=1), r"`sync='diloco'` does not support `zero_stage=1`"),
+    (dict(sync="local_sgd", fault_tolerance="torchft"), r"`sync='local_sgd'` with `fault_tolerance='torchft'` is "
+                                                        r"not supported on the hybrid core"),
+    (dict(sync="local_sgd", context_parallel_size=2), r"`sync='local_sgd'` with `context_parallel_size=2` is not "
+                                                      r"supported yet"),
+    (dict(sync="diloco", sync_every=4, fragments=2), r"`fragments=2` \(streaming DiLoCo\) is not supported on the "
+                                                     r"hybrid core yet"),
+])
+def test_the_hybrid_core_refuses_what_does_not_compose(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HybridParallelStrategy(**kwargs)
 
 
 def test_the_command_line_sets_the_sync():

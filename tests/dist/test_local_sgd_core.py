@@ -1,0 +1,99 @@
+"""``sync="local_sgd" | "diloco"`` on the hybrid core's data axis, composed with pipeline and tensor parallelism
+inside each replica (4 gloo ranks, fork): against every-step hybrid DP, against each other, and resumed from a
+checkpoint between syncs. [Note: periodic sync on the data axis] in lightning_par/strategies/_periodic_sync.py."""
+import os
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from harness import TIMEOUT_S, fit_and_record, seeded
+from models import GPT_SIZES, corpus, gpt_factory
+from lightning_par import HybridParallelStrategy
+from lightning_par.models import GPT
+from lightning_par.strategies.hybrid_parallel import SYNC_KEY
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+LAYOUTS = {"pp2_dp2": dict(pipeline_parallel_size=2, data_parallel_size=2, microbatches=2),
+           "tp2_dp2": dict(tensor_parallel_size=2, data_parallel_size=2)}
+tiny_gpt = gpt_factory(warmup_steps=2)
+
+
+class SgdGPT(GPT):
+    """Plain SGD (no momentum, no schedule): every-step DP and local SGD at H = 1 agree."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def sgd_gpt():
+    return SgdGPT(**GPT_SIZES)
+
+
+def hybrid(layout, **kw):
+    return HybridParallelStrategy(start_method="fork", timeout=120, **LAYOUTS[layout], **kw)
+
+
+def fit4(tmp, name, strategy, model=tiny_gpt, data=None, max_steps=4, **kw):
+    train = data if data is not None else corpus().train_set
+    return fit_and_record(seeded(model), DataLoader(train, batch_size=4), str(tmp / name), strategy=strategy,
+                          devices=4, max_steps=max_steps, **kw)
+
+
+def assert_same_runs(got, expected, **tol):
+    assert len(got) == len(expected) == 4
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(g["losses"]), torch.tensor(e["losses"]), **tol)
+        assert g["params"].keys() == e["params"].keys()
+        for name, p in e["params"].items():
+            torch.testing.assert_close(g["params"][name], p, **tol, msg=lambda m: f"rank {e['rank']} {name}: {m}")
+
+
+def replica_peers(layout):
+    """Pairs of ranks holding the same shard of the model in the two replicas (mesh pp_dp_tp: tp innermost)."""
+    return [(0, 1), (2, 3)] if layout == "pp2_dp2" else [(0, 2), (1, 3)]
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_local_sgd_every_step_equals_every_step_hybrid_data_parallel_under_sgd(tmp_path, layout):
+    every = fit4(tmp_path, "every", hybrid(layout), model=sgd_gpt)
+    local = fit4(tmp_path, "local", hybrid(layout, sync="local_sgd", sync_every=1), model=sgd_gpt)
+    assert_same_runs(local, every, **TOL)
+    assert all(r["global_step"] == 4 for r in local)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_diloco_with_outer_lr_one_and_no_momentum_is_local_sgd_under_pipeline_parallelism(tmp_path):
+    """AdamW inside, H = 2, 5 steps: two syncs, then a step on each replica's own gradients alone."""
+    local = fit4(tmp_path, "local", hybrid("pp2_dp2", sync="local_sgd", sync_every=2), max_steps=5)
+    diloco = fit4(tmp_path, "diloco", hybrid("pp2_dp2", sync="diloco", sync_every=2, outer_lr=1.0,
+                                             outer_momentum=0.0), max_steps=5)
+    assert_same_runs(diloco, local, **TOL)
+    for a, b in replica_peers("pp2_dp2"):  # step 5 was not synced: the replicas are apart (no gradient average)
+        assert any(not torch.equal(local[a]["params"][n], local[b]["params"][n]) for n in local[a]["params"])
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_diloco_under_tensor_parallelism_resumes_exactly_between_syncs(tmp_path):
+    """4 steps an epoch, H = 3: the checkpoint of step 4 is one step past a sync; resumed, steps 5-8 are the
+    uninterrupted run's, bit for bit, on every rank (each its own replica's shard and inner state)."""
+    data, kw = corpus(train_sequences=32).train_set, dict(sync="diloco", sync_every=3)
+    ckpts = str(tmp_path / "ckpt")
+    whole = fit4(tmp_path, "whole", hybrid("tp2_dp2", **kw), data=data, max_steps=-1, max_epochs=2,
+                 callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_epochs=1)],
+                 enable_checkpointing=True)
+    path = os.path.join(ckpts, "epoch=0-step=4.ckpt")
+    state = torch.load(path, weights_only=False)[SYNC_KEY]
+    assert (state["sync"], state["since"], len(state["ranks"])) == ("diloco", 1, 4)
+    assert state["layout"]["tensor_parallel_size"] == 2
+    resumed = fit4(tmp_path, "resumed", hybrid("tp2_dp2", **kw), data=data, max_steps=-1, max_epochs=2,
+                   ckpt_path=path)
+    for w, r in zip(whole, resumed, strict=True):
+        assert r["global_step"] == 8
+        assert r["losses"] == w["losses"][4:]
+        for name, p in w["params"].items():
+            torch.testing.assert_close(r["params"][name], p, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    for a, b in replica_peers("tp2_dp2"):  # step 8 was not synced: the replicas are apart
+        assert not torch.equal(whole[a]["params"]["blocks.0.mlp.fc.weight"], whole[b]["params"]["blocks.0.mlp.fc.weight"])
