@@ -52,11 +52,15 @@ def dp_options(layout: str) -> dict | None:
 
     >>> dp_options("diloco32"), dp_options("dp_bf16"), dp_options("pp")
     ({'sync': 'diloco', 'sync_every': 32}, {'comm_hook': 'bf16'}, None)
+    >>> dp_options("diloco32f4")  # streaming DiLoCo: 4 fragments
+    {'sync': 'diloco', 'sync_every': 32, 'fragments': 4}
     """
     if layout in DP_VARIANTS:
         return DP_VARIANTS[layout]
-    m = re.fullmatch(r"(local_sgd|diloco)([1-9][0-9]*)", layout)
-    return {"sync": m[1], "sync_every": int(m[2])} if m else None
+    m = re.fullmatch(r"(local_sgd|diloco)([1-9][0-9]*)(?:f([1-9][0-9]*))?", layout)
+    if not m:
+        return None
+    return {"sync": m[1], "sync_every": int(m[2]), **({"fragments": int(m[3])} if m[3] else {})}
 
 
 def _interface_counters(ifname: str | None) -> tuple[int, int]:

@@ -5,8 +5,8 @@ The two nodes are network namespaces on this machine joined by a veth pair
 One launch runs every rate × layout (:mod:`lightning_par.recipes._node_job`): each rank shapes its own
 veth end with tc's tbf before a rate's fits. A one-device run of the same model and global batches is the
 reference every layout's losses are checked against. Besides DP, PP and TP, the data-parallel layouts that send less:
-``dp_bf16`` and ``dp_powersgd`` (gradient compression), ``local_sgd<H>`` and ``diloco<H>`` (DataParallelStrategy's
-``sync=``, replicas meeting every H steps); their step time and link bytes are the mean over the timed steps (whole
+``dp_bf16`` and ``dp_powersgd`` (gradient compression), ``local_sgd<H>``, ``diloco<H>`` and ``diloco<H>f<F>``
+(streaming DiLoCo, F fragments) (DataParallelStrategy's ``sync=``, replicas meeting every H steps); their step time and link bytes are the mean over the timed steps (whole
 sync periods), and their convergence cost the held-out loss of the final model against every-step DP's, after the
 same samples.
 """
@@ -31,7 +31,8 @@ def name(layout: str) -> str:
     if layout in NAMES:
         return NAMES[layout]
     o = dp_options(layout)
-    return f"{'local SGD' if o['sync'] == 'local_sgd' else 'DiLoCo'}, H = {o['sync_every']}"
+    kind = "local SGD" if o["sync"] == "local_sgd" else "streaming DiLoCo" if o.get("fragments", 1) > 1 else "DiLoCo"
+    return f"{kind}, H = {o['sync_every']}" + (f", {o['fragments']} fragments" if o.get("fragments", 1) > 1 else "")
 
 
 def periodic(layout: str) -> bool:
@@ -88,7 +89,7 @@ def run(cfg, out_dir: Path, command: str) -> Report:
             rate_bits_per_s(rate)
     if not layouts or any(lay not in NAMES and dp_options(lay) is None for lay in layouts):
         raise ValueError(f"`layouts={layouts}` must be a non-empty list of {sorted(NAMES)}, 'local_sgd<H>' or "
-                         f"'diloco<H>'.")
+                         f"'diloco<H>' or 'diloco<H>f<F>' (streaming DiLoCo, F fragments).")
     if cfg.steps <= TIMED_FROM:
         raise ValueError(f"`steps={cfg.steps}` must be at least {TIMED_FROM + 1}: step 0 warms up, step 1 is counted "
                          f"by lightning_par.comm, steps {TIMED_FROM}.. are timed.")
@@ -230,11 +231,13 @@ def _sync_notes(cfg, res, base, slow) -> list[str]:
     notes = []
     for lay in (lay for lay in res if periodic(lay)):
         r = res[lay][slow]
-        every = dp_options(lay)["sync_every"]
-        notes.append(f"{name(lay)}: one parameter all-reduce every {every} steps, so {r['link_bytes_per_step']:,.0f} B "
+        every, fragments = dp_options(lay)["sync_every"], dp_options(lay).get("fragments", 1)
+        what = (f"one fragment's all-reduce (1/{fragments} of the parameters) every {every // fragments} steps, "
+                f"overlapped with the next forward" if fragments > 1 else f"one parameter all-reduce every {every} steps")
+        notes.append(f"{name(lay)}: {what}, so {r['link_bytes_per_step']:,.0f} B "
                      f"per step on the link at {slow} (every-step DP: {res['dp'][slow]['link_bytes_per_step']:,.0f} B); "
                      f"its step at {slow} takes {r['step_s'] / dp_step:.2f}x unshaped DP's ({r['step_s']:.3f} s vs "
                      f"{dp_step:.3f} s), and its held-out loss after {cfg.steps * cfg.global_batch} samples is "
                      f"{r['eval_loss'][0] / dp_loss - 1:+.2%} against every-step DP's"
-                     + (" (the target: within 1.3x and 3%)." if every == 32 and lay.startswith("diloco") else "."))
+                     + (" (the target: within 1.3x and 3%)." if lay == "diloco32" else "."))
     return notes

@@ -208,8 +208,10 @@ class StepBytes(pl.Callback):
         self.stack.close()
         flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
         both = trainer.strategy.all_gather(flat)  # outside the count
+        periodic = trainer.strategy._engine.periodic
         self.rows.append({"all_reduce": self.counter.payload["all_reduce"],
-                          "backward": self.counter.payload["all_reduce[bwd]"], "equal": bool(torch.equal(*both))})
+                          "backward": self.counter.payload["all_reduce[bwd]"], "equal": bool(torch.equal(*both)),
+                          "in_flight": sorted(periodic.pending) if periodic is not None else []})
 
     def on_fit_end(self, trainer, pl_module):
         torch.save(self.rows, os.path.join(self.out_dir, f"bytes{trainer.global_rank}.pt"))
@@ -250,3 +252,122 @@ def test_sync_every_counts_optimizer_steps_under_gradient_accumulation(tmp_path)
         rows = torch.load(out / f"bytes{rank}.pt")
         assert [r["equal"] for r in rows] == [True, False, False, True] * 2, rows
         assert [r["backward"] for r in rows] == [0] * 8  # accumulation or not: no gradient all-reduce
+
+
+# -- streaming DiLoCo (fragments > 1): [Note: streaming DiLoCo] in lightning_par/dp/local_sgd.py ----------------
+class MomentumGPT(GPT):
+    """The reference GPT with SGD and momentum (each replica's inner state matters), no schedule."""
+
+    LR, MOMENTUM = 0.3, 0.9
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.LR, momentum=self.MOMENTUM)
+
+
+def momentum_gpt():
+    return MomentumGPT(**GPT_SIZES)
+
+
+def streaming_reference(batches, start, every, fragments, outer_lr=0.7, outer_momentum=0.9):
+    """Streaming DiLoCo by hand on one process: the blocks cut in ``fragments`` ranges (the parameters before them
+    with the first, after them with the last); fragment f synced at steps (f + 1) H / F + k H."""
+    replicas = [copy.deepcopy(start) for _ in batches]
+    inner = [torch.optim.SGD(m.parameters(), lr=MomentumGPT.LR, momentum=MomentumGPT.MOMENTUM) for m in replicas]
+    names = [n for n, _ in start.named_parameters()]
+    n_blocks = len(start.blocks)
+    per = n_blocks // fragments
+
+    def fragment(name):
+        if name.startswith("blocks."):
+            return min(int(name.split(".")[1]) // per, fragments - 1)
+        return 0 if names.index(name) < names.index("blocks.0.ln_1.weight") else fragments - 1
+
+    theta = {n: p.detach().clone() for n, p in start.named_parameters()}
+    buf: dict = {}
+    losses = [[] for _ in batches]
+    for step in range(1, len(batches[0]) + 1):
+        for r, (m, opt) in enumerate(zip(replicas, inner)):
+            loss = m._loss(batches[r][step - 1])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[r].append(loss.item())
+        for f in range(fragments):
+            if step < (f + 1) * every // fragments or (step - (f + 1) * every // fragments) % every:
+                continue
+            for n in (n for n in names if fragment(n) == f):
+                mean = sum(dict(m.named_parameters())[n].detach() for m in replicas) / len(replicas)
+                d = theta[n] - mean
+                buf[n] = d if n not in buf else outer_momentum * buf[n] + d
+                theta[n] = theta[n] - outer_lr * (d + outer_momentum * buf[n])
+                for m in replicas:
+                    with torch.no_grad():
+                        dict(m.named_parameters())[n].copy_(theta[n])
+    return losses, [{n: p.detach() for n, p in m.named_parameters()} for m in replicas]
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_streaming_diloco_against_the_algorithm_by_hand(tmp_path):
+    """fragments=2, H = 4: fragment 0 (embeddings, block 0) synced at steps 2 and 6, fragment 1 (block 1, the
+    head) at 4 and 8; the last one still in flight when training ends (finished at its end)."""
+    out = tmp_path / "run"
+    os.makedirs(out)
+    recs = fit_two(tmp_path, "run", ours(sync="diloco", sync_every=4, fragments=2), model=momentum_gpt,
+                   max_steps=8, callbacks=[Batches(str(out))])
+    batches = [torch.load(out / f"batches{r}.pt") for r in range(2)]
+    losses, params = streaming_reference(batches, seeded(momentum_gpt), every=4, fragments=2)
+    for r, rec in enumerate(recs):
+        torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(losses[r]), **TOL)
+        for name, p in params[r].items():
+            torch.testing.assert_close(rec["params"][name], p, **TOL, msg=lambda m: f"rank {r} {name}: {m}")
+    # step 8 synced fragment 1 (block 1, the head): equal replicas there; fragment 0 stepped apart after step 6
+    for name in recs[0]["params"]:
+        same = torch.equal(recs[0]["params"][name], recs[1]["params"][name])
+        assert same == (name.startswith("blocks.1.") or name.startswith(("ln_f.", "lm_head."))), name
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_streaming_diloco_resumes_exactly_with_a_fragment_in_flight(tmp_path):
+    """2 steps an epoch, H = 4, 2 fragments: the checkpoint of step 2 is taken while fragment 0's sync is in
+    flight (the save finishes it, as its next forward would); resumed, steps 3-8 are the uninterrupted run's."""
+    data = corpus(train_sequences=16).train_set
+    kw = dict(sync="diloco", sync_every=4, fragments=2)
+    ckpts = str(tmp_path / "ckpt")
+    whole = fit_two(tmp_path, "whole", ours(**kw), model=momentum_gpt, data=data, max_steps=-1, max_epochs=4,
+                    callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_epochs=1)],
+                    enable_checkpointing=True)
+    path = os.path.join(ckpts, "epoch=0-step=2.ckpt")
+    state = torch.load(path, weights_only=False)[SYNC_KEY]
+    assert (state["since"], state["ranks"][0]["sync"]["fragments"]) == (2, 2)
+    resumed = fit_two(tmp_path, "resumed", ours(**kw), model=momentum_gpt, data=data, max_steps=-1, max_epochs=4,
+                      ckpt_path=path)
+    for w, r in zip(whole, resumed, strict=True):
+        assert r["global_step"] == 8
+        assert r["losses"] == w["losses"][2:]
+        for name, p in w["params"].items():
+            torch.testing.assert_close(r["params"][name], p, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_streaming_diloco_sends_one_fragment_per_sync_step_and_overlaps_it(tmp_path):
+    model = tiny_gpt()
+    names = [n for n, _ in model.named_parameters()]
+    sizes = [0, 0]
+    for n, p in model.named_parameters():
+        f = (int(n.split(".")[1]) if n.startswith("blocks.") else
+             0 if names.index(n) < names.index("blocks.0.ln_1.weight") else 1)
+        sizes[f] += p.numel() * 4
+    assert sizes[0] != sizes[1]
+    out = tmp_path / "streaming"
+    os.makedirs(out)
+    fit_two(tmp_path, "streaming", ours(sync="diloco", sync_every=4, fragments=2), max_steps=8,
+            callbacks=[StepBytes(str(out))])
+    flag = 4  # the one-element non-finite flag, every step
+    expected = {2: 0, 4: 1, 6: 0, 8: 1}  # step: the fragment it syncs
+    for rank in range(2):
+        rows = torch.load(out / f"bytes{rank}.pt")
+        assert [r["backward"] for r in rows] == [0] * 8, rows
+        assert [r["all_reduce"] for r in rows] == [flag + (sizes[expected[s]] if s in expected else 0)
+                                                   for s in range(1, 9)], rows
+        # the fragment's all-reduce is still in flight when its sync step ends (finished at its next forward)
+        assert [r["in_flight"] for r in rows] == [[expected[s]] if s in expected else [] for s in range(1, 9)], rows

@@ -43,10 +43,11 @@ TODAY = {
         min_replicas=1, ft_timeout=60.0, save_distributed_checkpoint=False, async_save=False, start_method="popen",
         timeout=1800.0, process_group_backend=None),
 }
-ADDED = {DataParallelStrategy: {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"},  # local SGD / DiLoCo
-         PipelineParallelStrategy: {"mesh_order"},  # the core's, now taken
-         TensorParallelStrategy: {"mesh_order", "blocks"},  # blocks: the stack activation_checkpointing recomputes
-         HybridParallelStrategy: {"context_parallel_size"}}  # the presets fix it to 1
+SYNC = {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"}  # local SGD / DiLoCo on the data axis
+ADDED = {DataParallelStrategy: SYNC,
+         PipelineParallelStrategy: {"mesh_order", *SYNC},  # the core's, now taken
+         TensorParallelStrategy: {"mesh_order", "blocks", *SYNC},  # blocks: the stack activation_checkpointing recomputes
+         HybridParallelStrategy: {"context_parallel_size", *SYNC}}  # the presets fix it to 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
 COMPOSITE = {DataParallelStrategy: options.DataParallelOptions}  # the others: CoreOptions
