@@ -136,9 +136,9 @@ class DataParallelOptions(Options):
         local_sgd.check_combination(self.sync.sync, zero_stage=zero_stage, ddp_options=changed)
         f = self.fault_tolerance
         if f.fault_tolerance is not None and self.sync.fragments > 1:
-            raise ValueError(f"`fragments={self.sync.fragments}` (streaming DiLoCo) with `fault_tolerance='torchft'` is "
-                             f"not supported: each fragment's sync would need a torchft quorum of its own. Use "
-                             f"fragments=1 under torchft.")
+            raise ValueError(f"`fragments={self.sync.fragments}` (streaming DiLoCo) with "
+                             f"`fault_tolerance='torchft'` is not supported: each fragment's sync would need a "
+                             f"torchft quorum of its own. Use fragments=1 under torchft.")
         ft.validate_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout, zero_stage=zero_stage,
                                     comm_hook=self.replicas.comm_hook, static_graph=self.replicas.static_graph,
                                     lr_scaling=self.lr_scaling.lr_scaling)

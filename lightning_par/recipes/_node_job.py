@@ -77,24 +77,33 @@ class NodeRecord(pl.Callback):
         self.out_dir, self.ifname, self.held_out = out_dir, ifname, held_out
         self.losses, self.step_s, self.tx, self.rx = [], [], [], []
         self.owned: set[str] = set()
+        self._c0: tuple[int, int] | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._t0, self._c0 = time.perf_counter(), _interface_counters(self.ifname)
+        self._t0 = time.perf_counter()
+        self._count_bytes()
+
+    def _count_bytes(self) -> None:
+        """A step's bytes: from its start to the next step's start (or the end of training), so that a transfer
+        still running after the step's end (streaming DiLoCo's fragment, finished in the next forward) counts."""
+        now = _interface_counters(self.ifname)
+        if self._c0 is not None:
+            self.tx.append(now[0] - self._c0[0])
+            self.rx.append(now[1] - self._c0[1])
+        self._c0 = now
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.owned = {n for n, p in pl_module.named_parameters() if p.grad is not None}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.step_s.append(time.perf_counter() - self._t0)
-        tx, rx = _interface_counters(self.ifname)
-        self.tx.append(tx - self._c0[0])
-        self.rx.append(rx - self._c0[1])
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss.detach().float()) * trainer.accumulate_grad_batches)
 
-    def on_fit_end(self, trainer, pl_module):
+    def on_fit_end(self, trainer, pl_module):  # after the strategy's on_train_end: the last step's bytes
         from torch.distributed.tensor import DTensor
 
+        self._count_bytes()
         params = {}
         for name, p in pl_module.named_parameters():  # every rank in the same order: full_tensor() is a collective
             full = p.full_tensor() if isinstance(p, DTensor) else p

@@ -6,9 +6,9 @@ One launch runs every rate × layout (:mod:`lightning_par.recipes._node_job`): e
 veth end with tc's tbf before a rate's fits. A one-device run of the same model and global batches is the
 reference every layout's losses are checked against. Besides DP, PP and TP, the data-parallel layouts that send less:
 ``dp_bf16`` and ``dp_powersgd`` (gradient compression), ``local_sgd<H>``, ``diloco<H>`` and ``diloco<H>f<F>``
-(streaming DiLoCo, F fragments) (DataParallelStrategy's ``sync=``, replicas meeting every H steps); their step time and link bytes are the mean over the timed steps (whole
-sync periods), and their convergence cost the held-out loss of the final model against every-step DP's, after the
-same samples.
+(streaming DiLoCo, F fragments) (DataParallelStrategy's ``sync=``, replicas meeting every H steps); their step
+time and link bytes are the mean over the timed steps (whole sync periods), and their convergence cost the held-out
+loss of the final model against every-step DP's, after the same samples.
 """
 from __future__ import annotations
 
@@ -183,10 +183,11 @@ def _notes(cfg, res, rates, nodes, n_params) -> list[str]:
                      f"DP's does not); its step grows {step['tp'][1] / step['tp'][0]:.1f}× at {slow}: tensor "
                      "parallel groups belong inside a node.")
     notes += _sync_notes(cfg, res, base, slow)
-    notes.append("Link bytes are the veth's kernel counter (tx_bytes) read by each rank at the start and end of every "
-                 "step: the payload lightning_par.comm counts plus TCP/IP headers and the acknowledgements of what the "
-                 "other node sent. Shaping is tc's tbf on both veth ends (a bucket of 1 ms at the rate, at least "
-                 "16 KiB; a 16 MB queue); tc drops, which would add retransmissions, are listed.")
+    notes.append("Link bytes are the veth's kernel counter (tx_bytes) read by each rank at the start of every step "
+                 "and at the end of training (a step's bytes run to the next step's start): the payload "
+                 "lightning_par.comm counts plus TCP/IP headers and the acknowledgements of what the other node sent. "
+                 "Shaping is tc's tbf on both veth ends (a bucket of 1 ms at the rate, at least 16 KiB; a 16 MB "
+                 "queue); tc drops, which would add retransmissions, are listed.")
     if cfg.delay_ms:
         applied = any(r["delay_applied"] for lay in res.values() for r in lay.values())
         notes.append(f"delay_ms={cfg.delay_ms}: " + ("applied with netem under the tbf." if applied else
@@ -233,7 +234,8 @@ def _sync_notes(cfg, res, base, slow) -> list[str]:
         r = res[lay][slow]
         every, fragments = dp_options(lay)["sync_every"], dp_options(lay).get("fragments", 1)
         what = (f"one fragment's all-reduce (1/{fragments} of the parameters) every {every // fragments} steps, "
-                f"overlapped with the next forward" if fragments > 1 else f"one parameter all-reduce every {every} steps")
+                f"overlapped with the next forward" if fragments > 1 else
+                f"one parameter all-reduce every {every} steps")
         notes.append(f"{name(lay)}: {what}, so {r['link_bytes_per_step']:,.0f} B "
                      f"per step on the link at {slow} (every-step DP: {res['dp'][slow]['link_bytes_per_step']:,.0f} B); "
                      f"its step at {slow} takes {r['step_s'] / dp_step:.2f}x unshaped DP's ({r['step_s']:.3f} s vs "

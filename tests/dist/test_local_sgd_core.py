@@ -96,4 +96,5 @@ def test_diloco_under_tensor_parallelism_resumes_exactly_between_syncs(tmp_path)
         for name, p in w["params"].items():
             torch.testing.assert_close(r["params"][name], p, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
     for a, b in replica_peers("tp2_dp2"):  # step 8 was not synced: the replicas are apart
-        assert not torch.equal(whole[a]["params"]["blocks.0.mlp.fc.weight"], whole[b]["params"]["blocks.0.mlp.fc.weight"])
+        name = "blocks.0.mlp.fc.weight"
+        assert not torch.equal(whole[a]["params"][name], whole[b]["params"][name])

@@ -46,7 +46,7 @@ TODAY = {
 SYNC = {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"}  # local SGD / DiLoCo on the data axis
 ADDED = {DataParallelStrategy: SYNC,
          PipelineParallelStrategy: {"mesh_order", *SYNC},  # the core's, now taken
-         TensorParallelStrategy: {"mesh_order", "blocks", *SYNC},  # blocks: the stack activation_checkpointing recomputes
+         TensorParallelStrategy: {"mesh_order", "blocks", *SYNC},  # blocks: the stack activation checkpointing uses
          HybridParallelStrategy: {"context_parallel_size", *SYNC}}  # the presets fix it to 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
