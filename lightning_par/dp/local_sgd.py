@@ -45,8 +45,9 @@ each with its own synced copy and outer momentum. As in torchft, fragment f is s
 s = (f + 1) H / F + k H (H = ``sync_every``, a multiple of F), so one fragment's bytes cross the link every H / F
 steps and each fragment every H. Its all-reduce is started at the end of its sync step (the pseudo-gradient, in
 flight on a background gloo / NCCL work) and finished at the fragment's next use: the forward pre-hook of the first
-module holding one of its parameters (an inner optimizer step, a checkpoint or the end of training finish whatever
-is still in flight). The fragment's parameters do not change in between, so the numbers are torchft's with
+module holding one of its parameters (a checkpoint, the end of training and the next optimizer step finish whatever
+is still in flight; the latter refuses a fragment whose parameters got gradients although none of its modules ran
+forward: the forward read it before its sync finished). The fragment's parameters do not change in between, so the numbers are torchft's with
 ``fragment_sync_delay=0`` (the outer step on the averaged pseudo-gradient, ``fragment_update_alpha=0``), while
 the communication overlaps the forward of the fragments before it. Between a sync step's end and the
 fragment's next forward, hooks see its parameters before the sync. Not under torchft (refused): torchft's own
@@ -132,6 +133,8 @@ class PeriodicSync:
                  owners: Optional[Sequence[Sequence[torch.nn.Module]]] = None) -> None:
         if sync not in ("local_sgd", "diloco"):
             raise ValueError(f"PeriodicSync syncs 'local_sgd' or 'diloco', not {sync!r}.")
+        params = list(params)
+        self.given = params  # the parameters themselves (their .grad), for the check in step()
         self.params = [_local(p) for p in params]
         self.sync, self.every, self.group = sync, every, group
         if replicas is None:
@@ -156,6 +159,14 @@ class PeriodicSync:
 
     def step(self) -> bool:
         """Count one optimizer step; sync each fragment that is due (True when one is)."""
+        for f in list(self.pending):  # not used by this step's forward (else its hook had finished it)
+            used = [i for i in self.fragments[f] if self.given[i].grad is not None]
+            if used:
+                raise RuntimeError(f"Streaming DiLoCo: parameter {used[0]} (in the optimizer's order) of fragment {f} "
+                                   f"has a gradient, but no module holding fragment {f}'s parameters ran forward "
+                                   f"this step, so its sync finished too late (the forward read it before). Use "
+                                   f"fragments=1, or call the module that holds it.")
+            self.finish(f)
         self.since += 1
         due = [f for f, offset in enumerate(self.offsets) if self.since == offset]
         if self.since >= self.every:

@@ -61,17 +61,11 @@ class PeriodicSyncHooks:
                                                replicas=s.topology.data_parallel_size, owners=owners,
                                                fragments=fragments)
 
-        if fragments is not None:  # what is still in flight is finished before the next inner step at the latest
-            periodic = self.periodic
-            self._step_hook = _unwrap(s.optimizers[0]).register_step_pre_hook(lambda *_: periodic.finish())
 
     def stop_periodic_sync(self) -> None:
         """The end of training (and teardown): a sync in flight finished, the hooks taken out."""
         if self.periodic is not None:
             self.periodic.close()
-        if getattr(self, "_step_hook", None) is not None:
-            self._step_hook.remove()
-            self._step_hook = None
 
     def after_step(self) -> None:
         """After every optimizer step (taken or skipped): the periodic sync counts it (and syncs every H-th)."""

@@ -74,7 +74,9 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
         res, grad_bytes = results["results"], results["gradient_bytes"]
         for layout, by_rate in res.items():
             if layout.startswith(("local_sgd", "diloco")):  # replicas apart between syncs: not one device's losses
-                every = int("".join(c for c in layout if c.isdigit()))
+                from lightning_par.recipes._node_job import dp_options
+
+                every = dp_options(layout)["sync_every"]
                 for rate, r in by_rate.items():
                     assert len(set(r["eval_loss"])) == 1, (layout, rate, r)  # ended on a sync: one model
                     # one parameter all-reduce per H steps, plus every step's non-finite flag and their headers

@@ -110,3 +110,21 @@ def test_one_replicas_outer_step_is_nesterov_sgd_on_the_parameter_change(monkeyp
     torch.testing.assert_close(again.outer.state_dict()["state"][0]["momentum_buffer"], buf)
     with pytest.raises(ValueError, match=r"was saved with `sync='diloco'`; this run has sync='local_sgd'"):
         local_sgd.PeriodicSync([w], sync="local_sgd", every=2).load_state_dict(state)
+
+
+def test_streaming_schedule_and_a_fragment_read_before_its_sync_finished():
+    """torchft's schedule (fragment f at (f + 1) H / F + k H); a fragment still in flight when the next optimizer
+    step ends, although its parameters got gradients (no module of it ran forward to finish it), is refused."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    sync = local_sgd.PeriodicSync([a, b], sync="diloco", every=4, replicas=1, fragments=[[0], [1]])
+    assert sync.offsets == [2, 4]
+    due = []
+    for step in range(1, 9):
+        sync.step()
+        due.append(sorted(sync.pending))
+    assert due == [[], [0], [], [1], [], [0], [], [1]]
+    a.grad = torch.zeros(2)  # fragment 0 is started at the next step's end ...
+    sync.step()
+    sync.step()
+    with pytest.raises(RuntimeError, match=r"parameter 0 .* of fragment 0 has a gradient, but no module holding"):
+        sync.step()  # ... and its parameter was used by that step without its sync having finished
