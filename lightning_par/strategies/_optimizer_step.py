@@ -24,8 +24,8 @@ class OptimizerStep:
     4. Lightning's step (the precision plugin: clipping, ``on_before_optimizer_step``, the update) inside a named
        wait ([Note: every wait bounded] in :mod:`lightning_par.waits`).
     5. ``_after_optimizer_step()``, in the same wait, for a step taken or skipped: what follows every optimizer step
-       (DataParallelStrategy's ``sync="local_sgd" | "diloco"`` counts it and syncs the replicas at every
-       ``sync_every``-th).
+       (``sync="local_sgd" | "diloco"`` on the data axis counts it and syncs the replicas when due:
+       [Note: periodic sync on the data axis] in :mod:`lightning_par.strategies._periodic_sync`).
     """
 
     _replica = None  # fault tolerance: this rank's replica (lightning_par.dp.ft.Replica), once joined

@@ -38,10 +38,10 @@ class PeriodicSyncHooks:
         """``sync="local_sgd" | "diloco"``: no gradient average over the replicas."""
         return self.options.sync.sync != "every_step"
 
-    def start_periodic_sync(self, trainer, module: Optional[torch.nn.Module] = None) -> None:
+    def start_periodic_sync(self, trainer) -> None:
         """While fitting with ``sync="local_sgd" | "diloco"``, once the optimizers exist: the sync of this rank's
-        share of the optimizer's parameters with its ``dp`` peers (``module``: the one whose block stack streaming
-        DiLoCo splits into fragments)."""
+        share of the optimizer's parameters with its ``dp`` peers (streaming DiLoCo: the fragments of the
+        LightningModule's block stack)."""
         self.stop_periodic_sync()
         if not self.syncs_periodically or trainer.state.fn != TrainerFn.FITTING:
             return
@@ -54,13 +54,12 @@ class PeriodicSyncHooks:
         params = [p for p in dict.fromkeys(params) if not p.is_meta]  # a tied parameter once; this stage's own
         fragments = owners = None
         if sync.fragments > 1:  # [Note: streaming DiLoCo] in lightning_par.dp.local_sgd
-            fragments, owners = local_sgd.block_fragments(module if module is not None else s.lightning_module,
-                                                          params, sync.fragments, blocks=self.options.blocks)
+            fragments, owners = local_sgd.block_fragments(s.lightning_module, params, sync.fragments,
+                                                          blocks=self.options.blocks)
         self.periodic = local_sgd.PeriodicSync(params, sync=sync.sync, every=sync.sync_every, outer_lr=sync.outer_lr,
                                                outer_momentum=sync.outer_momentum, group=self.groups.dp,
                                                replicas=s.topology.data_parallel_size, owners=owners,
                                                fragments=fragments)
-
 
     def stop_periodic_sync(self) -> None:
         """The end of training (and teardown): a sync in flight finished, the hooks taken out."""
