@@ -32,9 +32,11 @@ coordinate. (Keeping the pieces between stages would halve nothing that matters 
 every receive's shape depend on cp.) Only the stack's last block gathers with ``grad_scale = cp``; a range
 that ends inside the stack gathers with ``1``: the gradient coming back from the next stage is that stage's cut's
 backward, already scaled and zero outside this rank's positions, so scaling again would count ``cp`` twice. The
-gather's post-hook runs before the stage's own (``prepend``), which sends and raises ``StopStage``; as
-``StopStage`` is a ``BaseException``, which a module's always-call hooks do not see, the stage's step runs
-inside :meth:`ContextParallel.guard`, which leaves any routing mode still entered.
+gather's hook must run after the block's other forward hooks (a tensor-parallel region's, which makes the output
+plain) and before the stage's own, which sends and raises ``StopStage``: the stage registers its sending hooks
+again after cp's (``StageRuntime.send_last``). As ``StopStage`` is a ``BaseException``, which a module's
+always-call hooks do not see, the stage's step runs inside :meth:`ContextParallel.guard`, which leaves any routing
+mode still entered.
 """
 from __future__ import annotations
 
@@ -251,9 +253,9 @@ def apply_context_parallel(module: nn.Module, group, *, blocks: str | None = Non
             block, name = stack[i], f"{path}.{i}" if path else str(i)
             applied._handles.append(block.register_forward_pre_hook(
                 applied._pre(i == lo, name, block), with_kwargs=True))
-            applied._handles.append(block.register_forward_hook(  # before a pipeline stage's own hook: it raises
+            applied._handles.append(block.register_forward_hook(
                 applied._post(name, i == hi - 1, cp if hi == len(stack) else 1.0), with_kwargs=True,
-                always_call=True, prepend=True))
+                always_call=True))
     return applied
 
 

@@ -24,8 +24,8 @@ def check_context_layout(context_parallel_size: int, *, pipeline_parallel_size: 
         return
     pipelined = pipeline_parallel_size > 1
     for name, value, ok, fix, why in (
-            ("schedule", schedule, not pipelined or schedule != "interleaved_1f1b", "schedule='1f1b', 'gpipe' or 'zero_bubble'",
-             _PIPELINE),
+            ("schedule", schedule, not pipelined or schedule != "interleaved_1f1b",
+             "schedule='1f1b', 'gpipe' or 'zero_bubble'", _PIPELINE),
             ("stages_per_rank", stages_per_rank, not pipelined or stages_per_rank == 1, "stages_per_rank=1",
              _PIPELINE),
             ("zero_stage", zero_stage, zero_stage <= 1 or not pipelined, "zero_stage=0 or 1",

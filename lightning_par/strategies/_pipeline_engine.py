@@ -223,6 +223,7 @@ class PipelineEngine(Engine):
             self.context = apply_context_parallel(self.s.lightning_module, self.groups.cp,
                                                   blocks=self.block_prefix[:-1],
                                                   ranges=[(lo, hi) for _, lo, hi in self.runtime.chunks])
+            self.runtime.send_last()  # after cp's gather
 
     def teardown(self) -> None:
         if self.context is not None:

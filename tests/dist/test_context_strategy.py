@@ -56,10 +56,12 @@ def assert_matches(ref: dict, got: list[dict], steps: int):
                 torch.testing.assert_close(grad, ref["grads"][step][name], atol=1e-5, rtol=1e-5,
                                            msg=lambda m: f"step {step} {name}: {m}")
         assert len(rec["losses"]) == steps
+        for name, p in rec["params"].items():  # after all the steps
+            torch.testing.assert_close(p, ref["params"][name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("dp,cp,tp", [(1, 2, 1), (2, 2, 1), (1, 2, 2)])
+@pytest.mark.parametrize("dp,cp,tp", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)])
 def test_dp_cp_gpt_matches_one_process(tmp_path, dp, cp, tp):
     ref = one_process_fit(tiny_gpt, DATA.train_set, 4 * dp, max_steps=8)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "c"),
@@ -69,6 +71,19 @@ def test_dp_cp_gpt_matches_one_process(tmp_path, dp, cp, tp):
     assert_matches(ref, got, 8)
     for rec in got:  # every rank returns and logs one device's loss of the global batch
         assert rec["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=2e-4)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_dp2_cp2_zero_stages_2_and_3_match_one_process(tmp_path, zero):
+    """FSDP2 shards over the dp axis, the cp ranks of a replica hold the same shards ([Note: ZeRO under context
+    parallelism] in strategies/_spmd_engine.py): 8 AdamW steps as one device."""
+    ref = one_process_fit(tiny_gpt, DATA.train_set, 8, max_steps=8)
+    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "z"),
+                         strategy=hybrid(data_parallel_size=2, context_parallel_size=2, zero_stage=zero), devices=4,
+                         max_steps=8, callbacks=[SharesSequences()])
+    assert len(got) == 4
+    assert_matches(ref, got, 8)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
