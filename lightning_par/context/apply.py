@@ -21,9 +21,26 @@ parallelism]: average the gradients over the group). Positions and masks stay ri
 since it computed them on the whole sequence before cutting. Cuts are made once per forward for a tensor that
 several blocks receive (the rotary cos/sin), and again in a checkpoint's recompute (there is no collective in a
 cut; the gather is skipped in recompute, whose output is discarded).
+
+[Note: context parallelism inside pipeline stages]
+A pipeline stage runs a range of the stack's blocks (the others are ghosts), and ``ranges`` names the ranges this
+rank runs. Each range is treated as a stack of its own: its first block receives whole tensors (the hidden state
+from the previous stage, or the embeddings) and cuts them, its last block gathers, so what crosses a stage
+boundary is the whole hidden state, as without cp: the stage's point-to-point transfers, their shapes and the
+traced block flow stay as they are, and each rank of a cp group talks to the rank of the next stage with its cp
+coordinate. (Keeping the pieces between stages would halve nothing that matters at these sizes and would make
+every receive's shape depend on cp.) Only the stack's last block gathers with ``grad_scale = cp``; a range
+that ends inside the stack gathers with ``1``: the gradient coming back from the next stage is that stage's cut's
+backward, already scaled and zero outside this rank's positions, so scaling again would count ``cp`` twice. The
+gather's hook must run after the block's other forward hooks (a tensor-parallel region's, which makes the output
+plain) and before the stage's own, which sends and raises ``StopStage``: the stage registers its sending hooks
+again after cp's (``StageRuntime.send_last``). As ``StopStage`` is a ``BaseException``, which a module's
+always-call hooks do not see, the stage's step runs inside :meth:`ContextParallel.guard`, which leaves any routing
+mode still entered.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from dataclasses import dataclass, field
@@ -81,10 +98,23 @@ class ContextParallel:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        while self._modes:
-            self._modes.pop()[1].__exit__(None, None, None)
+        self._leave(0)
         self._local.clear()
         self._cuts.clear()
+
+    def _leave(self, depth: int) -> None:
+        while len(self._modes) > depth:
+            self._modes.pop()[1].__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Leaves every routing mode entered inside it, whichever exception (a ``BaseException`` too) ends it
+        ([Note: context parallelism inside pipeline stages])."""
+        depth = len(self._modes)
+        try:
+            yield
+        finally:
+            self._leave(depth)
 
     # -- tracking --------------------------------------------------------------------------------------------
     def _is_local(self, t: torch.Tensor) -> bool:
@@ -133,7 +163,7 @@ class ContextParallel:
         return value
 
     # -- hooks -----------------------------------------------------------------------------------------------
-    def _pre(self, i: int, name: str, block: nn.Module) -> Callable:
+    def _pre(self, first: bool, name: str, block: nn.Module) -> Callable:
         hname = hidden_name(block)
         labels = [p.name for p in inspect.signature(block.forward).parameters.values()]
 
@@ -143,7 +173,7 @@ class ContextParallel:
                 raise ValueError(f"Context parallelism cuts the hidden state of block `{name}`, its first argument "
                                  f"{'`' + hname + '` ' if hname else ''}; it received a {type(hidden).__name__}.")
             length = hidden.shape[self.seq_dim]
-            if self._is_local(hidden) or (i and self._seq is not None and length * self.size == self._seq):
+            if not first and (self._is_local(hidden) or (self._seq is not None and length * self.size == self._seq)):
                 seq = length * self.size
             else:
                 seq = length
@@ -151,7 +181,7 @@ class ContextParallel:
                                                 f"hidden state, shape {tuple(hidden.shape)})")
                 if not _in_backward():
                     self._seq = seq
-                    if i == 0:
+                    if first:
                         self._cuts.clear()
                 hidden = self._cut(hidden, self.seq_dim)
             new_args = [hidden if p == 0 else self._cut_value(
@@ -165,7 +195,7 @@ class ContextParallel:
             return tuple(new_args), new_kwargs
         return hook
 
-    def _post(self, name: str, last: bool) -> Callable:
+    def _post(self, name: str, last: bool, grad_scale: float) -> Callable:
         def hook(block, args, kwargs, output):
             if not self._modes or self._modes[-1][0] is not block:
                 return None  # its pre-hook raised: no mode was entered
@@ -194,17 +224,19 @@ class ContextParallel:
                 return isinstance(o, torch.Tensor) and o.dim() > self.seq_dim and (
                     k == 0 or o.shape[self.seq_dim] == piece)
 
-            done = [gather(o, self.seq_dim, self.group, grad_scale=float(self.size)) if cut(k, o) else o
+            done = [gather(o, self.seq_dim, self.group, grad_scale=grad_scale) if cut(k, o) else o
                     for k, o in enumerate(outs)]
             return type(output)(done) if isinstance(output, (tuple, list)) else done[0]
         return hook
 
 
 def apply_context_parallel(module: nn.Module, group, *, blocks: str | None = None, method: str = "ring",
-                           seq_dim: int = 1) -> ContextParallel:
+                           seq_dim: int = 1, ranges: list[tuple[int, int]] | None = None) -> ContextParallel:
     """Run ``module``'s block stack on this rank's piece of every sequence, attention across ``group`` ([Note: where
     the sequence is cut]); ``blocks``: the stack's dotted name (None: found); ``method``: [Note: all-gather or ring];
-    ``seq_dim``: the sequence dimension of the hidden state (1: batch first). Refuses, by name, a module without a
+    ``seq_dim``: the sequence dimension of the hidden state (1: batch first); ``ranges``: the ``(lo, hi)`` block
+    ranges this rank runs, a pipeline stage's (None: the whole stack; [Note: context parallelism inside pipeline
+    stages]). Refuses, by name, a module without a
     block stack and a Hugging Face attention that is not SDPA; a forward refuses a sequence length that ``2·cp``
     does not divide, an ambiguous block input and a block that calls no SDPA. Gradients: average over ``group``."""
     if method not in METHODS:
@@ -215,12 +247,15 @@ def apply_context_parallel(module: nn.Module, group, *, blocks: str | None = Non
         raise ValueError(f"Context parallelism cuts the sequence inside a block stack, and {err}") from None
     check_sdpa(module)
     applied = ContextParallel(path=path, group=group, method=method, seq_dim=seq_dim)
-    for i, block in enumerate(stack):
-        name = f"{path}.{i}" if path else str(i)
-        applied._handles.append(block.register_forward_pre_hook(
-            applied._pre(i, name, block), with_kwargs=True))
-        applied._handles.append(block.register_forward_hook(
-            applied._post(name, i == len(stack) - 1), with_kwargs=True, always_call=True))
+    cp = float(dist.get_world_size(group))
+    for lo, hi in ranges if ranges is not None else [(0, len(stack))]:
+        for i in range(lo, hi):
+            block, name = stack[i], f"{path}.{i}" if path else str(i)
+            applied._handles.append(block.register_forward_pre_hook(
+                applied._pre(i == lo, name, block), with_kwargs=True))
+            applied._handles.append(block.register_forward_hook(
+                applied._post(name, i == hi - 1, cp if hi == len(stack) else 1.0), with_kwargs=True,
+                always_call=True))
     return applied
 
 

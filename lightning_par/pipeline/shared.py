@@ -27,11 +27,12 @@ class SharedParameters:
     its order), ``block_ids`` the ids of those in this stage's blocks."""
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], block_ids: set[int], *,
-                 topology: Topology, rank: int, timeout: timedelta, dp_group=None,
+                 topology: Topology, rank: int, timeout: timedelta, dp_group=None, cp_group=None,
                  default_owner: Optional[dict[str, int]] = None):
         self.module, self.params, self.block_ids = module, params, block_ids
         self.default_owner = dict(default_owner or {})  # non-block parameter name -> stage, decided at setup
         self.topology, self.rank, self.timeout, self.dp_group = topology, rank, timeout, dp_group
+        self.cp_group = cp_group  # context parallelism: every gradient is averaged over it too
         self.owner_stage: Optional[dict[str, int]] = None  # non-block parameter name -> owning stage
         self.groups: dict[str, Any] = {}  # non-block parameter name -> group of the stages that use it
         self._order: Optional[list] = None  # (index into params, group), in name order: the same on every rank
@@ -68,18 +69,18 @@ class SharedParameters:
         used = sorted(names[id(p)] for p, g in zip(self.params, grads) if g is not None and id(p) not in self.block_ids)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (self.rank, used))
-        users: dict[tuple[tuple[int, int], str], list[int]] = {}  # ((dp, tp): one pipeline, name) -> stages
+        users: dict[tuple[tuple[int, int, int], str], list[int]] = {}  # ((dp, cp, tp): a pipeline, name) -> stages
         for rank, rank_used in everyone:
             c = self.topology.coordinates(rank)
             for n in rank_used:
-                users.setdefault(((c["dp"], c["tp"]), n), []).append(c["pp"])
+                users.setdefault(((c["dp"], c.get("cp", 0), c["tp"]), n), []).append(c["pp"])
         me = self.topology.coordinates(self.rank)
-        line = (me["dp"], me["tp"])
+        line = (me["dp"], me.get("cp", 0), me["tp"])
         self.owner_stage = {n: min(st) for (pipe, n), st in users.items() if pipe == line}
         shared_sets = sorted({(pipe, tuple(sorted(st))) for (pipe, n), st in users.items() if len(st) > 1})
         groups = {}
         for pipe, stages in shared_sets:  # every rank creates every group, in one order
-            ranks = [self.topology.rank_of(pp=s, dp=pipe[0], tp=pipe[1]) for s in stages]
+            ranks = [self.topology.rank_of(pp=s, dp=pipe[0], cp=pipe[1], tp=pipe[2]) for s in stages]
             groups[(pipe, stages)] = dist.new_group(ranks, timeout=self.timeout)
         for (pipe, n), st in users.items():
             if pipe == line and len(st) > 1 and me["pp"] in st:
@@ -105,15 +106,18 @@ class SharedParameters:
             if grads[p_idx] is None:
                 grads[p_idx] = torch.zeros_like(self.params[p_idx])
             dist.all_reduce(_local(grads[p_idx]), group=group)  # a DTensor's shard: the same on every stage
-        if self.dp_group is None and self.replica_average is None:
+        if self.dp_group is None and self.replica_average is None and self.cp_group is None:
             return
         present = [_local(g) for g in grads if g is not None]  # replicas hold the same shards
         flat = torch.cat([g.reshape(-1) for g in present])
         if self.replica_average is not None:
             self.replica_average(flat)
-        else:
+        elif self.dp_group is not None:
             dist.all_reduce(flat, group=self.dp_group)
             flat /= self.topology.data_parallel_size
+        if self.cp_group is not None:  # [Note: gradients under context parallelism] in context/sharding.py
+            dist.all_reduce(flat, group=self.cp_group)
+            flat /= self.topology.context_parallel_size
         offset = 0
         for g in present:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))

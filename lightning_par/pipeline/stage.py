@@ -134,10 +134,20 @@ class StageRuntime:
                 # compute (its output would be discarded): an instance-level `forward` passes through instead,
                 # which keeps the module, its parameter names and its hooks in place.
                 block.forward = self._gate(c, i, block.forward)
-        for c, (k, lo, hi) in enumerate(self.chunks):
-            if k < self.num_virtual - 1:
-                self._handles.append(self.container[hi - 1].register_forward_hook(
-                    lambda m, a, out, c=c: self._post_last_block(c, out)))
+        self._register_sends()
+
+    def _register_sends(self) -> None:
+        self._sends = [self.container[hi - 1].register_forward_hook(
+            lambda m, a, out, c=c: self._post_last_block(c, out))
+            for c, (k, lo, hi) in enumerate(self.chunks) if k < self.num_virtual - 1]
+
+    def send_last(self) -> None:
+        """Register again the hooks that send a chunk's output on (and raise :class:`StopStage`), so that they run
+        after every forward hook registered since (context parallelism's gather, which must see the output of
+        the tensor-parallel region hooks too)."""
+        for handle in self._sends:
+            handle.remove()
+        self._register_sends()
 
     def _gate(self, chunk: int, index: int, forward: Callable) -> Callable:
         def gated(*args: Any, **kwargs: Any) -> Any:

@@ -11,7 +11,8 @@ the p2p groups are the ``pp`` groups of the mesh and nothing crosses tensor-para
 ``sequence_parallel`` the boundary carries each rank's sequence chunk instead ([Note: sequence-sharded stage
 boundaries] in tensor/boundary.py); under ``loss_parallel`` the schedule (every forward and backward) runs
 inside ``loss_parallel()`` and the step's result and logs are made plain ([Note: loss parallel] in
-_spmd_engine.py).
+_spmd_engine.py). With ``context_parallel_size > 1`` each stage's blocks run on this rank's piece of every
+sequence ([Note: context parallelism inside pipeline stages] in context/apply.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par._compat import ddp_ignore, optimizers_to_device
+from lightning_par.context.apply import apply_context_parallel
 from lightning_par.dp import fsdp
 from lightning_par.pipeline.consolidate import owned_state
 from lightning_par.materialize import free_parameters, has_meta, move_real
@@ -64,6 +66,7 @@ class PipelineEngine(Engine):
         self.full_keys: list[str] = []
         self.block_prefix = ""
         self.stand_ins: Optional[StandIns] = None  # the trace's of a meta-built module (its peak_bytes)
+        self.context = None  # context_parallel_size > 1: the stage's blocks' hooks (lightning_par.context)
 
     @property
     def stage(self) -> int:
@@ -86,6 +89,7 @@ class PipelineEngine(Engine):
             s.accelerator.setup(trainer)
             self.host.install_precision(self.precision_hooks)  # given back at the last teardown
             self.checkpoint_blocks(s.lightning_module, self.block_prefix[:-1])  # taken out at teardown
+            self._apply_context()  # taken out at teardown
             s.model_to_device()
             if trainer.state.fn == TrainerFn.FITTING:
                 s.setup_optimizers(trainer)
@@ -188,6 +192,7 @@ class PipelineEngine(Engine):
         if g.sharded_replicas:
             shards = fsdp.StageShards(lm)
         rt.weights = [p for p in lm.parameters() if p.requires_grad and not p.is_meta]
+        self._apply_context()
         # 5. the schedule, the routing of results, the gradients that span ranks
         mailbox = (ResultMailbox(ranks=ring, me=s.global_rank, group=g.result, device=s.root_device)
                    if g.result is not None else None)
@@ -199,6 +204,7 @@ class PipelineEngine(Engine):
                                        {id(p) for b in container for p in b.parameters()}, topology=topo,
                                        rank=s.global_rank, timeout=g.timeout,
                                        dp_group=None if shards is not None or self.syncs_periodically else g.dp,
+                                       cp_group=g.cp,
                                        default_owner=first_owner(uses, bounds, v))
         s.model = lm
         confine_metrics(lm, is_last=rt.is_last, dp_group=g.dp)
@@ -210,6 +216,21 @@ class PipelineEngine(Engine):
             before_optimizer_hooks=self.sync_found_inf if getattr(s.precision_plugin, "scaler", None) else None,
             split_unscale=tensor)
         self.host.install_precision(self.precision_hooks)
+
+    def _apply_context(self) -> None:
+        """cp hooks on this stage's blocks, after the stage's and the checkpointing's own ([Note: context
+        parallelism inside pipeline stages])."""
+        if self.groups.cp is not None and self.context is None:
+            self.context = apply_context_parallel(self.s.lightning_module, self.groups.cp,
+                                                  blocks=self.block_prefix[:-1],
+                                                  ranges=[(lo, hi) for _, lo, hi in self.runtime.chunks])
+            self.runtime.send_last()  # after cp's gather
+
+    def teardown(self) -> None:
+        if self.context is not None:
+            self.context.remove()
+            self.context = None
+        super().teardown()
 
     # -- training ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:
@@ -268,7 +289,10 @@ class PipelineEngine(Engine):
                                         context=context, predict=hook == "predict_step")
 
     def _plain(self, step):
-        """``step`` with its result made plain under loss_parallel (a DTensor loss; its logs: pipeline/routing.py)."""
+        """``step`` with its result made plain under loss_parallel (a DTensor loss; its logs: pipeline/routing.py),
+        under cp inside the guard that leaves its routing modes when ``StopStage`` ends it."""
+        if self.context is not None:
+            step = _guarded(step, self.context)
         return (lambda mb: to_plain(step(mb))) if self._loss_parallel() else step
 
     def _loss_parallel(self) -> bool:
@@ -299,8 +323,16 @@ class PipelineEngine(Engine):
         return {"schedule": o.schedule, "stages_per_rank": o.stages_per_rank,
                 "balance": o.balance if isinstance(o.balance, str) else list(o.balance)}
 
-    def _first_replica(self) -> bool:
-        return self.s.topology.coordinates(self.s.global_rank)["dp"] == 0
+    def _first_replica(self) -> bool:  # (and the first of its cp group: they hold the same parameters)
+        coords = self.s.topology.coordinates(self.s.global_rank)
+        return coords["dp"] == 0 and coords.get("cp", 0) == 0
+
+
+def _guarded(step, context):
+    def run(mb):
+        with context.guard():
+            return step(mb)
+    return run
 
 
 def _not_held(module: torch.nn.Module, owned) -> set[int]:

@@ -6,6 +6,14 @@ ranks and averaged over the data-parallel replicas after the last backward of ea
 clipping. With ``context_parallel_size > 1`` the block stack runs on this rank's piece of every sequence
 (:func:`lightning_par.context.apply_context_parallel`) and the gradients are averaged over the cp group too.
 
+[Note: ZeRO under context parallelism]
+With ``zero_stage`` 2 / 3 FSDP2 shards over the ``dp`` axis alone, and the ranks of a cp group hold the same shards:
+FSDP's reduce-scatter averages over the replicas, then the cp average of every rank's local shard is the same
+all-reduce as at stages 0 / 1 ([Note: gradients under context parallelism]). Sharding over dp × cp flattened
+(torchtitan's ``dp_shard_cp``) would cut parameters, gradients and optimizer state by a further ``cp``, but it needs a
+flattened mesh axis (a private DeviceMesh API) and FSDP's mean over dp × cp in place of the cp average; the
+activations, which cp is for, shrink the same in both.
+
 [Note: the replicas' mean of a step]
 With data-parallel replicas every rank returns and logs the mean over the replicas ([Note: loss reporting, one
 rule] in :mod:`~lightning_par.strategies._engine`): the step's
@@ -197,7 +205,8 @@ class SpmdEngine(Engine):
             result = closure()
             params = list(s.lightning_module.parameters())
             reduce_partial_grads(params, self.groups.mesh["tp"].get_group())
-            if self.groups.cp is not None:  # [Note: gradients under context parallelism]: the group's mean
+            # [Note: gradients under context parallelism], [Note: ZeRO under context parallelism]
+            if self.groups.cp is not None:
                 average_grads(params, self.groups.cp, s.topology.context_parallel_size)
             if not fsdp.is_sharded(s.lightning_module) and not self.syncs_periodically:  # FSDP: averaged already
                 average_grads(params, self.groups.dp, dp, average=self.replica_average)  # torchft's (fault tolerance)

@@ -145,7 +145,8 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         o = self._options
         check_context_layout(topo.context_parallel_size, pipeline_parallel_size=topo.pipeline_parallel_size,
                              zero_stage=o.sharding.zero_stage, fault_tolerance=o.fault_tolerance.fault_tolerance,
-                             sequence_parallel=o.tensor.sequence_parallel, loss_parallel=o.tensor.loss_parallel)
+                             sequence_parallel=o.tensor.sequence_parallel, loss_parallel=o.tensor.loss_parallel,
+                             schedule=o.pipeline.schedule, stages_per_rank=o.pipeline.stages_per_rank)
         return topo
 
     def _configure_launcher(self) -> None:  # in the launching process: bad sizes fail before any process starts

@@ -101,6 +101,26 @@ def test_eager_attention_is_refused_naming_the_fix():
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 
+def test_the_guard_leaves_a_routing_mode_that_a_base_exception_left_entered():
+    """A pipeline stage ends its step with ``StopStage``, a ``BaseException`` that always-call hooks do not see."""
+    from lightning_par.context.apply import ContextParallel
+    from lightning_par.context.intercept import RouteAttention
+
+    class Stop(BaseException):
+        pass
+
+    applied, mode = ContextParallel(path="blocks", group=None, method="ring", seq_dim=1), RouteAttention(None)
+    with pytest.raises(Stop):
+        with applied.guard():
+            mode.__enter__()
+            applied._modes.append((None, mode))
+            raise Stop()
+    assert not applied._modes
+    q = torch.randn(1, 2, 4, 8)
+    F.scaled_dot_product_attention(q, q, q)  # not routed: the mode is gone
+    assert mode.calls == 0
+
+
 def test_the_hydra_override_reaches_the_strategy():
     from pathlib import Path
 
@@ -121,8 +141,11 @@ def test_layouts_context_parallelism_does_not_compose_with_yet_are_named():
     from lightning_par.context.layout import check_context_layout
 
     check_context_layout(1, pipeline_parallel_size=4, zero_stage=3)  # nothing to check without cp
+    check_context_layout(2, pipeline_parallel_size=2, zero_stage=1, schedule="gpipe")
     with pytest.raises(ValueError, match=r"`context_parallel_size=2` with `zero_stage=3` .* Use zero_stage=0 or 1"):
-        check_context_layout(2, pipeline_parallel_size=1, zero_stage=3)
+        check_context_layout(2, pipeline_parallel_size=2, zero_stage=3)
+    with pytest.raises(ValueError, match=r"`schedule='interleaved_1f1b'` .* Use schedule='1f1b', 'gpipe'"):
+        check_context_layout(2, pipeline_parallel_size=2, schedule="interleaved_1f1b", stages_per_rank=2)
     with pytest.raises(ValueError, match=r"`context_parallel_size=2` with `fault_tolerance='torchft'`"):
         check_context_layout(2, pipeline_parallel_size=1, fault_tolerance="torchft")
 
