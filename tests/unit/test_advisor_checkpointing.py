@@ -145,7 +145,11 @@ def test_checkpointing_is_weighed_against_more_pipeline_stages_and_a_higher_zero
     adv = advise(prof, devices=2, device_memory=pp, batch_size=16, microbatches=8)
     assert adv.choice.layout == Layout(pipeline_parallel_size=2, microbatches=8), adv.table()
     assert "bubble 12%" in adv.why and "activation checkpointing: " in adv.why, adv.why
-    # a pipeline of 2 micro-batches (bubble 1/2) costs more than selective checkpointing (0.2 of the forward)
+    # a pipeline of 2 micro-batches (bubble 1/2) costs more than selective checkpointing (0.2 of the forward);
+    # the logits (held by the last stage for one micro-batch, by a replica for all of them) keep DP2 ZeRO-3 above
+    # the pipeline's stage 0, which holds a gradient copy and its sends beside the same activations
+    prof = ac_profile(block_activation_bytes=(100_000,) * 4, block_input_bytes=1000, selective_bytes=(30_000,) * 4,
+                      last_activation_bytes=2000)
     pp2 = estimate(prof, Layout(pipeline_parallel_size=2, microbatches=2), 16).total_bytes
     assert estimate(prof, Layout(data_parallel_size=2, zero_stage=3), 16).total_bytes > pp2
     adv2 = advise(prof, devices=2, device_memory=pp2, batch_size=16, microbatches=2)
@@ -186,3 +190,14 @@ def test_advise_cli_recommends_checkpointing_when_activations_do_not_fit_one_dev
     assert "full 16,384 B" in out  # its input: 64 tokens × 64 wide × 4 bytes
     last = out.splitlines()[-1]
     assert last.startswith("recommended: single × AC full") and "step time (recompute " in last, out
+
+
+def test_a_pipeline_stage_counts_the_previous_steps_gradients_and_its_sends():
+    # [Note: what a pipeline stage holds beyond the model]: stage 0 of PP2, 4 micro-batches of 4 samples × 4 tokens
+    # × width 8 in fp32 (a boundary message: 512 B): its 2100 parameters' gradients once more, 4 sends kept to the
+    # step's end and 1 posted gradient receive
+    est = estimate(ac_profile(), Layout(pipeline_parallel_size=2, microbatches=4), 16)
+    assert est.pipeline_bytes == 2100 * 4 + 512 * (4 + 1)
+    assert est.total_bytes == (est.param_bytes + est.grad_bytes + est.optimizer_bytes + est.activation_bytes
+                               + est.pipeline_bytes)
+    assert estimate(ac_profile(), Layout(data_parallel_size=2), 16).pipeline_bytes == 0
