@@ -212,6 +212,16 @@ def assert_ranks_close(expected: list, got: list, **tol) -> None:
             torch.testing.assert_close(torch.tensor(g["metrics"][k]), torch.tensor(e["metrics"][k]), **tol)
 
 
+def assert_resumed_exactly(whole: list, resumed: list, *, steps: int, resumed_at: int) -> None:
+    """Each rank's resumed run ends at ``steps`` with the uninterrupted run's later losses and, bit for bit, its
+    parameters (a resume replays the same arithmetic)."""
+    for w, r in zip(whole, resumed, strict=True):
+        assert r["global_step"] == steps
+        assert r["losses"] == w["losses"][resumed_at:]
+        for name, p in w["params"].items():
+            torch.testing.assert_close(r["params"][name], p, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 def union_of_grad_names(records: list[dict]) -> set[str]:
     return {n for rec in records for step in rec["grads"] for n in step}
 

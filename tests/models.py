@@ -25,6 +25,17 @@ def tiny_gpt(**overrides) -> GPT:
     return GPT(**{**GPT_SIZES, **overrides})
 
 
+class SgdGPT(GPT):
+    """The reference GPT with plain SGD (no momentum, no schedule): every-step DP and local SGD at H = 1 agree."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def sgd_gpt() -> SgdGPT:
+    return SgdGPT(**GPT_SIZES)
+
+
 def gpt_factory(**overrides) -> Callable[..., GPT]:
     """:func:`tiny_gpt` with ``overrides`` bound: a factory for ``seeded`` that still takes further overrides."""
     return functools.partial(tiny_gpt, **overrides)

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from harness import TIMEOUT_S, fit_and_record, seeded
-from models import GPT_SIZES, corpus, gpt_factory
+from harness import TIMEOUT_S, assert_resumed_exactly, fit_and_record, seeded
+from models import GPT_SIZES, corpus, gpt_factory, sgd_gpt
 from lightning_par import DataParallelStrategy
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.models import GPT
@@ -28,17 +28,6 @@ from lightning_par.strategies.data_parallel import SYNC_KEY
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 tiny_gpt = gpt_factory(warmup_steps=2)
-
-
-class SgdGPT(GPT):
-    """The reference GPT with plain SGD (no momentum, no schedule): every-step DP and local SGD at H = 1 agree."""
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
-def sgd_gpt():
-    return SgdGPT(**GPT_SIZES)
 
 
 class Regression(pl.LightningModule):
@@ -180,11 +169,7 @@ def test_diloco_resumes_exactly_between_syncs(tmp_path, dcp):
         assert state["ranks"][0]["sync"]["outer"]["state"][0]["momentum_buffer"].abs().sum() > 0  # one outer step
     resumed = fit_two(tmp_path, "resumed", ours(**kw), model=Regression, data=data, max_steps=-1, max_epochs=2,
                       ckpt_path=path)
-    for w, r in zip(whole, resumed, strict=True):
-        assert r["global_step"] == 8
-        assert r["losses"] == w["losses"][4:]
-        for name, p in w["params"].items():
-            torch.testing.assert_close(r["params"][name], p, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert_resumed_exactly(whole, resumed, steps=8, resumed_at=4)
     assert not torch.equal(whole[0]["params"]["net.0.weight"], whole[1]["params"]["net.0.weight"])  # step 8: apart
     if not dcp:  # each rank resumes its own replica: another number of ranks is refused, naming both
         with pytest.raises(Exception, match=r"holds the replicas of a 2-rank sync='diloco' run; this run has 1 ranks"):
@@ -341,11 +326,7 @@ def test_streaming_diloco_resumes_exactly_with_a_fragment_in_flight(tmp_path):
     assert (state["since"], state["ranks"][0]["sync"]["fragments"]) == (2, 2)
     resumed = fit_two(tmp_path, "resumed", ours(**kw), model=momentum_gpt, data=data, max_steps=-1, max_epochs=4,
                       ckpt_path=path)
-    for w, r in zip(whole, resumed, strict=True):
-        assert r["global_step"] == 8
-        assert r["losses"] == w["losses"][2:]
-        for name, p in w["params"].items():
-            torch.testing.assert_close(r["params"][name], p, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert_resumed_exactly(whole, resumed, steps=8, resumed_at=2)
 
 
 @pytest.mark.timeout(TIMEOUT_S)

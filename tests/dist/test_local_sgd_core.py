@@ -8,27 +8,15 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, seeded
-from models import GPT_SIZES, corpus, gpt_factory
+from harness import TIMEOUT_S, assert_resumed_exactly, fit_and_record, seeded
+from models import corpus, gpt_factory, sgd_gpt
 from lightning_par import HybridParallelStrategy
-from lightning_par.models import GPT
 from lightning_par.strategies.hybrid_parallel import SYNC_KEY
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 LAYOUTS = {"pp2_dp2": dict(pipeline_parallel_size=2, data_parallel_size=2, microbatches=2),
            "tp2_dp2": dict(tensor_parallel_size=2, data_parallel_size=2)}
 tiny_gpt = gpt_factory(warmup_steps=2)
-
-
-class SgdGPT(GPT):
-    """Plain SGD (no momentum, no schedule): every-step DP and local SGD at H = 1 agree."""
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
-def sgd_gpt():
-    return SgdGPT(**GPT_SIZES)
 
 
 def hybrid(layout, **kw):
@@ -90,11 +78,7 @@ def test_diloco_under_tensor_parallelism_resumes_exactly_between_syncs(tmp_path)
     assert state["layout"]["tensor_parallel_size"] == 2
     resumed = fit4(tmp_path, "resumed", hybrid("tp2_dp2", **kw), data=data, max_steps=-1, max_epochs=2,
                    ckpt_path=path)
-    for w, r in zip(whole, resumed, strict=True):
-        assert r["global_step"] == 8
-        assert r["losses"] == w["losses"][4:]
-        for name, p in w["params"].items():
-            torch.testing.assert_close(r["params"][name], p, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert_resumed_exactly(whole, resumed, steps=8, resumed_at=4)
     for a, b in replica_peers("tp2_dp2"):  # step 8 was not synced: the replicas are apart
         name = "blocks.0.mlp.fc.weight"
         assert not torch.equal(whole[a]["params"][name], whole[b]["params"][name])
