@@ -196,7 +196,6 @@ class Engine(PeriodicSyncHooks):
 
     def teardown(self) -> None:
         self.stop_periodic_sync()
-        self.periodic = None
         self.uncheckpoint_blocks()
         self.host.lightning_teardown()
 

@@ -62,9 +62,10 @@ class PeriodicSyncHooks:
                                                fragments=fragments)
 
     def stop_periodic_sync(self) -> None:
-        """The end of training (and teardown): a sync in flight finished, the hooks taken out."""
+        """Teardown (and a new start): a sync in flight finished, the hooks taken out, the sync dropped."""
         if self.periodic is not None:
             self.periodic.close()
+        self.periodic = None
 
     def after_step(self) -> None:
         """After every optimizer step (taken or skipped): the periodic sync counts it (and syncs every H-th)."""

@@ -128,7 +128,6 @@ class ReplicaEngine(Engine):
     def teardown(self) -> None:
         self.uncheckpoint_blocks()
         self.stop_periodic_sync()
-        self.periodic = None
         if self.steps is None:
             return self.host.lightning_teardown()
         self.steps.close()

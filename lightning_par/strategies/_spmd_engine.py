@@ -92,7 +92,6 @@ class SpmdEngine(Engine):
 
     def teardown(self) -> None:
         self.stop_periodic_sync()
-        self.periodic = None
         if self.context is not None:
             self.context.remove()
             self.context = None

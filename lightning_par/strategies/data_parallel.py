@@ -33,8 +33,6 @@ from lightning_par.strategies._replica_engine import ReplicaEngine
 from lightning_par.strategies.hybrid_parallel import SYNC_KEY, HybridParallelStrategy
 
 
-
-
 class DataParallelStrategy(HybridParallelStrategy):
     """Data parallel training of an unchanged ``LightningModule``: Lightning's ``DDPStrategy`` plus
 
