@@ -37,8 +37,15 @@ def test_own_module_under_every_strategy(tmp_path):
             re.findall(r"^(\w+): trained (\d+) steps, last loss ([\d.]+)$", out, re.M)}
     assert sorted(first) == sorted(last) == sorted(names), out
     assert all(steps == 5 for steps, _ in last.values()), last
-    assert first["pp"] == first["tp"] == first["hybrid"] and last["pp"] == last["tp"] == last["hybrid"], out
-    assert first["dp"] == first["zero3"], out
+    # printed to 6 decimals: losses equal to fp32 round-off can straddle the last digit's rounding (CI printed
+    # 1.197231 and 1.197232 for pp and hybrid), so the printed values are compared at the fp32 1e-5 of every
+    # parity test, not as strings
+    def same(names, table):
+        values = [float(table[n][-1] if isinstance(table[n], tuple) else table[n]) for n in names]
+        return max(values) - min(values) <= 1e-5
+
+    assert same(["pp", "tp", "hybrid"], first) and same(["pp", "tp", "hybrid"], last), out
+    assert same(["dp", "zero3"], first), out
     assert float(last["pp"][1]) < float(first["pp"]), out  # it trains
 
 
