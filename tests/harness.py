@@ -229,9 +229,14 @@ def adam_response(got: dict, ref: dict, name: str) -> torch.Tensor | None:
     steps = got.get("adam") or []
     if not steps or not all(name in s for s in steps) or not all(name in g for g in got["grads"]):
         return None
-    settings = [s[name] for s in steps]
-    mine = _adam_directions([g[name] for g in got["grads"]], settings)
-    theirs = _adam_directions([g[name] for g in ref["grads"]], settings)
+    # a step where any of the reference's gradients is not finite is one the loss scaler skipped (16-mixed):
+    # no parameter moved, no moment changed
+    taken = [i for i, r in enumerate(ref["grads"]) if all(g.isfinite().all() for g in r.values())]
+    if not taken:
+        return None
+    settings = [steps[i][name] for i in taken]
+    mine = _adam_directions([got["grads"][i][name] for i in taken], settings)
+    theirs = _adam_directions([ref["grads"][i][name] for i in taken], settings)
     return sum(s[0] * (a - b).abs() for s, a, b in zip(settings, mine, theirs)).float()
 
 
