@@ -1,5 +1,7 @@
-"""``lightning-par-checkpoint`` as a user runs it, one subprocess per mistake: each ends with exit status 2 and one
-message naming the value (no traceback unless ``--debug``); a closed pipe ends quietly; ``--version``."""
+"""``lightning-par-checkpoint``'s mistakes: each ends with exit status 2 and one message naming the value (no
+traceback unless ``--debug``); a closed pipe ends quietly; ``--version``. Two run as a user runs them (a new
+interpreter: the exit status and stderr of a process, a pipe closed under it); the rest call the same ``main`` in
+this process."""
 from __future__ import annotations
 
 import os
@@ -10,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.e2e  # launches processes (pyproject's markers)
-
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
        "OMP_NUM_THREADS": "1"}
@@ -20,6 +20,25 @@ COMMAND = [sys.executable, "-m", "lightning_par.checkpoint.cli"]
 
 def _run(*args, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([*COMMAND, *map(str, args)], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def main(monkeypatch, capsys):
+    """``main(*args, cwd=...)``: the console script's ``main`` in this process, as a ``CompletedProcess``."""
+    from lightning_par.checkpoint import cli
+
+    def run(*args, cwd: Path) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(cwd)
+        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+        argv = list(map(str, args))
+        try:
+            code = cli.main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess([*COMMAND, *argv], code or 0, out.out, out.err)
+
+    return run
 
 
 @pytest.fixture
@@ -41,29 +60,31 @@ def _refused(res: subprocess.CompletedProcess, *names: str) -> str:
 
 
 @pytest.mark.timeout(150)
-def test_a_strip_prefix_matching_nothing_is_refused_with_the_real_prefixes(tmp_path, ckpt):
-    res = _run("convert", ckpt, "w.safetensors", "--strip-prefix", "foo.", cwd=tmp_path)
+def test_a_strip_prefix_matching_nothing_is_refused_with_the_real_prefixes(tmp_path, ckpt, main):
+    res = main("convert", ckpt, "w.safetensors", "--strip-prefix", "foo.", cwd=tmp_path)
     _refused(res, "'foo.'", "'net.' (2)", "'head.' (1)")
     assert not (tmp_path / "w.safetensors").exists()
 
 
 @pytest.mark.timeout(150)
-def test_output_into_a_missing_folder_is_refused_naming_the_folder(tmp_path, ckpt):
-    _refused(_run("convert", ckpt, "nowhere/one.ckpt", cwd=tmp_path), f"{tmp_path / 'nowhere'} of nowhere/one.ckpt",
+def test_output_into_a_missing_folder_is_refused_naming_the_folder(tmp_path, ckpt, main):
+    _refused(main("convert", ckpt, "nowhere/one.ckpt", cwd=tmp_path), f"{tmp_path / 'nowhere'} of nowhere/one.ckpt",
              "mkdir -p")
 
 
+@pytest.mark.e2e  # launches a process (pyproject's markers)
 @pytest.mark.timeout(150)
 def test_a_missing_source_is_refused(tmp_path):
     _refused(_run("inspect", "missing.ckpt", cwd=tmp_path), "missing.ckpt does not exist")
 
 
 @pytest.mark.timeout(150)
-def test_debug_shows_the_traceback(tmp_path):
-    res = _run("inspect", "missing.ckpt", "--debug", cwd=tmp_path)
-    assert res.returncode != 0 and "Traceback" in res.stderr and "missing.ckpt does not exist" in res.stderr
+def test_debug_shows_the_traceback(tmp_path, main):
+    with pytest.raises(Exception, match="missing.ckpt does not exist"):  # the error itself, with its traceback
+        main("inspect", "missing.ckpt", "--debug", cwd=tmp_path)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
     torch.save({f"layer{i}.weight": torch.zeros(1) for i in range(20000)}, tmp_path / "many.pt")  # > a pipe's buffer
@@ -78,6 +99,6 @@ def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_version(tmp_path):
-    res = _run("--version", cwd=tmp_path)
+def test_version(tmp_path, main):
+    res = main("--version", cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("lightning-par-checkpoint 0.") and "torch 2." in res.stdout

@@ -9,10 +9,6 @@ checks the strategies call before any collective; the distributed tests run them
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -29,8 +25,6 @@ from lightning_par.pipeline.partition import partition_blocks
 from lightning_par.tensor.boundary import check_sequence_stack
 from lightning_par.tensor.plan import build_plan
 from lightning_par.topology import Topology
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def gpt(**kw):
@@ -168,7 +162,9 @@ def test_refused_with_the_value_and_the_fix(case):
 
 
 def test_the_catalogue_has_at_least_40_cases():
-    assert len(CASES) + len(FILE_CASES) + len(CLI_CASES) >= 40
+    from test_cli_errors import CONSOLE_MISTAKES  # the command line's cases, through the console scripts
+
+    assert len(CASES) + len(FILE_CASES) + len(CONSOLE_MISTAKES) >= 40
 
 
 # -- checkpoint and data paths ------------------------------------------------------------------------------
@@ -212,26 +208,5 @@ def test_a_weights_file_with_missing_extra_and_misshaped_keys_lists_them(tmp_pat
         open_module_weights(str(tmp_path / "w.safetensors"), model)
 
 
-# -- the command line: one clear message, no traceback --------------------------------------------------------
-CLI_CASES = {
-    "bad strategy option": (["strategy=pipeline", "strategy.schedule=bogus"],
-                            r"`schedule='bogus'` is not a pipeline schedule"),
-    "unknown config option": (["strategy=bogus"], r"Could not find 'strategy/bogus'"),
-    "unknown config key": (["strategy.not_a_key=1"], r"not_a_key"),
-}
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", list(CLI_CASES))
-def test_the_app_prints_one_clear_message(tmp_path, case):
-    overrides, message = CLI_CASES[case]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    res = subprocess.run([sys.executable, "-m", "lightning_par.train", *overrides, f"hydra.run.dir={tmp_path}"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
-    out = res.stdout + res.stderr
-    assert res.returncode != 0
-    assert __import__("re").search(message, out), out[-2000:]
-    assert "Traceback (most recent call last)" not in out, out[-3000:]
+# the command line's messages (a bad strategy option, an unknown config option or key): the console scripts'
+# tests in tests/unit/test_cli_errors.py

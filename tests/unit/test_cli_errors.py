@@ -46,7 +46,95 @@ def test_train_mistake_is_found_before_the_run_naming_the_value(tmp_path, monkey
     assert "\n" not in text.strip() and all(value in text for value in named), text
 
 
-# the mistakes a user meets first, each through the real console script
+# -- each console script's own handling, in this process: exit status 2 and one `prog: error:` line, no traceback
+# (tests/dist/test_cli_mistakes.py runs each console script once as a user runs it, in a new interpreter)
+def _console(monkeypatch, capsys, module: str, args: list[str]):
+    """Run ``module.main()`` as its console script with ``args``; its exit status and its stderr."""
+    import importlib
+    import sys
+
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the train script makes the current directory importable
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    code = 0
+    try:
+        importlib.import_module(module).main()
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _one_message(code, err: str, prog: str, *named: str) -> str:
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith(f"{prog}: error:")]
+    assert len(errors) == 1 and all(value in errors[0] for value in named), err[-3000:]
+    return errors[0]
+
+
+# the mistakes a user meets first, and the app's own config errors (Hydra's messages)
+CONSOLE_MISTAKES = [
+    ("lightning_par.train", ["strategy.comm_hok=fp16"], ["strategy.comm_hok", "comm_hook"]),
+    ("lightning_par.train", ["strategy=tensor", "strategy.tensor_parallel_size=2", "trainer.devices=3"],
+     ["tensor_parallel_size=2", "data_parallel_size=auto", "world size (3)", "trainer.devices="]),
+    ("lightning_par.train", ["ckpt_path=missing.ckpt"], ["ckpt_path=missing.ckpt", "does not exist"]),
+    ("lightning_par.train", ["strategy.weights=nothere.safetensors"],
+     ["strategy.weights=nothere.safetensors", "does not exist"]),
+    ("lightning_par.train", ["trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches=0",
+                                                                     "positive integer"]),
+    ("lightning_par.train", ["strategy=pipeline", "strategy.schedule=bogus"],
+     ["`schedule='bogus'` is not a pipeline schedule"]),
+    ("lightning_par.train", ["strategy=bogus"], ["Could not find 'strategy/bogus'"]),
+    ("lightning_par.train", ["strategy.not_a_key=1"], ["not_a_key"]),
+    ("lightning_par.advise", ["model.n_layr=4"], ["model.n_layr", "n_layer"]),
+    ("lightning_par.advise", ["--bogus"], ["--bogus"]),
+    ("lightning_par.recipe", ["parity", "--quick", "trainer.max_steps=2"], ["trainer.max_steps",
+                                                                          "did you mean `max_steps=`"]),
+    ("lightning_par.recipe", ["parity", "--bogus"], ["--bogus"]),
+]
+
+
+@pytest.mark.parametrize("module, args, named", CONSOLE_MISTAKES,
+                         ids=[f"{m.split('.')[1]} {' '.join(a)}" for m, a, _ in CONSOLE_MISTAKES])
+def test_console_script_mistake_is_one_message_and_exit_2(tmp_path, monkeypatch, capsys, module, args, named):
+    monkeypatch.chdir(tmp_path)
+    extra = {"lightning_par.train": [f"hydra.run.dir={tmp_path / 'run'}"],
+             "lightning_par.recipe": ["--out", str(tmp_path / "run")]}.get(module, [])
+    code, _, err = _console(monkeypatch, capsys, module, [*args, *extra])
+    text = _one_message(code, err, {"train": "lightning-par-train", "advise": "lightning-par-advise",
+                                    "recipe": "lightning-par-recipe"}[module.split(".")[1]], *named)
+    assert "unrecognized arguments: trainer" not in text
+    assert not (tmp_path / "run").exists()  # nothing started: no run dir, no logs, no checkpoints
+
+
+@pytest.mark.parametrize("module, args", [("lightning_par.train", ["ckpt_path=missing.ckpt"]),
+                                          ("lightning_par.advise", ["model.n_layr=4", "--debug"])])
+def test_console_script_traceback_on_request(tmp_path, monkeypatch, capsys, module, args):
+    """``HYDRA_FULL_ERROR=1`` (or ``--debug``): the error propagates with its traceback."""
+    from lightning_par.cli_errors import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    import importlib
+    import sys
+
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1" if "--debug" not in args else "0")
+    with pytest.raises(UsageError, match="missing.ckpt|n_layr"):
+        importlib.import_module(module).main()
+
+
+@pytest.mark.parametrize("module, prog", [("lightning_par.train", "lightning-par-train"),
+                                          ("lightning_par.advise", "lightning-par-advise"),
+                                          ("lightning_par.recipe", "lightning-par-recipe"),
+                                          ("lightning_par.checkpoint.cli", "lightning-par-checkpoint")])
+def test_console_script_version(monkeypatch, capsys, module, prog):
+    code, out, err = _console(monkeypatch, capsys, module, ["--version"])
+    assert code == 0 and out.startswith(f"{prog} ") and "torch" in out, err[-2000:]
+
+
+# the advisor's flag values, through its parser
 @pytest.mark.parametrize("args", [["--devices", "0"], ["--device-memory-gb", "-1"], ["--probe-samples", "0"]])
 def test_advise_bad_flag_values(args, capsys):
     from lightning_par.advise import parse
