@@ -34,7 +34,7 @@ class Fault(pl.Callback):
             os.kill(os.getpid(), self.sig)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     for name in ("strategy", "fault", "out"):
         ap.add_argument(f"--{name}", required=True)
@@ -42,7 +42,7 @@ def main():
         ap.add_argument(f"--{name}", type=int, required=True)
     ap.add_argument("--timeout", type=float, required=True)
     ap.add_argument("--world", type=int, default=2)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), WORLD_SIZE=str(a.world), NODE_RANK="0",
                       LOCAL_RANK=str(a.me))
     common = dict(start_method="popen", timeout=a.timeout)

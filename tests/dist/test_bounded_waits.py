@@ -1,9 +1,9 @@
 """Every wait is bounded: two ranks launched from outside Lightning (as torchrun launches them, each its
-own process, tests/dist/faulty_rank.py), one of which stops answering (SIGSTOP) or dies (SIGKILL) at the
-start of a training step. The other must exit non-zero in time, and name the operation it waited for."""
+own process with its own environment, tests/dist/faulty_rank.py, forked from this one), one of which stops
+answering (SIGSTOP) or dies (SIGKILL) at the start of a training step. The other must exit non-zero in time,
+and name the operation it waited for."""
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -13,22 +13,45 @@ from harness import free_port
 
 pytestmark = pytest.mark.e2e  # launches processes (pyproject's markers)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 STEP = 3
 
 
+class Rank:
+    """One rank forked from this process (it has imported torch and Lightning already: a new interpreter would
+    spend ~7 s importing them), running tests/dist/faulty_rank.py's ``main`` with its own environment, as torchrun
+    starts a rank; stdout and stderr go to ``log``. ``poll`` / ``wait`` / ``pid`` as a ``subprocess.Popen``'s
+    (a signal's death is ``-signum``)."""
+
+    def __init__(self, argv: list[str], log_path):
+        import multiprocessing
+
+        self._proc = multiprocessing.get_context("fork").Process(target=self._run, args=(argv, str(log_path)))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @staticmethod
+    def _run(argv, log_path):
+        log = open(log_path, "w")
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+        import faulty_rank
+
+        faulty_rank.main(argv)
+
+    def poll(self):
+        return self._proc.exitcode
+
+    def wait(self):
+        self._proc.join()
+        return self._proc.exitcode
+
+
 def launch(tmp_path, strategy: str, fault: str, rank: int, timeout: float, world: int = 2):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     port = free_port()
-    procs = []
-    for me in range(world):
-        log = open(tmp_path / f"log{me}", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "faulty_rank.py"), "--strategy", strategy, "--fault", fault,
-             "--rank", str(rank), "--step", str(STEP), "--timeout", str(timeout), "--port", str(port),
-             "--out", str(tmp_path), "--me", str(me), "--world", str(world)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-    return procs
+    return [Rank(["--strategy", strategy, "--fault", fault, "--rank", str(rank), "--step", str(STEP),
+                  "--timeout", str(timeout), "--port", str(port), "--out", str(tmp_path), "--me", str(me),
+                  "--world", str(world)], tmp_path / f"log{me}") for me in range(world)]
 
 
 def wait_for_exit(proc, deadline: float):
