@@ -1,7 +1,8 @@
 """Context parallelism combined with the other axes, on real gloo ranks against one process on the same global
 batches (issue 24's matrix beyond tests/dist/test_context_strategy.py): pp 2 × cp 2 × tp 2 and pp 2 × dp 2 × cp 2
 with the reference GPT (8 ranks), Hugging Face Llama under pp 2 × cp 2, each also with activation checkpointing
-(counted: a checkpointed block runs its forward twice a micro-batch); Llama, Qwen2 and BERT at cp 4; a checkpoint
+(counted: a checkpointed block runs its forward twice a micro-batch); Llama under pp 2 × cp 2 × tp 2, pp 2 × cp 4
+(GPT), Qwen2 and BERT under pp 2 × cp 2; Llama, Qwen2 and BERT at cp 4; a checkpoint
 saved under pp 2 × cp 2 (a file or a DCP directory) resuming on one device and the other way round.
 
 Each run is compared as tests/dist/test_hybrid.py compares: every rank's losses, every gradient it holds (tensor
@@ -132,6 +133,27 @@ def test_pp2_cp2_hugging_face_llama_matches_one_process(tmp_path, schedule, chec
     assert len(got) == 4
     assert_matches(ref, got)
     assert [first_stage(rec, "model.model.layers.0.") for rec in got] == [True, True, False, False]
+
+
+PIPELINED = {"llama-pp2-cp2-tp2": (LLAMA, dict(context_parallel_size=2, tensor_parallel_size=2)),
+             "gpt-pp2-cp4": (gpt4, dict(context_parallel_size=4)),
+             "qwen2-pp2-cp2": (QWEN2, dict(context_parallel_size=2)),
+             "bert-pp2-cp2": (BERT, dict(context_parallel_size=2))}
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("case", list(PIPELINED))
+def test_more_pipelined_layouts_match_one_process(tmp_path, case):
+    """Beyond the issue's matrix, each a few seconds: Llama under pp 2 × cp 2 × tp 2 (8 ranks), cp 4 inside a
+    pipeline (GPT, chunks of 2 tokens), Qwen2 and BERT (bidirectional, 2 blocks per stage) under pp 2 × cp 2."""
+    factory, sizes = PIPELINED[case]
+    devices = 2 * sizes["context_parallel_size"] * sizes.get("tensor_parallel_size", 1)
+    ref = one_process_fit(factory, DATA.train_set, 4, max_steps=2)
+    got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "m"),
+                         strategy=hybrid(pipeline_parallel_size=2, microbatches=2, **sizes), devices=devices,
+                         max_steps=2, callbacks=[forwards(2, None)])
+    assert len(got) == devices
+    assert_matches(ref, got)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
