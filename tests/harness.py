@@ -106,6 +106,33 @@ class SavePredictions(pl.Callback):
         torch.save(torch.cat(self.preds), os.path.join(self.out_dir, f"pred{trainer.global_rank}.pt"))
 
 
+class SharesSequences(pl.Callback):
+    """Fails the run unless every block (of the stage) runs on pieces of the sequence while training, and no hook of
+    context parallelism is left on the module once fit ends."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        blocks = self.stage_blocks(trainer)
+        if not blocks or not all(b._forward_pre_hooks for b in blocks):
+            raise AssertionError("context parallelism is not installed on the blocks")
+        self.blocks = blocks
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        context = trainer.strategy._engine.context
+        if context is None or context._seq != batch[0].shape[1] or context._modes:
+            raise AssertionError("the blocks did not run on pieces of the sequence, or a routing mode was left")
+
+    def stage_blocks(self, trainer):  # a pipeline stage's own blocks (its other blocks are ghosts)
+        from lightning_par.pipeline.ghost import Ghost
+
+        return [b for b in trainer.lightning_module.get_submodule(trainer.strategy._engine.context.path)
+                if not isinstance(b, Ghost)]
+
+    def teardown(self, trainer, pl_module, stage):  # a pipeline stage keeps its own hooks: none of cp's is left
+        hooks = [h for b in self.blocks for h in (*b._forward_pre_hooks.values(), *b._forward_hooks.values())]
+        if trainer.strategy._engine.context is not None or any("ContextParallel" in h.__qualname__ for h in hooks):
+            raise AssertionError("hooks were left on the blocks after teardown")
+
+
 def trainer_kwargs(**overrides) -> dict:
     """Quiet, deterministic CPU trainer settings for tests (override any)."""
     kw = dict(accelerator="cpu", deterministic=True, logger=False, enable_checkpointing=False,

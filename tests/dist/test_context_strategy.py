@@ -10,41 +10,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, SavePredictions, fit_and_record, one_process_fit, seeded, trainer_kwargs
+from harness import (TIMEOUT_S, SavePredictions, SharesSequences, fit_and_record, one_process_fit, seeded,
+                     trainer_kwargs)
 from models import causal_lm, corpus, gpt_factory, tiny_gpt
 from lightning_par import HybridParallelStrategy
-from lightning_par.pipeline.ghost import Ghost
 
 DATA = corpus(val_sequences=8)
 
 
 def hybrid(**kw):
     return HybridParallelStrategy(start_method="fork", timeout=120, **kw)
-
-
-class SharesSequences(pl.Callback):
-    """Fails the run unless every block (of the stage) runs on pieces of the sequence while training, and no hook of
-    context parallelism is left on the module once fit ends."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        blocks = self.stage_blocks(trainer)
-        if not blocks or not all(b._forward_pre_hooks for b in blocks):
-            raise AssertionError("context parallelism is not installed on the blocks")
-        self.blocks = blocks
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        context = trainer.strategy._engine.context
-        if context is None or context._seq != batch[0].shape[1] or context._modes:
-            raise AssertionError("the blocks did not run on pieces of the sequence, or a routing mode was left")
-
-    def stage_blocks(self, trainer):  # a pipeline stage's own blocks (its other blocks are ghosts)
-        return [b for b in trainer.lightning_module.get_submodule(trainer.strategy._engine.context.path)
-                if not isinstance(b, Ghost)]
-
-    def teardown(self, trainer, pl_module, stage):  # a pipeline stage keeps its own hooks: none of cp's is left
-        hooks = [h for b in self.blocks for h in (*b._forward_pre_hooks.values(), *b._forward_hooks.values())]
-        if trainer.strategy._engine.context is not None or any("ContextParallel" in h.__qualname__ for h in hooks):
-            raise AssertionError("hooks were left on the blocks after teardown")
 
 
 def assert_matches(ref: dict, got: list[dict], steps: int):
