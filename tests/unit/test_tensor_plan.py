@@ -160,9 +160,12 @@ def test_tied_weight_sharded_on_one_side_only_is_refused():
 
     from lightning_par.tensor.parallelize import parallelize
 
-    # a one-rank process group is enough to apply a plan (no other process)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1) \
-        if not dist.is_initialized() else None
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # a one-rank process group is enough to apply a plan (no other process); torch's fake backend starts no
+    # thread, where a gloo group's threads would outlive it in this process (the mesh keeps the group) and every
+    # later fork-started test would inherit a group whose threads it does not have
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
         model = gpt()
         plan = build_plan(model, 1, {"lm_head": "colwise"})
