@@ -14,7 +14,15 @@ after it (embeddings, final norm, logits, loss) runs at full length on every ran
   dim]``, and the same transpose copies it: one more tensor of the attention's output size (``1/c`` of the
   probe's, ``/ t``) per block kept for backward. Measured (ParallelMetrics, GPT 4 × 128 at 64 tokens, batch 8,
   fp32): CP2 kept 4 × 128 KiB more than the blocks' halves, exactly this. A module that makes its own copy anyway
-  would hold that much less than predicted. The first and last activations stay whole. Parameters, gradients and optimizer state are those of the layout without
+  would hold that much less than predicted. The first and last activations stay whole.
+- The ring's working set (:func:`ring_working_bytes`, ``Estimate.context_bytes``): while a block's ring runs in
+  backward, beyond what the blocks saved, a rank holds its packed K/V and the piece in flight (``2·kv``), the K/V
+  gradient accumulator and the one in flight, and the query gradient (float32: ``(2·kv + q)·4/e``). The first block
+  to run it (the stack's last) does so after the head and the loss have freed what they saved, so the step's peak
+  is the larger of the two: the working set counts beyond the last activations only. Measured (the capacity
+  recipe's resident peak, GPT 2 × 64 at 1536 and 2048 tokens, 4 sequences, CP2): measured / advisor was 1.10 and
+  1.11 without it, 1.03 and 1.04 with it (one device's off rows: 1.01, 1.02). The saved-tensor meter (the memory
+  recipe) does not see it: it is not in ``activation_bytes``. Parameters, gradients and optimizer state are those of the layout without
   cp: the cp ranks of a replica hold the same weights, and ZeRO shards over dp only ([Note: ZeRO under context
   parallelism]).
 - Communication per rank, per micro-batch, for each block ``i`` of the stage, ``kv`` = this rank's K and V bytes of
@@ -55,6 +63,30 @@ def output_copy_bytes(profile: ModuleProfile, index: int, c: int, t: int = 1) ->
     return profile.block_attention_bytes[index] / t
 
 
+def ring_working_bytes(profile: ModuleProfile, blocks, c: int, t: int = 1) -> float:
+    """Bytes per sample a rank holds beyond the saved activations while the busiest of ``blocks`` runs its ring
+    backward ([Note: the advisor under context parallelism]).
+
+    Example::
+
+        >>> from lightning_par.advisor.profile import ModuleProfile
+        >>> prof = ModuleProfile(0, (0,), 0, 0, 0, 0, (0,), 0, 0, 8, 8, 1, 4, block_kv_bytes=(512,), kv_dtype_bytes=4,
+        ...                      block_attention_bytes=(256,))
+        >>> ring_working_bytes(prof, [0], 2)       # kv = 256, q = 128: 2·256 + (2·256 + 128)
+        1152.0
+    """
+    if c == 1 or not profile.block_kv_bytes:
+        return 0.0
+    wide = 4 / (profile.kv_dtype_bytes or 4)
+
+    def work(i):
+        kv = profile.block_kv_bytes[i] / (c * t)
+        q = (profile.block_attention_bytes[i] if profile.block_attention_bytes else 0) / (c * t)
+        return 2 * kv + (2 * kv + q) * wide
+
+    return max((work(i) for i in blocks), default=0.0)
+
+
 def ring_bytes(kv: float, c: int, kv_dtype_bytes: int, recomputed: bool = False) -> float:
     """Bytes a rank sends for one block's ring attention, one micro-batch, forward and backward ([Note: the advisor
     under context parallelism]); ``kv``: this rank's K and V bytes.
@@ -85,4 +117,4 @@ def context_comm(profile: ModuleProfile, blocks, c: int, t: int, micro: int, mic
     return microbatches * (ring + gather) + 2 * (c - 1) / c * grad_bytes
 
 
-__all__ = ["check_context", "context_comm", "output_copy_bytes", "ring_bytes"]
+__all__ = ["check_context", "context_comm", "output_copy_bytes", "ring_bytes", "ring_working_bytes"]

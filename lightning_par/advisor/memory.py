@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_par.advisor.context import check_context, context_comm, output_copy_bytes
+from lightning_par.advisor.context import check_context, context_comm, output_copy_bytes, ring_working_bytes
 from lightning_par.advisor.profile import ModuleProfile
 
 # bytes per element of (parameters, gradients, each optimizer state) for Lightning's precision flags
@@ -115,11 +115,13 @@ class Estimate:
     comm_bytes: int
     all_gathers: int = 0  # FSDP's all-gathers per step (one per unit gathered: ZeRO-2 / 3)
     pipeline_bytes: int = 0  # a pipeline stage's runtime ([Note: what a pipeline stage holds beyond the model])
+    context_bytes: int = 0  # the ring's working set beyond the peak of the saved activations ([Note: the advisor
+    # under context parallelism])
 
     @property
     def total_bytes(self) -> int:
         return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.pipeline_bytes)
+                + self.pipeline_bytes + self.context_bytes)
 
 
 def stage_blocks(n_blocks: int, stages: int, costs=None) -> list[range]:
@@ -314,11 +316,13 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         runtime = 0.0
         if p > 1:  # [Note: what a pipeline stage holds beyond the model]
             runtime = grads * g_bytes + boundary * (m + 1) * ((s < p - 1) + (s > 0))
+        ring = max(0.0, ring_working_bytes(profile, blocks, c, t)
+                   - (profile.last_activation_bytes if s == p - 1 else 0)) * micro
         units = len(blocks) + 1  # FSDP units of the stage: its blocks, then the root (the ends)
         gathers = 0 if zero < 2 or dp == 1 else (units if zero == 2 or p > 1 else 2 * len(blocks) + 1)
         est = Estimate(int(held_params * p_bytes), int(grads * g_bytes), int(opt),
                        int(acts * micro * held + recompute * micro + gathered * p_bytes), int(comm), gathers,
-                       int(runtime))
+                       int(runtime), int(ring))
         if worst is None or est.total_bytes > worst.total_bytes:
             worst = est
     return worst  # type: ignore[return-value]
