@@ -14,7 +14,9 @@ after it (embeddings, final norm, logits, loss) runs at full length on every ran
   dim]``, and the same transpose copies it: one more tensor of the attention's output size (``1/c`` of the
   probe's, ``/ t``) per block kept for backward. Measured (ParallelMetrics, GPT 4 × 128 at 64 tokens, batch 8,
   fp32): CP2 kept 4 × 128 KiB more than the blocks' halves, exactly this. A module that makes its own copy anyway
-  would hold that much less than predicted. The first and last activations stay whole.
+  would hold that much less than predicted. The first and last activations stay whole. Parameters, gradients and
+  optimizer state are those of the layout without cp: the cp ranks of a replica hold the same weights, and ZeRO
+  shards over dp only ([Note: ZeRO under context parallelism]).
 - The ring's working set (:func:`ring_working_bytes`, ``Estimate.context_bytes``): while a block's ring runs in
   backward, beyond what the blocks saved, a rank holds its packed K/V and the piece in flight (``2·kv``), the K/V
   gradient accumulator and the one in flight, and the query gradient (float32: ``(2·kv + q)·4/e``). The first block
@@ -22,9 +24,7 @@ after it (embeddings, final norm, logits, loss) runs at full length on every ran
   is the larger of the two: the working set counts beyond the last activations only. Measured (the capacity
   recipe's resident peak, GPT 2 × 64 at 1536 and 2048 tokens, 4 sequences, CP2): measured / advisor was 1.10 and
   1.11 without it, 1.03 and 1.04 with it (one device's off rows: 1.01, 1.02). The saved-tensor meter (the memory
-  recipe) does not see it: it is not in ``activation_bytes``. Parameters, gradients and optimizer state are those of the layout without
-  cp: the cp ranks of a replica hold the same weights, and ZeRO shards over dp only ([Note: ZeRO under context
-  parallelism]).
+  recipe) does not see it: it is not in ``activation_bytes``.
 - Communication per rank, per micro-batch, for each block ``i`` of the stage, ``kv`` = this rank's K and V bytes of
   block ``i`` (the probe's, ``/ c`` for its rows, ``/ t`` for its heads under tensor parallel): the ring sends
   ``(c-1)·kv`` in forward and, in backward, ``(c-1)·kv`` (the K/V again) plus ``c`` hops of the K/V gradient
