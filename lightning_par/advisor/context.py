@@ -23,8 +23,9 @@ after it (embeddings, final norm, logits, loss) runs at full length on every ran
   to run it (the stack's last) does so after the head and the loss have freed what they saved, so the step's peak
   is the larger of the two: the working set counts beyond the last activations only. Measured (the capacity
   recipe's resident peak, GPT 2 × 64 at 1536 and 2048 tokens, 4 sequences, CP2): measured / advisor was 1.10 and
-  1.11 without it, 1.03 and 1.04 with it (one device's off rows: 1.01, 1.02). The saved-tensor meter (the memory
-  recipe) does not see it: it is not in ``activation_bytes``.
+  1.11 without it, 1.03 and 1.04 with it (one device's off rows: 1.01, 1.02); the recipe's ``context`` sweep
+  (width 128, 64 MiB) has cp 2 at 0.94, cp 2 full at 1.03 and cp 4 at 1.07 (recipes/capacity/README.md). The
+  saved-tensor meter (the memory recipe) does not see it: it is not in ``activation_bytes``.
 - Communication per rank, per micro-batch, for each block ``i`` of the stage, ``kv`` = this rank's K and V bytes of
   block ``i`` (the probe's, ``/ c`` for its rows, ``/ t`` for its heads under tensor parallel): the ring sends
   ``(c-1)·kv`` in forward and, in backward, ``(c-1)·kv`` (the K/V again) plus ``c`` hops of the K/V gradient
@@ -40,12 +41,14 @@ from __future__ import annotations
 from lightning_par.advisor.profile import ModuleProfile
 
 
-def check_context(profile: ModuleProfile, c: int) -> None:
-    """``ValueError`` where context parallelism of size ``c`` cannot run this module (the strategy's refusals)."""
+def check_context(profile: ModuleProfile, layout) -> None:
+    """``ValueError`` where ``layout``'s context parallelism cannot run this module (the strategy's refusals)."""
+    c = layout.context_parallel_size
     if c == 1:
         return
-    if c < 1:
-        raise ValueError(f"context_parallel_size={c} must be a positive integer.")
+    if layout.sequence_parallel or (layout.pipeline_parallel_size > 1 and layout.zero_stage >= 2):
+        raise ValueError(f"context_parallel_size={c} does not compose with sequence_parallel, nor with a pipeline at "
+                         f"zero_stage 2 / 3 (the strategy refuses both); got {layout}.")
     if not profile.sdpa_blocks:
         raise ValueError("context_parallel_size > 1 routes the blocks' scaled_dot_product_attention calls, and the "
                          "profiled module's blocks made none (eager attention): use an SDPA attention.")

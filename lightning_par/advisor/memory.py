@@ -249,7 +249,7 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}.")
     p, t, dp = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.data_parallel_size
     c = layout.context_parallel_size
-    check_context(profile, c)
+    check_context(profile, layout)
     m = layout.microbatches if p > 1 else 1
     if batch_size % (dp * m):
         raise ValueError(f"batch_size={batch_size} must be divisible by data_parallel_size × microbatches "

@@ -13,7 +13,8 @@ started where the advisor's prediction reaches the budget; the advisor's bytes p
 
 A sweep's ``layouts`` is a list of names (each measured at every one of the sweep's ``modes``) or a mapping of
 names to their own modes; a name is one of the recipe's ``layouts`` or of the sweep's own ``define`` (layouts that
-only this sweep measures, as the cp ones). ``batch_size`` and ``steps`` in a sweep replace the recipe's for it.
+only this sweep measures, as the cp ones). ``batch_size``, ``steps`` and ``budget_gb`` in a sweep replace the
+recipe's for it.
 """
 from __future__ import annotations
 
@@ -86,13 +87,14 @@ def sweep_predictions(cfg, sweep) -> tuple[dict[int, object], dict[str, dict[str
 
 def run_sweeps(cfg, out_dir: Path, budget: int) -> dict:
     """Every sweep of ``cfg.sweeps``, measured: per sweep, layout and mode the longest / largest rung within
-    ``budget``, the advisor's, and every rung measured."""
-    from lightning_par.recipes.capacity import _largest_within, run_job
+    ``budget`` (or the sweep's own ``budget_gb``), the advisor's, and every rung measured."""
+    from lightning_par.recipes.capacity import GiB, _largest_within, run_job
 
-    results = {}
+    results, recipe_budget = {}, budget
     for sweep_name, sweep in cfg.sweeps.items():
         if sweep is None:  # `sweeps.NAME=null` on the command line: that sweep is left out
             continue
+        budget = int(sweep.budget_gb * GiB) if sweep.get("budget_gb") else recipe_budget
         profiles, predicted = sweep_predictions(cfg, sweep)
         rungs = list(sweep.ladder)
         tiny = dict(cfg.tiny)
@@ -116,7 +118,7 @@ def run_sweeps(cfg, out_dir: Path, budget: int) -> dict:
                 "model": dict(sweep.model), "tiny": dict(cfg.tiny), "layouts": jobs}
         measured = run_job(spec, out_dir, f"sweep-{sweep_name}")
         out = {"axis": sweep.axis, "ladder": rungs, "model": dict(sweep.model), "layouts": {},
-               "batch_size": spec["batch_size"], "steps": spec["steps"],
+               "batch_size": spec["batch_size"], "steps": spec["steps"], "budget_bytes": budget,
                "params": {r: p.total_params for r, p in profiles.items()}}
         for job in jobs:
             res = measured[job["name"]]
@@ -134,7 +136,9 @@ def run_sweeps(cfg, out_dir: Path, budget: int) -> dict:
 
 def report_sweeps(report: Report, sweeps: dict, budget: int, out_dir: Path) -> None:
     """A table and a plot per sweep."""
+    recipe_budget = budget
     for sweep_name, sw in sweeps.items():
+        budget = sw.get("budget_bytes", recipe_budget)
         what = "longest sequence (block_size)" if sw["axis"] == "block_size" else (
             f"largest n_layer at {sw['model'].get('block_size')} tokens")
         rows = []
@@ -150,7 +154,8 @@ def report_sweeps(report: Report, sweeps: dict, budget: int, out_dir: Path) -> N
         report.tables.append((f"Sweep `{sweep_name}`: the {what} within the budget, per layout and activation "
                               f"checkpointing mode (GPT width {m['n_embd']}" + (f", {m['n_layer']} blocks" if
                                                                               "n_layer" in m else "")
-                              + f", {sw.get('batch_size', '?')} sequences per replica)",
+                              + f", {sw.get('batch_size', '?')} sequences per replica, {budget / MiB:.0f} MiB per "
+                              "device)",
                               ["layout", "checkpointing", "devices", "measured", "advisor's", "model peak / budget "
                                "(MiB)", "advisor's MiB there", "measured / advisor there",
                                "rungs measured (✗: over budget)"], rows))

@@ -76,7 +76,8 @@ def run(cfg, out_dir: Path, command: str) -> Report:
         line = []
         for mem in memories:
             adv = advise(prof, cfg.devices, int(mem * GiB), cfg.batch_size, precision=cfg.precision,
-                         optimizer=cfg.optimizer, zero_stages=(0, 1), checkpointing=(None,))  # the seeds' table
+                         optimizer=cfg.optimizer, zero_stages=(0, 1), checkpointing=(None,),
+                         context=False)  # the seeds' table: data, pipeline and tensor parallel
             layout = adv.choice.layout if adv.choice else None
             line.append(kind(layout))
             total = adv.choice.estimate.total_bytes / GiB if adv.choice else float("nan")

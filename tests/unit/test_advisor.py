@@ -209,6 +209,10 @@ def test_context_parallel_is_refused_without_sdpa_or_when_2cp_does_not_divide_th
         estimate(toy_profile(), Layout(context_parallel_size=2), batch_size=2)
     with pytest.raises(ValueError, match="2·cp = 8 chunks"):
         estimate(cp_profile(seq_len=4), Layout(context_parallel_size=4), batch_size=2)
+    with pytest.raises(ValueError, match="does not compose with sequence_parallel"):
+        estimate(cp_profile(), Layout(context_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True), 2)
+    with pytest.raises(ValueError, match="pipeline at zero_stage 2 / 3"):
+        estimate(cp_profile(), Layout(2, 2, context_parallel_size=2, zero_stage=3, microbatches=2), batch_size=4)
 
 
 def test_candidates_include_context_parallel_only_for_sdpa_blocks_and_strategy_supported_layouts():
