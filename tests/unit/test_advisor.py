@@ -268,3 +268,19 @@ def test_advise_cli_proposes_context_parallel_for_a_long_sequence(capsys):
     main([*args, "--no-context-parallel"])
     out = capsys.readouterr().out
     assert "CP2" not in out and out.splitlines()[-1].startswith("recommended: PP2"), out
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_the_probe_reads_grouped_query_kv_heads_and_sees_eager_attention(impl):
+    from models import causal_lm
+
+    torch.manual_seed(0)
+    module = causal_lm("llama", attn_implementation=impl)()  # 4 query heads, 2 k/v heads of 8: K, V 16 B a token
+    batch = (torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16)))
+    prof = profile_lightning_module(module, batch)
+    if impl == "eager":  # no SDPA call to route: no context-parallel candidate
+        assert not prof.sdpa_blocks
+        assert {c.layout.context_parallel_size for c in advise(prof, 2, 2**30, 2).candidates} == {1}
+        return
+    assert prof.block_kv_bytes == (2 * 16 * 2 * 8 * 4,) * 2 and prof.block_attention_bytes == (16 * 4 * 8 * 4,) * 2
+    assert {c.layout.context_parallel_size for c in advise(prof, 2, 2**30, 1).candidates} == {1, 2}
