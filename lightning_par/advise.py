@@ -4,6 +4,7 @@
     lightning-par-advise model.n_layer=48 model.n_embd=2048 --devices 8 --device-memory-gb 80
     lightning-par-advise data=classification model=mlp --precision bf16-mixed
     lightning-par-advise data.seq_len=1024 --devices 1 --device-memory-gb 2    # activations dominate: checkpointing
+    lightning-par-advise data.seq_len=4096 --batch-size 1 --devices 4 --device-memory-gb 0.25   # context parallel
 
 Positional ``key=value`` arguments are the training app's Hydra overrides (``model=``, ``data=``, ...),
 so the advice is for exactly the model ``lightning-par-train`` would build. The model runs one
@@ -55,6 +56,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default 2 × stages)")
     p.add_argument("--probe-samples", type=int, default=2, help="micro-batch size of the activation probe")
+    p.add_argument("--no-context-parallel", dest="context", action="store_false",
+                   help="leave context-parallel layouts out (they are considered when every block calls SDPA)")
     p.add_argument("--link-gbps", type=float, default=100.0,
                    help="bandwidth each rank sends at, Gbit/s, to price communication in step time (default 100)")
     args = p.parse_intermixed_args(argv)
@@ -103,7 +106,8 @@ def advise_command(argv: Sequence[str]) -> None:
     batch_size = args.batch_size or datamodule.batch_size * args.devices
     memory = int(args.device_memory_gb * GiB)
     result = advise(profile, args.devices, memory, batch_size, precision=precision, optimizer=args.optimizer,
-                    schedule=args.schedule, microbatches=args.microbatches, link_bytes_per_s=args.link_gbps * 1e9 / 8)
+                    schedule=args.schedule, microbatches=args.microbatches, link_bytes_per_s=args.link_gbps * 1e9 / 8,
+                    context=args.context)
     print(f"model: {type(module).__name__}, {profile.total_params:,} parameters, {profile.n_blocks} blocks; "
           f"global batch {batch_size}, {precision}, {args.optimizer}; {args.devices} devices × "
           f"{args.device_memory_gb:.1f} GiB")
@@ -114,6 +118,7 @@ def advise_command(argv: Sequence[str]) -> None:
               f"Korthikanti et al. sbh(34 + 5as/h) for 16-bit: {formula:,.0f} B")
     if profile.n_blocks:
         print(checkpointing_summary(profile))
+        print(context_summary(profile, args.context))
     print(result.table())
 
 
@@ -127,6 +132,19 @@ def checkpointing_summary(profile) -> str:
         modes.append(f"{name} {kept:,.0f} B (+{recompute_share(profile, mode):.0%} step time)")
     timed = "timed by the probe" if profile.step_s_per_sample else "not timed: a third of a step assumed"
     return "activation checkpointing, kept per block and sample (" + timed + "): " + "; ".join(modes)
+
+
+def context_summary(profile, considered: bool = True) -> str:
+    """Whether context-parallel layouts are among the candidates, and the K/V bytes their ring passes."""
+    if not profile.sdpa_blocks:
+        return ("context parallelism: not considered (a block ran without scaled_dot_product_attention, which is "
+                "what it routes across the group)")
+    if not considered:
+        return "context parallelism: left out (--no-context-parallel)"
+    kv = sum(profile.block_kv_bytes) / profile.n_blocks
+    return (f"context parallelism: considered at sizes c with 2c dividing the sequence ({profile.seq_len}); the ring "
+            f"passes K and V of {kv:,.0f} B per block and sample ({profile.kv_dtype_bytes}-byte elements), "
+            f"split over the c ranks")
 
 
 if __name__ == "__main__":

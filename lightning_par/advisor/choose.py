@@ -3,7 +3,8 @@
 "选择数据并行还是模型并行，核心判断依据是'单卡是否能够容纳完整模型'": the model fits on one device →
 data parallel over every device. It does not → every plan that fits is priced in step time and the cheapest
 wins ([Note: the time cost of a plan]): a higher ZeRO stage (communication), activation checkpointing
-(recompute, timed by the probe), pipeline stages (the bubble) or tensor shards (communication).
+(recompute, timed by the probe), pipeline stages (the bubble), tensor shards or sequence shards (context
+parallelism, for a module whose blocks call SDPA: communication).
 """
 from __future__ import annotations
 
@@ -73,30 +74,45 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def context_sizes(profile: ModuleProfile, devices: int, schedule: str, context: bool = True) -> list[int]:
+    """The context-parallel sizes the advisor tries: 1, and, for a module whose every block calls SDPA, each
+    divisor ``c`` of ``devices`` with ``2c`` dividing the sequence (the strategy's own conditions); none under the
+    interleaved schedule, which the strategy refuses with cp."""
+    if not context or not profile.sdpa_blocks or schedule == "interleaved_1f1b":
+        return [1]
+    return [c for c in _divisors(devices) if c == 1 or profile.seq_len % (2 * c) == 0]
+
+
 def candidate_layouts(profile: ModuleProfile, devices: int, batch_size: int, schedule: str = "1f1b",
                       microbatches: int | None = None, zero_stages=(0, 1, 2, 3),
-                      checkpointing=CHECKPOINTING) -> list[Layout]:
-    """Every (pp, tp, dp) that multiplies to ``devices`` and that the model and batch allow, at each of
-    ``zero_stages`` (with more than one replica) and each activation ``checkpointing`` mode."""
+                      checkpointing=CHECKPOINTING, context: bool = True) -> list[Layout]:
+    """Every (pp, cp, tp, dp) that multiplies to ``devices`` and that the model and batch allow, at each of
+    ``zero_stages`` (with more than one replica) and each activation ``checkpointing`` mode; cp > 1 only where
+    :func:`context_sizes` allows it (``context=False``: never), and not with a pipeline at ZeRO-2 / 3 (refused by
+    the strategy)."""
     layouts = []
     for pp in _divisors(devices):
         if pp > profile.n_blocks:
             continue
-        for tp in _divisors(devices // pp):
-            if tp > 1 and (profile.hidden_size % tp or (profile.num_heads and profile.num_heads % tp)):
-                continue
-            dp = devices // (pp * tp)
-            m = 1
-            if pp > 1:
-                per_replica = batch_size // dp
-                m = microbatches or min(2 * pp, per_replica)
-                if m < 1 or per_replica % m:
+        for cp in context_sizes(profile, devices // pp, schedule, context):
+            for tp in _divisors(devices // (pp * cp)):
+                if tp > 1 and (profile.hidden_size % tp or (profile.num_heads and profile.num_heads % tp)):
                     continue
-            if batch_size % (dp * m):
-                continue
-            for zero in (zero_stages if dp > 1 else (0,)):
-                for ac in checkpointing:
-                    layouts.append(Layout(dp, pp, tp, zero, schedule, m, activation_checkpointing=ac))
+                dp = devices // (pp * cp * tp)
+                m = 1
+                if pp > 1:
+                    per_replica = batch_size // dp
+                    m = microbatches or min(2 * pp, per_replica)
+                    if m < 1 or per_replica % m:
+                        continue
+                if batch_size % (dp * m):
+                    continue
+                for zero in (zero_stages if dp > 1 else (0,)):
+                    if cp > 1 and pp > 1 and zero >= 2:
+                        continue
+                    for ac in checkpointing:
+                        layouts.append(Layout(dp, pp, tp, zero, schedule, m, activation_checkpointing=ac,
+                                              context_parallel_size=cp))
     return layouts
 
 
@@ -136,12 +152,16 @@ def time_cost(profile: ModuleProfile, layout: Layout, est: Estimate, batch_size:
 
 
 def _kind(lay: Layout) -> str:
-    if lay.pipeline_parallel_size == 1 and lay.tensor_parallel_size == 1:
-        kind = "data parallel" + (f" + ZeRO-{lay.zero_stage}" if lay.zero_stage else "")
-    elif lay.tensor_parallel_size == 1:
-        kind = "pipeline across layers"
-    else:
+    if lay.tensor_parallel_size > 1:
         kind = "tensor parallel inside layers"
+    elif lay.pipeline_parallel_size > 1:
+        kind = "pipeline across layers"
+    elif lay.context_parallel_size > 1:
+        kind = "context parallel across the sequence"
+    else:
+        kind = "data parallel" + (f" + ZeRO-{lay.zero_stage}" if lay.zero_stage else "")
+    if lay.context_parallel_size > 1 and (lay.tensor_parallel_size > 1 or lay.pipeline_parallel_size > 1):
+        kind += " + context parallel"
     return kind + (" + activation checkpointing" if lay.activation_checkpointing is not None else "")
 
 
@@ -153,19 +173,23 @@ def _family(lay: Layout) -> str:
         return "tensor shards"
     if lay.pipeline_parallel_size > 1:
         return "pipeline stages"
+    if lay.context_parallel_size > 1:
+        return "sequence shards"
     return "a higher ZeRO stage" if lay.zero_stage else "data parallel"
 
 
 def advise(profile: ModuleProfile, devices: int, device_memory: int, batch_size: int,
            precision: str = "32-true", optimizer: str = "adamw", schedule: str = "1f1b",
            microbatches: int | None = None, zero_stages=(0, 1, 2, 3), checkpointing=CHECKPOINTING,
-           link_bytes_per_s: float = 12.5e9) -> Advice:
+           link_bytes_per_s: float = 12.5e9, context: bool = True) -> Advice:
     """Estimate every candidate layout and pick one: plain data parallel when the model fits (the seeds' rule),
     else the plan that fits at the least time cost ([Note: the time cost of a plan]; ``link_bytes_per_s``: the
-    bandwidth each rank sends at, 100 Gbit/s by default)."""
+    bandwidth each rank sends at, 100 Gbit/s by default; ``context``: also context-parallel layouts, where the
+    module allows them)."""
     if devices < 1 or device_memory <= 0:
         raise ValueError(f"devices={devices} and device_memory={device_memory} must be positive.")
-    layouts = candidate_layouts(profile, devices, batch_size, schedule, microbatches, zero_stages, checkpointing)
+    layouts = candidate_layouts(profile, devices, batch_size, schedule, microbatches, zero_stages, checkpointing,
+                                context)
     if not layouts:
         raise ValueError(f"No layout of {devices} devices divides batch_size={batch_size}: choose a batch "
                          f"divisible by the device count.")
@@ -183,7 +207,8 @@ def advise(profile: ModuleProfile, devices: int, device_memory: int, batch_size:
         lay = c.layout
         # an untimed profile cannot price communication: the seeds' order first (a pipeline before tensor shards)
         tier = 0 if profile.step_s_per_sample else (lay.tensor_parallel_size > 1)
-        return (tier, round(c.time_cost, 6), lay.pipeline_parallel_size * lay.tensor_parallel_size, lay.zero_stage,
+        model = lay.pipeline_parallel_size * lay.tensor_parallel_size * lay.context_parallel_size
+        return (tier, round(c.time_cost, 6), model, lay.zero_stage,
                 lay.activation_checkpointing is not None, c.estimate.comm_bytes)
 
     plain = [c for c in fitting if c.layout == Layout(data_parallel_size=devices, schedule=c.layout.schedule,

@@ -19,12 +19,16 @@ follows are in DESIGN.md ("Numbers the field publishes"):
   per step (ZeRO-2: kept gathered) or, for the blocks, twice (ZeRO-3: forward, and again in backward; the
   root unit stays gathered); a pipeline boundary
   carries ``b·s·h`` activations forward and as many gradients back per micro-batch; Megatron tensor
-  parallel all-reduces ``b·s·h`` 4 times per layer per micro-batch (2 forward, 2 backward).
+  parallel all-reduces ``b·s·h`` 4 times per layer per micro-batch (2 forward, 2 backward);
+- context parallelism (``context_parallel_size``): the blocks' activations ``/ cp``, the ring attention's K/V
+  bytes, the stack's exit gather and the gradients' average over the group ([Note: the advisor under context
+  parallelism] in :mod:`lightning_par.advisor.context`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_par.advisor.context import check_context, context_comm, output_copy_bytes, ring_working_bytes
 from lightning_par.advisor.profile import ModuleProfile
 
 # bytes per element of (parameters, gradients, each optimizer state) for Lightning's precision flags
@@ -59,7 +63,7 @@ def checkpointed(mode, index: int) -> bool:
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout: sizes (pp × dp × tp devices), ZeRO stage and pipeline schedule."""
+    """A parallel layout: sizes (dp × pp × cp × tp devices), ZeRO stage and pipeline schedule."""
 
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -69,19 +73,25 @@ class Layout:
     microbatches: int = 1
     sequence_parallel: bool = False
     activation_checkpointing: str | int | None = None
+    context_parallel_size: int = 1
 
     def __post_init__(self):
         check_checkpointing(self.activation_checkpointing)
+        if self.context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size={self.context_parallel_size} must be a positive integer.")
 
     @property
     def devices(self) -> int:
-        return self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
+        return (self.data_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+                * self.tensor_parallel_size)
 
     @property
     def name(self) -> str:
         parts = []
         if self.pipeline_parallel_size > 1:
             parts.append(f"PP{self.pipeline_parallel_size}({self.schedule}, m={self.microbatches})")
+        if self.context_parallel_size > 1:
+            parts.append(f"CP{self.context_parallel_size}")
         if self.tensor_parallel_size > 1:
             parts.append(f"TP{self.tensor_parallel_size}" + ("+SP" if self.sequence_parallel else ""))
         if self.data_parallel_size > 1 or not parts:
@@ -105,11 +115,13 @@ class Estimate:
     comm_bytes: int
     all_gathers: int = 0  # FSDP's all-gathers per step (one per unit gathered: ZeRO-2 / 3)
     pipeline_bytes: int = 0  # a pipeline stage's runtime ([Note: what a pipeline stage holds beyond the model])
+    context_bytes: int = 0  # the ring's working set beyond the peak of the saved activations ([Note: the advisor
+    # under context parallelism])
 
     @property
     def total_bytes(self) -> int:
         return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.pipeline_bytes)
+                + self.pipeline_bytes + self.context_bytes)
 
 
 def stage_blocks(n_blocks: int, stages: int, costs=None) -> list[range]:
@@ -236,6 +248,8 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}.")
     p, t, dp = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.data_parallel_size
+    c = layout.context_parallel_size
+    check_context(profile, layout)
     m = layout.microbatches if p > 1 else 1
     if batch_size % (dp * m):
         raise ValueError(f"batch_size={batch_size} must be divisible by data_parallel_size × microbatches "
@@ -258,11 +272,13 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
             params += profile.last_params + (profile.tied_params if p > 1 else 0)
         held = m if layout.schedule == "gpipe" else min(p - s, m)
         ac = layout.activation_checkpointing
-        kept = [block_kept_bytes(profile, i, ac, t, layout.sequence_parallel) for i in blocks]
-        whole = [profile.block_activation_bytes[i] * tp_activation_factor(t, layout.sequence_parallel)
-                 for i in blocks]
-        recompute = recompute_peak(kept, whole, [checkpointed(ac, i) for i in blocks])
-        acts = sum(kept)
+        copy = [output_copy_bytes(profile, i, c, t) for i in blocks]  # cp: the attention output's copy
+        kept = [block_kept_bytes(profile, i, ac, t, layout.sequence_parallel) + (0 if checkpointed(ac, i) else x)
+                for i, x in zip(blocks, copy)]
+        whole = [profile.block_activation_bytes[i] * tp_activation_factor(t, layout.sequence_parallel) + x
+                 for i, x in zip(blocks, copy)]
+        recompute = recompute_peak(kept, whole, [checkpointed(ac, i) for i in blocks]) / c
+        acts = sum(kept) / c  # [Note: the advisor under context parallelism]: the blocks hold 1/c of the rows
         acts += (profile.first_activation_bytes if s == 0 else 0) + (profile.last_activation_bytes if s == p - 1 else 0)
         ends = (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)  # root unit
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
@@ -294,15 +310,19 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
             if profile.tied_params and s in (0, p - 1):
                 comm += profile.tied_params * g_bytes  # all-reduce of the tied weight over 2 ranks
         if t > 1:
-            comm += len(blocks) * 4 * 2 * (t - 1) / t * m * boundary
+            comm += len(blocks) * 4 * 2 * (t - 1) / t * m * boundary / c
+        comm += context_comm(profile, blocks, c, t, micro, m, lambda i: ac != "selective" and checkpointed(ac, i),
+                             boundary, grads * g_bytes)
         runtime = 0.0
         if p > 1:  # [Note: what a pipeline stage holds beyond the model]
             runtime = grads * g_bytes + boundary * (m + 1) * ((s < p - 1) + (s > 0))
+        ring = max(0.0, ring_working_bytes(profile, blocks, c, t)
+                   - (profile.last_activation_bytes if s == p - 1 else 0)) * micro
         units = len(blocks) + 1  # FSDP units of the stage: its blocks, then the root (the ends)
         gathers = 0 if zero < 2 or dp == 1 else (units if zero == 2 or p > 1 else 2 * len(blocks) + 1)
         est = Estimate(int(held_params * p_bytes), int(grads * g_bytes), int(opt),
                        int(acts * micro * held + recompute * micro + gathered * p_bytes), int(comm), gathers,
-                       int(runtime))
+                       int(runtime), int(ring))
         if worst is None or est.total_bytes > worst.total_bytes:
             worst = est
     return worst  # type: ignore[return-value]

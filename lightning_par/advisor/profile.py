@@ -46,10 +46,18 @@ class ModuleProfile:
     step_s_per_sample: float = 0.0   # seconds of forward + backward per sample (0: not timed)
     block_forward_s_per_sample: float = 0.0  # seconds of the blocks' forward per sample
     selective_recompute_share: float = 0.0   # share of the blocks' forward time outside the kept ops
+    block_kv_bytes: tuple[int, ...] = ()  # bytes per sample of the K and V each block hands SDPA ([Note: what
+    kv_dtype_bytes: int = 0               # the probe sees of attention]), and their element size (0: no SDPA)
+    block_attention_bytes: tuple[int, ...] = ()  # bytes per sample of each block's SDPA outputs
 
     @property
     def n_blocks(self) -> int:
         return len(self.block_params)
+
+    @property
+    def sdpa_blocks(self) -> bool:
+        """Whether every block called ``scaled_dot_product_attention`` (what context parallelism routes)."""
+        return bool(self.block_kv_bytes) and len(self.block_kv_bytes) == self.n_blocks and all(self.block_kv_bytes)
 
     @property
     def activation_bytes_per_sample(self) -> int:
@@ -92,6 +100,43 @@ def _op_ledger():
     return OpLedger()
 
 
+# [Note: what the probe sees of attention]
+# Context parallelism routes the blocks' ``F.scaled_dot_product_attention`` calls across the group and passes each
+# rank's K and V around it (:mod:`lightning_par.context.attention`), so its bytes are K's and V's sizes: a
+# ``TorchFunctionMode`` active while a block runs adds up the bytes of the ``key`` and ``value`` of every SDPA call
+# (their shapes carry the k/v head count and head dim, grouped-query attention included) and their element size
+# (the dtype training runs attention in: autocast's under a mixed precision), and the bytes of its outputs (what
+# the ring's output costs, [Note: the advisor under context parallelism]). A block without such a call (eager
+# attention) records 0, and the advisor proposes no cp layout for the module.
+def _sdpa_ledger():
+    """A function mode that adds up, per :attr:`tag`, the bytes of the keys and values handed to SDPA."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class SdpaLedger(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.tag = None
+            self.kv: dict = {}
+            self.out: dict = {}
+            self.elem = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention and self.tag is not None:
+                named = dict(zip(("query", "key", "value"), args), **kwargs)
+                k, v = named["key"], named["value"]
+                nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+                self.kv[self.tag] = self.kv.get(self.tag, 0) + nbytes
+                self.elem = k.element_size()
+                out = func(*args, **kwargs)
+                self.out[self.tag] = self.out.get(self.tag, 0) + out.numel() * out.element_size()
+                return out
+            return func(*args, **kwargs)
+
+    return SdpaLedger()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -120,6 +165,7 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
     input_shape: list[torch.Size] = []
     input_bytes: list[int] = []
     ledger = _op_ledger()
+    attention = _sdpa_ledger()
 
     def leaf_hook(mod, args):
         if meter.tag in ("before", "after"):
@@ -128,17 +174,19 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
 
     def enter(i):
         def hook(mod, args):
-            meter.tag = ledger.tag = i
+            meter.tag = ledger.tag = attention.tag = i
             if i == 0 and args and isinstance(args[0], torch.Tensor):
                 input_shape.append(args[0].shape)
                 input_bytes.append(args[0].numel() * args[0].element_size())
+            attention.__enter__()
             ledger.__enter__()
         return hook
 
     def leave(i):
         def hook(mod, args, out):
             ledger.__exit__(None, None, None)
-            ledger.tag = None
+            attention.__exit__(None, None, None)
+            ledger.tag = attention.tag = None
             meter.tag = "after" if i == len(block_list) - 1 else "before"  # code between blocks counts before
         return hook
 
@@ -178,6 +226,9 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         step_s_per_sample=step_s / batch_size,
         block_forward_s_per_sample=block_s / batch_size,
         selective_recompute_share=ledger.seconds["other"] / max(sum(ledger.seconds.values()), 1e-12),
+        block_kv_bytes=tuple(attention.kv.get(i, 0) // batch_size for i in range(len(block_list))),
+        kv_dtype_bytes=attention.elem,
+        block_attention_bytes=tuple(attention.out.get(i, 0) // batch_size for i in range(len(block_list))),
     )
 
 

@@ -85,8 +85,9 @@ def _fit(spec: dict, layout: dict, model_kw: dict, run_dir: str, limit: int | No
     torch.set_num_threads(1)
     acc = "gpu" if spec["accelerator"] in ("gpu", "cuda") else spec["accelerator"]
     steps, batch = spec["steps"], spec["batch_size"]
-    replicas = layout["devices"] // (layout.get("args", {}).get("pipeline_parallel_size", 1)
-                                     * layout.get("args", {}).get("tensor_parallel_size", 1))
+    sizes = layout.get("args", {})
+    replicas = layout["devices"] // (sizes.get("pipeline_parallel_size", 1) * sizes.get("tensor_parallel_size", 1)
+                                     * sizes.get("context_parallel_size", 1))
     data = SyntheticCorpus(vocab_size=model_kw["vocab_size"], seq_len=model_kw["block_size"],
                            train_sequences=batch * replicas * steps, val_sequences=1)
     loader = DataLoader(data.train_set, batch_size=batch)

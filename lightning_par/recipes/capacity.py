@@ -100,22 +100,10 @@ def run_job(spec: dict, out_dir: Path, name: str = "measured") -> dict:
 def run(cfg, out_dir: Path, command: str) -> Report:
     t0 = time.perf_counter()
     budget = int(cfg.budget_gb * GiB)
-    n_layers = ladder(cfg)
-    params, predicted = predictions(cfg, n_layers)
-    measured = measure(cfg, out_dir, n_layers, predicted, budget)
-    layouts = {}
-    for name, entry in cfg.layouts.items():
-        res = measured[name]
-        best = res["largest"]
-        pred = _largest_within(predicted[name], budget)
-        layouts[name] = {
-            "kind": entry.kind, "devices": entry.devices, "largest_measured": best,
-            "largest_measured_params": params[best] if best is not None else None,
-            "predicted_largest": n_layers[pred] if pred is not None else None,
-            "predicted_largest_params": params[n_layers[pred]] if pred is not None else None,
-            "peak_at_largest": res["runs"][str(best)]["model_net"] if best is not None else None,
-            "predicted_bytes": dict(zip(n_layers, predicted[name])),
-            "measured": res["runs"], "baseline": res["baseline"]}
+    n_layers, params, layouts = ladder(cfg), {}, {}
+    if not cfg.get("sweeps_only"):
+        params, predicted = predictions(cfg, n_layers)
+        layouts = _ladder_results(cfg, out_dir, n_layers, params, predicted, budget)
     data = {"budget_gb": cfg.budget_gb, "budget_bytes": budget, "accelerator": cfg.trainer.accelerator,
             "ladder": n_layers, "params": params, "model": dict(cfg.model), "batch_size": cfg.batch_size,
             "steps": cfg.steps, "layouts": layouts}
@@ -132,6 +120,25 @@ def run(cfg, out_dir: Path, command: str) -> Report:
     return report
 
 
+def _ladder_results(cfg, out_dir: Path, n_layers: list[int], params: dict, predicted: dict, budget: int) -> dict:
+    """The n_layer ladder measured for every layout, beside the advisor's answer."""
+    measured = measure(cfg, out_dir, n_layers, predicted, budget)
+    layouts = {}
+    for name, entry in cfg.layouts.items():
+        res = measured[name]
+        best = res["largest"]
+        pred = _largest_within(predicted[name], budget)
+        layouts[name] = {
+            "kind": entry.kind, "devices": entry.devices, "largest_measured": best,
+            "largest_measured_params": params[best] if best is not None else None,
+            "predicted_largest": n_layers[pred] if pred is not None else None,
+            "predicted_largest_params": params[n_layers[pred]] if pred is not None else None,
+            "peak_at_largest": res["runs"][str(best)]["model_net"] if best is not None else None,
+            "predicted_bytes": dict(zip(n_layers, predicted[name])),
+            "measured": res["runs"], "baseline": res["baseline"]}
+    return layouts
+
+
 def _report(cfg, command: str, out_dir: Path, data: dict) -> Report:
     m, budget, layouts = cfg.model, data["budget_bytes"], data["layouts"]
     one = next((v["largest_measured_params"] for v in layouts.values() if v["kind"] == "single"), None)
@@ -145,26 +152,10 @@ def _report(cfg, command: str, out_dir: Path, data: dict) -> Report:
                    "Huang et al. 2019; Megatron-LM, Shoeybi et al. 2019)"),
         data=data,
     )
-    rows = []
-    for name, v in layouts.items():
-        best, pred = v["largest_measured"], v["predicted_largest"]
-        tried = ", ".join(f"{n}{'' if r['fits'] else '✗'}" for n, r in v["measured"].items())
-        rows.append([name, v["devices"],
-                     "none" if best is None else f"{best} ({v['largest_measured_params'] / 1e6:.2f} M)",
-                     "none" if pred is None else f"{pred} ({v['predicted_largest_params'] / 1e6:.2f} M)",
-                     "-" if best is None else f"{v['peak_at_largest'] / MiB:.1f} / {budget / MiB:.0f}",
-                     "-" if best is None else f"{v['peak_at_largest'] / v['predicted_bytes'][best]:.2f}",
-                     "-" if best is None or not one else f"{v['largest_measured_params'] / one:.2f}", tried])
-    report.tables.append((f"Largest GPT (n_layer at width {m.n_embd}, parameters) within the budget, measured and "
-                          "predicted",
-                          ["layout", "devices", "largest measured", "advisor's largest",
-                           "busiest rank's model peak / budget (MiB)", "measured / advisor there",
-                           "params vs one device",
-                           "rungs measured (✗: over budget)"], rows))
-    report.figures.append(("Largest model within the budget per layout: measured and predicted",
-                           savefig(_bars(layouts), out_dir, "capacity.png")))
-    report.figures.append(("Busiest rank's memory per rung: measured (points) and the advisor (lines)",
-                           savefig(_curves(layouts, budget), out_dir, "peaks.png")))
+    if layouts:
+        _ladder_table(report, layouts, m, budget, one, out_dir)
+    else:
+        report.notes.append("`sweeps_only=true`: the n_layer ladder was not run, only the sweeps below.")
     cpu = cfg.trainer.accelerator == "cpu"
     report.notes.append(
         "What the budget bounds: " + ("a rank's peak resident memory (VmHWM, restarted by clear_refs) from the "
@@ -185,6 +176,30 @@ def _report(cfg, command: str, out_dir: Path, data: dict) -> Report:
                         "schedule (it runs inside training_step; Lightning zeroes them after it): one gradient copy "
                         "more than the advisor counts (recipes/capacity/README.md).")
     return report
+
+
+def _ladder_table(report: Report, layouts: dict, m, budget: int, one, out_dir: Path) -> None:
+    """The n_layer ladder's table and plots."""
+    rows = []
+    for name, v in layouts.items():
+        best, pred = v["largest_measured"], v["predicted_largest"]
+        tried = ", ".join(f"{n}{'' if r['fits'] else '✗'}" for n, r in v["measured"].items())
+        rows.append([name, v["devices"],
+                     "none" if best is None else f"{best} ({v['largest_measured_params'] / 1e6:.2f} M)",
+                     "none" if pred is None else f"{pred} ({v['predicted_largest_params'] / 1e6:.2f} M)",
+                     "-" if best is None else f"{v['peak_at_largest'] / MiB:.1f} / {budget / MiB:.0f}",
+                     "-" if best is None else f"{v['peak_at_largest'] / v['predicted_bytes'][best]:.2f}",
+                     "-" if best is None or not one else f"{v['largest_measured_params'] / one:.2f}", tried])
+    report.tables.append((f"Largest GPT (n_layer at width {m.n_embd}, parameters) within the budget, measured and "
+                          "predicted",
+                          ["layout", "devices", "largest measured", "advisor's largest",
+                           "busiest rank's model peak / budget (MiB)", "measured / advisor there",
+                           "params vs one device",
+                           "rungs measured (✗: over budget)"], rows))
+    report.figures.append(("Largest model within the budget per layout: measured and predicted",
+                           savefig(_bars(layouts), out_dir, "capacity.png")))
+    report.figures.append(("Busiest rank's memory per rung: measured (points) and the advisor (lines)",
+                           savefig(_curves(layouts, budget), out_dir, "peaks.png")))
 
 
 def _bars(layouts: dict):

@@ -36,6 +36,9 @@ def scaled_profile(probe: ModuleProfile, probe_vocab: int, n_layer: int, n_embd:
         block_activation_bytes=(int(probe.block_activation_bytes[0] * width),) * n_layer,
         block_input_bytes=int(probe.block_input_bytes * width),
         selective_bytes=(int(probe.selective_bytes[0] * width),) * n_layer if probe.selective_bytes else (),
+        block_kv_bytes=(int(probe.block_kv_bytes[0] * width),) * n_layer if probe.block_kv_bytes else (),
+        block_attention_bytes=((int(probe.block_attention_bytes[0] * width),) * n_layer
+                               if probe.block_attention_bytes else ()),
         first_activation_bytes=int(probe.first_activation_bytes * width),
         last_activation_bytes=int(probe.last_activation_bytes * vocab / probe_vocab),
         hidden_size=n_embd,
@@ -73,7 +76,8 @@ def run(cfg, out_dir: Path, command: str) -> Report:
         line = []
         for mem in memories:
             adv = advise(prof, cfg.devices, int(mem * GiB), cfg.batch_size, precision=cfg.precision,
-                         optimizer=cfg.optimizer, zero_stages=(0, 1), checkpointing=(None,))  # the seeds' table
+                         optimizer=cfg.optimizer, zero_stages=(0, 1), checkpointing=(None,),
+                         context=False)  # the seeds' table: data, pipeline and tensor parallel
             layout = adv.choice.layout if adv.choice else None
             line.append(kind(layout))
             total = adv.choice.estimate.total_bytes / GiB if adv.choice else float("nan")

@@ -59,9 +59,10 @@ def layout_for(kind: str, args: dict, devices: int) -> Layout:
                       zero_stage=args.get("zero_stage", 0), activation_checkpointing=ac)
     if kind == "hybrid":
         p, t = args.get("pipeline_parallel_size", 1), args.get("tensor_parallel_size", 1)
-        return Layout(data_parallel_size=devices // (p * t), pipeline_parallel_size=p, tensor_parallel_size=t,
+        c = args.get("context_parallel_size", 1)
+        return Layout(data_parallel_size=devices // (p * t * c), pipeline_parallel_size=p, tensor_parallel_size=t,
                       microbatches=args.get("microbatches") or 2 * p, schedule=args.get("schedule", "1f1b"),
-                      zero_stage=args.get("zero_stage", 0), activation_checkpointing=ac)
+                      zero_stage=args.get("zero_stage", 0), activation_checkpointing=ac, context_parallel_size=c)
     t = args.get("tensor_parallel_size", devices)
     return Layout(data_parallel_size=devices // t, tensor_parallel_size=t,
                   sequence_parallel=args.get("sequence_parallel", False), zero_stage=args.get("zero_stage", 0),

@@ -132,9 +132,11 @@ def test_capacity_model_parallel_layouts_train_a_larger_gpt_within_the_budget(tm
     # the sequence axis: full activation checkpointing trains a longer sequence on one device, each fit measured
     # within the budget and the advisor within 10% of it there
     seq = results["sweeps"]["sequence"]["layouts"]
-    off, full = seq["sequence-single-off"], seq["sequence-single-full"]
+    off, full, cp2 = seq["sequence-single-off"], seq["sequence-single-full"], seq["sequence-CP2-off"]
     assert full["largest_measured"] > off["largest_measured"], (off, full)
-    for res in (off, full):
+    # context parallelism: cp 2 trains a longer sequence than one device (each rank holds half of it in the blocks)
+    assert cp2["largest_measured"] > off["largest_measured"] and len(cp2["baseline"]) == 2, (off, cp2)
+    for res in (off, full, cp2):
         best = str(res["largest_measured"])
         assert res["measured"][best]["fits"] and 0 < res["peak_at_largest"] <= budget, res
         assert 0.9 <= res["predicted_bytes"][best] / res["peak_at_largest"] <= 1.1, res

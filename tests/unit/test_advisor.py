@@ -150,3 +150,137 @@ def test_advise_cli_recommends_a_pipeline_when_memory_is_short(capsys):
     assert last.startswith("recommended: ") and "none fits" not in last, out
     # whichever is cheaper on this machine's timing, the other is priced beside it
     assert "PP2" in last and "AC " in last and "step time" in last, out
+
+
+def cp_profile(**overrides) -> ModuleProfile:
+    """The toy profile at 8 tokens with SDPA in every block: K and V 256 bytes a sample, the attention's output
+    128, a block's saved activations 1000, embeddings 40 and logits 60 a sample."""
+    base = dict(seq_len=8, block_activation_bytes=(1000,) * 4, first_activation_bytes=40, last_activation_bytes=60,
+                block_kv_bytes=(256,) * 4, kv_dtype_bytes=4, block_attention_bytes=(128,) * 4)
+    return toy_profile(**{**base, **overrides})
+
+
+def test_context_parallel_layout_counts_its_devices_and_names_the_axis():
+    lay = Layout(data_parallel_size=2, context_parallel_size=2, tensor_parallel_size=2)
+    assert lay.devices == 8 and lay.name == "CP2 × TP2 × DP2"
+    assert Layout(context_parallel_size=4).name == "CP4"
+    with pytest.raises(ValueError, match="context_parallel_size=0"):
+        Layout(context_parallel_size=0)
+
+
+def test_context_parallel_divides_the_blocks_activations_and_keeps_the_model_states():
+    prof = cp_profile()
+    one, cp2 = (estimate(prof, Layout(context_parallel_size=c), batch_size=2) for c in (1, 2))
+    assert (cp2.param_bytes, cp2.grad_bytes, cp2.optimizer_bytes) == (one.param_bytes, one.grad_bytes,
+                                                                      one.optimizer_bytes)
+    # [Note: the advisor under context parallelism]: the blocks (and the ring output's copy) / cp, the ends whole
+    assert one.activation_bytes == 2 * (4 * 1000 + 40 + 60)
+    assert cp2.activation_bytes == 2 * (4 * (1000 + 128) // 2 + 40 + 60)
+    # dp × cp: the replicas split the batch, the cp ranks of one share it; ZeRO shards over dp only
+    dpcp = estimate(prof, Layout(data_parallel_size=2, context_parallel_size=2, zero_stage=1), batch_size=4)
+    assert dpcp.activation_bytes == cp2.activation_bytes and dpcp.optimizer_bytes == one.optimizer_bytes // 2
+
+
+def test_context_parallel_bytes_are_the_ring_the_exit_gather_and_the_gradients_over_the_group():
+    prof = cp_profile()
+    psi4 = 4 * prof.total_params
+    boundary = 2 * 8 * 8 * 4  # one micro-batch of 2 sequences: b·s·h fp32
+    for c in (2, 4):
+        kv = 256 * 2 / c  # this rank's K and V
+        ring = (c - 1) * kv + (c - 1) * kv + c * kv  # forward; backward: the K/V again, their gradients c hops
+        cp = estimate(prof, Layout(context_parallel_size=c), batch_size=2)
+        assert cp.comm_bytes == int(4 * ring + (c - 1) * boundary / c + 2 * (c - 1) / c * psi4), c
+    # full checkpointing runs each block's ring forward again; selective keeps its output
+    full = estimate(prof, Layout(context_parallel_size=2, activation_checkpointing="full"), batch_size=2)
+    sel = estimate(prof, Layout(context_parallel_size=2, activation_checkpointing="selective"), batch_size=2)
+    plain = estimate(prof, Layout(context_parallel_size=2), batch_size=2)
+    assert full.comm_bytes - plain.comm_bytes == 4 * 256 and sel.comm_bytes == plain.comm_bytes
+    # bf16 K/V: the ring's gradient accumulators stay float32, twice the bytes of the K/V
+    half = estimate(dataclasses.replace(prof, kv_dtype_bytes=2, block_kv_bytes=(128,) * 4),
+                    Layout(context_parallel_size=2), batch_size=2)
+    assert half.comm_bytes == int(4 * (128 + 128 + 2 * 256) + boundary / 2 + psi4)
+    # dp 2 × cp 2: the gradients are all-reduced over dp and over cp
+    dpcp = estimate(prof, Layout(data_parallel_size=2, context_parallel_size=2), batch_size=4)
+    assert dpcp.comm_bytes == plain.comm_bytes + int(psi4)
+
+
+def test_context_parallel_is_refused_without_sdpa_or_when_2cp_does_not_divide_the_sequence():
+    with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+        estimate(toy_profile(), Layout(context_parallel_size=2), batch_size=2)
+    with pytest.raises(ValueError, match="2·cp = 8 chunks"):
+        estimate(cp_profile(seq_len=4), Layout(context_parallel_size=4), batch_size=2)
+    with pytest.raises(ValueError, match="does not compose with sequence_parallel"):
+        estimate(cp_profile(), Layout(context_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True), 2)
+    with pytest.raises(ValueError, match="pipeline at zero_stage 2 / 3"):
+        estimate(cp_profile(), Layout(2, 2, context_parallel_size=2, zero_stage=3, microbatches=2), batch_size=4)
+
+
+def test_candidates_include_context_parallel_only_for_sdpa_blocks_and_strategy_supported_layouts():
+    from lightning_par.advisor import candidate_layouts
+
+    assert {lay.context_parallel_size for lay in candidate_layouts(toy_profile(), 4, 8)} == {1}
+    long = cp_profile(seq_len=16)
+    cands = candidate_layouts(long, 4, 8)
+    assert {lay.context_parallel_size for lay in cands} == {1, 2, 4}
+    assert all(lay.devices == 4 for lay in cands)
+    assert not [lay for lay in cands if lay.context_parallel_size > 1 and lay.pipeline_parallel_size > 1
+                and lay.zero_stage >= 2]  # refused by the strategy
+    assert {lay.context_parallel_size for lay in candidate_layouts(long, 4, 8, schedule="interleaved_1f1b")} == {1}
+    assert {lay.context_parallel_size for lay in candidate_layouts(long, 4, 8, context=False)} == {1}
+
+
+def test_a_long_sequence_that_fits_nowhere_else_is_advised_context_parallel():
+    # one sequence (no data parallel), activations far above the weights: cp 2 halves the blocks' share at no
+    # recompute and no bubble; a pipeline of one micro-batch would idle half the time
+    prof = cp_profile(seq_len=16, block_activation_bytes=(400_000,) * 4, block_attention_bytes=(512,) * 4)
+    one = estimate(prof, Layout(), batch_size=1).total_bytes
+    cp2 = estimate(prof, Layout(context_parallel_size=2), batch_size=1).total_bytes
+    assert cp2 < 0.6 * one
+    adv = advise(prof, devices=2, device_memory=(cp2 + one) // 2, batch_size=1)
+    assert adv.choice is not None and adv.choice.layout == Layout(context_parallel_size=2), adv.table()
+    assert "context parallel across the sequence" in adv.why and "CP2" in adv.table()
+    assert "pipeline stages: PP2" in adv.why  # the cheapest of the other kinds, priced beside it
+
+
+def test_the_probe_measures_the_keys_and_values_sdpa_receives():
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    batch = (torch.randint(0, 32, (4, 16)), torch.randint(0, 32, (4, 16)))
+    prof = profile_lightning_module(gpt, batch)
+    sh4 = 16 * 16 * 4
+    assert prof.block_kv_bytes == (2 * sh4,) * 2 and prof.kv_dtype_bytes == 4 and prof.sdpa_blocks
+    assert prof.block_attention_bytes == (sh4,) * 2
+    mixed = profile_lightning_module(gpt, batch, precision="bf16-mixed")
+    assert mixed.block_kv_bytes == (sh4,) * 2 and mixed.kv_dtype_bytes == 2  # autocast's dtype
+
+
+def test_advise_cli_proposes_context_parallel_for_a_long_sequence(capsys):
+    from lightning_par.advise import main
+
+    # one sequence of 1024 tokens on 2 devices of 20 MiB: one head (no tensor split), no replica to split the batch;
+    # cp 2 halves the blocks' activations at the ring's bytes, a pipeline of one micro-batch idles half the step
+    args = ["model.n_head=1", "data.seq_len=1024", "--devices", "2", "--device-memory-gb", str(20 / 1024),
+            "--batch-size", "1"]
+    main(args)
+    out = capsys.readouterr().out
+    assert "context parallelism: considered" in out, out
+    assert out.splitlines()[-1].startswith("recommended: CP2 — "), out
+    main([*args, "--no-context-parallel"])
+    out = capsys.readouterr().out
+    assert "CP2" not in out and out.splitlines()[-1].startswith("recommended: PP2"), out
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_the_probe_reads_grouped_query_kv_heads_and_sees_eager_attention(impl):
+    from models import causal_lm
+
+    torch.manual_seed(0)
+    module = causal_lm("llama", attn_implementation=impl)()  # 4 query heads, 2 k/v heads of 8: K, V 16 B a token
+    batch = (torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16)))
+    prof = profile_lightning_module(module, batch)
+    if impl == "eager":  # no SDPA call to route: no context-parallel candidate
+        assert not prof.sdpa_blocks
+        assert {c.layout.context_parallel_size for c in advise(prof, 2, 2**30, 2).candidates} == {1}
+        return
+    assert prof.block_kv_bytes == (2 * 16 * 2 * 8 * 4,) * 2 and prof.block_attention_bytes == (16 * 4 * 8 * 4,) * 2
+    assert {c.layout.context_parallel_size for c in advise(prof, 2, 2**30, 1).candidates} == {1, 2}

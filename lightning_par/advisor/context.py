@@ -1,0 +1,123 @@
+"""What context parallelism changes in the advisor's estimate: a rank's block activations and the bytes it sends.
+
+[Note: the advisor under context parallelism]
+With ``context_parallel_size = c`` (:mod:`lightning_par.context`), every rank of a cp group gets the same batch and
+runs the block stack on its ``1/c`` of every sequence; what leaves the stack is gathered back, so code before and
+after it (embeddings, final norm, logits, loss) runs at full length on every rank of the group.
+
+- Memory: whatever a block keeps for backward scales with the rows it holds, so the blocks' activations (and what
+  checkpointing keeps and recomputes of them) are ``1/c`` of one device's; the ring attention keeps only this
+  rank's K and V, as SDPA keeps its own, which is why ([Note: all-gather or ring] in context/attention.py). One
+  thing more per block: SDPA's output (fused CPU / CUDA kernels) is laid out ``[batch, seq, heads, dim]``, so a
+  module that transposes it back to ``[batch, seq, width]`` (the reference GPT, Hugging Face's attentions) gets a
+  view, and the output projection saves the very storage SDPA saved; the ring's output is ``[batch, heads, seq,
+  dim]``, and the same transpose copies it: one more tensor of the attention's output size (``1/c`` of the
+  probe's, ``/ t``) per block kept for backward. Measured (ParallelMetrics, GPT 4 × 128 at 64 tokens, batch 8,
+  fp32): CP2 kept 4 × 128 KiB more than the blocks' halves, exactly this. A module that makes its own copy anyway
+  would hold that much less than predicted. The first and last activations stay whole. Parameters, gradients and
+  optimizer state are those of the layout without cp: the cp ranks of a replica hold the same weights, and ZeRO
+  shards over dp only ([Note: ZeRO under context parallelism]).
+- The ring's working set (:func:`ring_working_bytes`, ``Estimate.context_bytes``): while a block's ring runs in
+  backward, beyond what the blocks saved, a rank holds its packed K/V and the piece in flight (``2·kv``), the K/V
+  gradient accumulator and the one in flight, and the query gradient (float32: ``(2·kv + q)·4/e``). The first block
+  to run it (the stack's last) does so after the head and the loss have freed what they saved, so the step's peak
+  is the larger of the two: the working set counts beyond the last activations only. Measured (the capacity
+  recipe's resident peak, GPT 2 × 64 at 1536 and 2048 tokens, 4 sequences, CP2): measured / advisor was 1.10 and
+  1.11 without it, 1.03 and 1.04 with it (one device's off rows: 1.01, 1.02); the recipe's ``context`` sweep
+  (width 128, 64 MiB) has cp 2 at 0.94, cp 2 full at 1.03 and cp 4 at 1.07 (recipes/capacity/README.md). The
+  saved-tensor meter (the memory recipe) does not see it: it is not in ``activation_bytes``.
+- Communication per rank, per micro-batch, for each block ``i`` of the stage, ``kv`` = this rank's K and V bytes of
+  block ``i`` (the probe's, ``/ c`` for its rows, ``/ t`` for its heads under tensor parallel): the ring sends
+  ``(c-1)·kv`` in forward and, in backward, ``(c-1)·kv`` (the K/V again) plus ``c`` hops of the K/V gradient
+  accumulators, which the ring keeps in float32 (``c·kv·4/e``, ``e`` K's element size); a block that full (or every
+  k-th) checkpointing recomputes runs its forward ring again (``(c-1)·kv``; selective keeps the op's outputs, no
+  repeat). Leaving the stack (or a pipeline stage's range of it), the hidden state is all-gathered:
+  ``(c-1)·b·(s/c)·h`` bytes, once per micro-batch (a recompute skips it; its backward sends nothing). The gradients
+  are averaged over the cp group (a ring all-reduce, ``2(c-1)/c`` of them, of the dp shards at ZeRO-2 / 3), beside
+  the data-parallel reduction. Tensor parallel's all-reduces carry the local rows only (``/ c``).
+"""
+from __future__ import annotations
+
+from lightning_par.advisor.profile import ModuleProfile
+
+
+def check_context(profile: ModuleProfile, layout) -> None:
+    """``ValueError`` where ``layout``'s context parallelism cannot run this module (the strategy's refusals)."""
+    c = layout.context_parallel_size
+    if c == 1:
+        return
+    if layout.sequence_parallel or (layout.pipeline_parallel_size > 1 and layout.zero_stage >= 2):
+        raise ValueError(f"context_parallel_size={c} does not compose with sequence_parallel, nor with a pipeline at "
+                         f"zero_stage 2 / 3 (the strategy refuses both); got {layout}.")
+    if not profile.sdpa_blocks:
+        raise ValueError("context_parallel_size > 1 routes the blocks' scaled_dot_product_attention calls, and the "
+                         "profiled module's blocks made none (eager attention): use an SDPA attention.")
+    if profile.seq_len % (2 * c):
+        raise ValueError(f"context_parallel_size={c} splits every sequence into 2·cp = {2 * c} chunks, and "
+                         f"{2 * c} does not divide the profiled sequence length {profile.seq_len}.")
+
+
+def output_copy_bytes(profile: ModuleProfile, index: int, c: int, t: int = 1) -> float:
+    """Bytes per sample (whole sequence: the caller divides by ``c`` with the blocks' other activations) that block
+    ``index`` keeps beyond one device's under cp: its attention output's copy ([Note: the advisor under context
+    parallelism])."""
+    if c == 1 or not profile.block_attention_bytes:
+        return 0.0
+    return profile.block_attention_bytes[index] / t
+
+
+def ring_working_bytes(profile: ModuleProfile, blocks, c: int, t: int = 1) -> float:
+    """Bytes per sample a rank holds beyond the saved activations while the busiest of ``blocks`` runs its ring
+    backward ([Note: the advisor under context parallelism]).
+
+    Example::
+
+        >>> from lightning_par.advisor.profile import ModuleProfile
+        >>> prof = ModuleProfile(0, (0,), 0, 0, 0, 0, (0,), 0, 0, 8, 8, 1, 4, block_kv_bytes=(512,), kv_dtype_bytes=4,
+        ...                      block_attention_bytes=(256,))
+        >>> ring_working_bytes(prof, [0], 2)       # kv = 256, q = 128: 2·256 + (2·256 + 128)
+        1152.0
+    """
+    if c == 1 or not profile.block_kv_bytes:
+        return 0.0
+    wide = 4 / (profile.kv_dtype_bytes or 4)
+
+    def work(i):
+        kv = profile.block_kv_bytes[i] / (c * t)
+        q = (profile.block_attention_bytes[i] if profile.block_attention_bytes else 0) / (c * t)
+        return 2 * kv + (2 * kv + q) * wide
+
+    return max((work(i) for i in blocks), default=0.0)
+
+
+def ring_bytes(kv: float, c: int, kv_dtype_bytes: int, recomputed: bool = False) -> float:
+    """Bytes a rank sends for one block's ring attention, one micro-batch, forward and backward ([Note: the advisor
+    under context parallelism]); ``kv``: this rank's K and V bytes.
+
+    Example::
+
+        >>> ring_bytes(100, 2, 4)                      # forward 1·kv, backward 1·kv + 2·kv
+        400.0
+        >>> ring_bytes(100, 4, 2, recomputed=True)     # bf16 K/V, fp32 gradients; the forward again
+        1700.0
+    """
+    if c == 1:
+        return 0.0
+    grads = kv * 4 / (kv_dtype_bytes or 4)
+    return (c - 1) * kv * (3 if recomputed else 2) + c * grads
+
+
+def context_comm(profile: ModuleProfile, blocks, c: int, t: int, micro: int, microbatches: int, recomputed,
+                 boundary: float, grad_bytes: float) -> float:
+    """What cp adds to a stage's bytes per step: the ring of each of its ``blocks`` (``recomputed(i)``: block ``i``
+    runs its forward again under checkpointing), the gather leaving the stage's range (``boundary``: one micro-batch's
+    whole hidden state in bytes) and the gradients' average over the group (``grad_bytes``: this rank's)."""
+    if c == 1:
+        return 0.0
+    ring = sum(ring_bytes(profile.block_kv_bytes[i] * micro / (c * t), c, profile.kv_dtype_bytes, recomputed(i))
+               for i in blocks)
+    gather = (c - 1) * boundary / c
+    return microbatches * (ring + gather) + 2 * (c - 1) / c * grad_bytes
+
+
+__all__ = ["check_context", "context_comm", "output_copy_bytes", "ring_bytes", "ring_working_bytes"]
