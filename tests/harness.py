@@ -302,6 +302,21 @@ def assert_ranks_close(expected: list, got: list, **tol) -> None:
             torch.testing.assert_close(torch.tensor(g["metrics"][k]), torch.tensor(e["metrics"][k]), **tol)
 
 
+def fit_whole_then_resumed(fit: Callable[..., list[dict]], tmp, strategy: Callable[[], object], *, epochs: int = 2,
+                           **kw) -> tuple[list[dict], list[dict], str]:
+    """``fit(tmp, name, strategy, max_epochs=epochs, ...)`` once whole, saving a checkpoint at every epoch's end
+    (into ``tmp/ckpt``), then once resumed from the first epoch's: ``(whole, resumed, that checkpoint's path)``.
+    The runs end with ``max_epochs`` (DESIGN.md "Learned in round 2")."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpts = str(tmp / "ckpt")
+    whole = fit(tmp, "whole", strategy(), max_steps=-1, max_epochs=epochs, enable_checkpointing=True,
+                callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_epochs=1)], **kw)
+    (path,) = glob.glob(os.path.join(ckpts, "epoch=0-step=*.ckpt"))
+    resumed = fit(tmp, "resumed", strategy(), max_steps=-1, max_epochs=epochs, ckpt_path=path, **kw)
+    return whole, resumed, path
+
+
 def assert_resumed_exactly(whole: list, resumed: list, *, steps: int, resumed_at: int) -> None:
     """Each rank's resumed run ends at ``steps`` with the uninterrupted run's later losses and, bit for bit, its
     parameters (a resume replays the same arithmetic)."""

@@ -16,10 +16,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from harness import TIMEOUT_S, assert_resumed_exactly, fit_and_record, seeded
+from harness import TIMEOUT_S, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, seeded
 from models import GPT_SIZES, corpus, gpt_factory, sgd_gpt
 from lightning_par import DataParallelStrategy
 from lightning_par.comm import CommCounter, count_comm
@@ -158,17 +157,11 @@ def test_diloco_resumes_exactly_between_syncs(tmp_path, dcp):
     """4 steps an epoch, H = 3: the checkpoint of step 4 is one step past a sync; resumed, steps 5-8 are the
     uninterrupted run's, bit for bit, on both replicas."""
     data, kw = regression_data(32), dict(sync="diloco", sync_every=3, save_distributed_checkpoint=dcp)
-    ckpts = str(tmp_path / "ckpt")
-    whole = fit_two(tmp_path, "whole", ours(**kw), model=Regression, data=data, max_steps=-1, max_epochs=2,
-                    callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_epochs=1)],
-                    enable_checkpointing=True)
-    path = os.path.join(ckpts, "epoch=0-step=4.ckpt")
+    whole, resumed, path = fit_whole_then_resumed(fit_two, tmp_path, lambda: ours(**kw), model=Regression, data=data)
     if not dcp:
         state = torch.load(path, weights_only=False)[SYNC_KEY]
         assert (state["sync"], state["since"], len(state["ranks"])) == ("diloco", 1, 2)
         assert state["ranks"][0]["sync"]["outer"]["state"][0]["momentum_buffer"].abs().sum() > 0  # one outer step
-    resumed = fit_two(tmp_path, "resumed", ours(**kw), model=Regression, data=data, max_steps=-1, max_epochs=2,
-                      ckpt_path=path)
     assert_resumed_exactly(whole, resumed, steps=8, resumed_at=4)
     assert not torch.equal(whole[0]["params"]["net.0.weight"], whole[1]["params"]["net.0.weight"])  # step 8: apart
     if not dcp:  # each rank resumes its own replica: another number of ranks is refused, naming both
@@ -315,17 +308,11 @@ def test_streaming_diloco_against_the_algorithm_by_hand(tmp_path):
 def test_streaming_diloco_resumes_exactly_with_a_fragment_in_flight(tmp_path):
     """2 steps an epoch, H = 4, 2 fragments: the checkpoint of step 2 is taken while fragment 0's sync is in
     flight (the save finishes it, as its next forward would); resumed, steps 3-8 are the uninterrupted run's."""
-    data = corpus(train_sequences=16).train_set
     kw = dict(sync="diloco", sync_every=4, fragments=2)
-    ckpts = str(tmp_path / "ckpt")
-    whole = fit_two(tmp_path, "whole", ours(**kw), model=momentum_gpt, data=data, max_steps=-1, max_epochs=4,
-                    callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_epochs=1)],
-                    enable_checkpointing=True)
-    path = os.path.join(ckpts, "epoch=0-step=2.ckpt")
+    whole, resumed, path = fit_whole_then_resumed(fit_two, tmp_path, lambda: ours(**kw), epochs=4, model=momentum_gpt,
+                                                  data=corpus(train_sequences=16).train_set)
     state = torch.load(path, weights_only=False)[SYNC_KEY]
     assert (state["since"], state["ranks"][0]["sync"]["fragments"]) == (2, 2)
-    resumed = fit_two(tmp_path, "resumed", ours(**kw), model=momentum_gpt, data=data, max_steps=-1, max_epochs=4,
-                      ckpt_path=path)
     assert_resumed_exactly(whole, resumed, steps=8, resumed_at=2)
 
 

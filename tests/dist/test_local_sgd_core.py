@@ -5,10 +5,9 @@ import os
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_resumed_exactly, fit_and_record, seeded
+from harness import TIMEOUT_S, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, seeded
 from models import corpus, gpt_factory, sgd_gpt
 from lightning_par import HybridParallelStrategy
 from lightning_par.strategies.hybrid_parallel import SYNC_KEY
@@ -69,21 +68,15 @@ def test_diloco_under_tensor_parallelism_resumes_exactly_between_syncs(tmp_path,
     """4 steps an epoch, H = 3: the checkpoint of step 4 is one step past a sync; resumed, steps 5-8 are the
     uninterrupted run's, bit for bit, on every rank (each its own replica's shard and inner state), from one
     file or from a DCP directory."""
-    data = corpus(train_sequences=32).train_set
     kw = dict(sync="diloco", sync_every=3, save_distributed_checkpoint=distributed)
-    ckpts = str(tmp_path / "ckpt")
-    whole = fit4(tmp_path, "whole", hybrid("tp2_dp2", **kw), data=data, max_steps=-1, max_epochs=2,
-                 callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_epochs=1)],
-                 enable_checkpointing=True)
-    path = os.path.join(ckpts, "epoch=0-step=4.ckpt")
+    whole, resumed, path = fit_whole_then_resumed(fit4, tmp_path, lambda: hybrid("tp2_dp2", **kw),
+                                                  data=corpus(train_sequences=32).train_set)
     if not distributed:
         state = torch.load(path, weights_only=False)[SYNC_KEY]
         assert (state["sync"], state["since"], len(state["ranks"])) == ("diloco", 1, 4)
         assert state["layout"]["tensor_parallel_size"] == 2
     else:
         assert os.path.isdir(path)
-    resumed = fit4(tmp_path, "resumed", hybrid("tp2_dp2", **kw), data=data, max_steps=-1, max_epochs=2,
-                   ckpt_path=path)
     assert_resumed_exactly(whole, resumed, steps=8, resumed_at=4)
     for a, b in replica_peers("tp2_dp2"):  # step 8 was not synced: the replicas are apart
         name = "blocks.0.mlp.fc.weight"
