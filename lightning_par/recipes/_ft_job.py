@@ -309,14 +309,24 @@ def stop_after_rejoin(out: Path, ident, steps_after: int, every: int, timeout_s:
         back = [r for r in read_records(out, ident) if r["restart"] >= 1]
         if back:
             stop = -(-(back[0]["step"] + steps_after) // every) * every
-            tmp = out / f".{STOP_FILE}"
-            tmp.write_text(str(stop))
-            tmp.rename(out / STOP_FILE)
+            write_stop(out, stop)
             return stop
         if any(p.poll() is not None for p in procs):
             break
         time.sleep(0.05)
     raise RuntimeError(f"process {ident} did not come back within {timeout_s:.0f} s (logs in {out})")
+
+
+def write_stop(out: Path, step: int) -> None:
+    """Have every process of the launch in ``out`` stop after ``step`` (atomically: a reader sees all or nothing)."""
+    tmp = out / f".{STOP_FILE}"
+    tmp.write_text(str(step))
+    tmp.rename(out / STOP_FILE)
+
+
+def last_step(out: Path, idents=(0, 1)) -> int:
+    """The highest step any process of the launch in ``out`` has recorded (0 before the first)."""
+    return max((r["step"] for i in idents for r in read_records(out, i)), default=0)
 
 
 def log_tail(out: Path, name: str, chars: int = 3000) -> str:

@@ -13,6 +13,13 @@ Without fault tolerance a lost rank fails the whole job: torchrun stops the othe
 from its last checkpoint. The recipe relaunches it (a new torchrun, as a scheduler's requeue would) as soon as the
 killed launch has exited, rather than through torchrun's ``--max-restarts``: on this machine a restarted gloo
 rendezvous sometimes failed to connect (the new rank 1 refused by a stale address) when the cores were loaded.
+
+[Note: the run ends after the recoveries]
+The launches do not run a fixed number of steps: once the restarted replica group has healed and made a step, the
+recipe writes one stop step into every launch's directory (``_ft_job.STOP_FILE``): ``steps_after_recovery`` past the
+furthest step any launch has made, at most ``steps``. Every launch ends on that step, so the throughputs compare the
+same steps, and the checkpoint restart, relaunched meanwhile, ends at least as far past its kill step. A fixed count
+had to outlast the slowest restart under load (300 quick steps of 0.15 s: the test's slowest minute and a half).
 """
 from __future__ import annotations
 
@@ -64,21 +71,41 @@ def _start(cfg, out: Path, mode: str, lighthouse: str | None = None) -> list:
                             max_restarts=0, nproc=2)]
 
 
-def _kill_both(cfg, targets: dict[str, Path], procs: dict[str, list]) -> dict[str, tuple[float, int]]:
-    """SIGKILL process 1 of every launch in ``targets`` once it has recorded ``kill_after`` steps (a launch that
-    ends before its kill is an error; a killed one may end)."""
+def _drive(cfg, dirs: dict[str, Path], procs: dict[str, list]) -> tuple[dict[str, tuple[float, int]], int]:
+    """Run the three launches to their end: SIGKILL process 1 of ``torchft`` and ``ckpt`` once it has recorded
+    ``kill_after`` steps, relaunch ``ckpt`` once its killed launch has exited, and choose the step every launch
+    stops at ([Note: the run ends after the recoveries]). Returns the kills (time, step) and that step; a launch
+    that ends before its kill is an error."""
     kills: dict[str, tuple[float, int]] = {}
-    deadline = time.time() + cfg.timeout_s
-    while len(kills) < len(targets):
-        for name, out in targets.items():
-            if name not in kills and (killed := job.try_kill(out, 1, cfg.kill_after)):
+    end, relaunched, deadline = None, False, time.time() + cfg.timeout_s
+    while not (relaunched and all(p.poll() is not None for ps in procs.values() for p in ps)):
+        for name in ("torchft", "ckpt"):
+            if name not in kills and (killed := job.try_kill(dirs[name], 1, cfg.kill_after)):
                 kills[name] = killed
-        waiting = [p for name in targets if name not in kills for p in procs[name]]
+        if "ckpt" in kills and not relaunched and all(p.poll() is not None for p in procs["ckpt"]):
+            # [Note: the checkpoint restart is a relaunch]
+            procs["ckpt"] = [job.start_group(dirs["ckpt"], _job_args(cfg, "ckpt"), group_id=None, num_groups=1,
+                                             lighthouse=None, max_restarts=0, nproc=2, attempt=1)]
+            relaunched = True
+        if end is None and "torchft" in kills and _rejoined(dirs["torchft"]):
+            # at least `steps_after_recovery` past the checkpoint restart's kill step too, and past every step
+            # already made (a launch past the stop step would stop later than the others)
+            ahead = max(cfg.kill_after, *(job.last_step(d) for d in dirs.values()))
+            end = min(cfg.steps, ahead + cfg.steps_after_recovery)
+            for d in dirs.values():
+                job.write_stop(d, end)
+        waiting = [p for name in ("torchft", "ckpt") if name not in kills for p in procs[name]]
         if time.time() > deadline or any(p.poll() is not None for p in waiting):
-            raise RuntimeError(f"{sorted(set(targets) - set(kills))} did not record {cfg.kill_after} steps "
-                               f"(logs under {next(iter(targets.values())).parent})")
+            raise RuntimeError(f"{sorted({'torchft', 'ckpt'} - set(kills))} did not record {cfg.kill_after} steps, "
+                               f"or the run outlived timeout_s={cfg.timeout_s} (logs under "
+                               f"{next(iter(dirs.values())).parent})")
         time.sleep(0.05)
-    return kills
+    return kills, end if end is not None else cfg.steps
+
+
+def _rejoined(out: Path) -> bool:
+    """Whether the restarted replica group has made a step after healing from the survivor."""
+    return any(r["restart"] >= 1 and r["healed_at"] is not None for r in job.read_records(out, 1))
 
 
 def run(cfg, out_dir: Path, command: str) -> Report:
@@ -92,12 +119,8 @@ def run(cfg, out_dir: Path, command: str) -> Report:
     try:
         procs = {"torchft": _start(cfg, dirs["torchft"], "ft", address), "ddp": _start(cfg, dirs["ddp"], "ckpt"),
                  "ckpt": _start(cfg, dirs["ckpt"], "ckpt")}
-        kills = _kill_both(cfg, {"torchft": dirs["torchft"], "ckpt": dirs["ckpt"]}, procs)
-        # [Note: the checkpoint restart is a relaunch]
-        job.wait_all(procs["ckpt"], timeout_s=cfg.timeout_s)
-        procs["ckpt"] = [job.start_group(dirs["ckpt"], _job_args(cfg, "ckpt"), group_id=None, num_groups=1,
-                                         lighthouse=None, max_restarts=0, nproc=2, attempt=1)]
-        codes = {name: job.wait_all(ps, timeout_s=cfg.timeout_s) for name, ps in procs.items()}
+        kills, end = _drive(cfg, dirs, procs)
+        codes = {name: job.wait_all(ps, timeout_s=1) for name, ps in procs.items()}
     finally:
         for ps in procs.values():
             job.wait_all(ps, timeout_s=1)
@@ -120,6 +143,7 @@ def run(cfg, out_dir: Path, command: str) -> Report:
         # kill -> back at the step it was killed at (restart, checkpoint load, redone steps)
         "recovery_s": next((r["time"] for r in redo if r["step"] > ckpt_kill_step), float("nan")) - ckpt_kill_time,
     }
+    res["end_step"] = end  # [Note: the run ends after the recoveries]
     res["throughput"] = {name: _throughput(path, cfg.batch) for name, path in dirs.items()}
     curves = {name: _curve(path) for name, path in dirs.items()}
     res["curves"] = {k: [v[s] for s in sorted(v)] for k, v in curves.items()}
@@ -171,6 +195,9 @@ def _report(cfg, command, out_dir, res, curves, alive) -> Report:
         "state at the start of its first step, and after every later step, hash to the survivor's "
         f"(sha256): {res['weights_equal_after_recovery']}.",
         _before_kill_note(res),
+        f"Every launch stopped at step {res['end_step']}, chosen when the restarted replica group had healed: "
+        f"{cfg.steps_after_recovery} steps past the furthest step any launch had made then (at most {cfg.steps}), "
+        "so the three throughputs cover the same steps and the checkpoint restart ends past its kill step too.",
         f"The checkpoint restart loses the steps since its last checkpoint (every {cfg.ckpt_every}) and the restart of "
         "every rank; torchft loses no step, only the lost replica's share of the batch while it is away.",
         "Both replica groups, the lighthouse and the DDP ranks share this machine's cores; absolute seconds follow "
