@@ -102,7 +102,7 @@ def checkpointing_predictions(cfg) -> dict[str, dict[str, dict]]:
         base_layout = layout_for(entry.kind, args, entry.devices)
         batch = ac.batch_size * base_layout.data_parallel_size
         out[name] = {}
-        for mode in ac.modes:
+        for mode in entry.get("modes", ac.modes):  # a layout may measure fewer modes
             layout = layout_for(entry.kind, {**args, "activation_checkpointing": mode}, entry.devices)
             est = estimate(profile, layout, batch, cfg.precision, "adamw")
             base = estimate(tiny, layout, batch, cfg.precision, "adamw")  # the tiny fit under the same mode
@@ -120,7 +120,8 @@ def _checkpointing_section(report: Report, cfg, out_dir: Path) -> None:
     predicted = checkpointing_predictions(cfg)
     layouts = [{"name": f"ac-{name}", "kind": entry.kind, "devices": entry.devices,
                 "args": dict(entry.get("args", {})),
-                "fits": {mode_name(mode): {"args": {"activation_checkpointing": mode}} for mode in ac.modes}}
+                "fits": {mode_name(mode): {"args": {"activation_checkpointing": mode}}
+                         for mode in entry.get("modes", ac.modes)}}
                for name, entry in ac.layouts.items()]
     # the strategy takes the mode; the one-device fit applies it to the module itself, as the strategies do
     spec = {"fits": True, "accelerator": cfg.trainer.accelerator, "precision": cfg.precision, "steps": ac.steps,
@@ -130,7 +131,7 @@ def _checkpointing_section(report: Report, cfg, out_dir: Path) -> None:
     rows, data = [], {}
     for name in ac.layouts:
         off_net = None
-        for mode in map(mode_name, ac.modes):
+        for mode in map(mode_name, ac.layouts[name].get("modes", ac.modes)):
             res = measured[f"ac-{name}"]
             net = res["runs"][mode]["model_net"]
             pred = predicted[name][mode]
@@ -160,12 +161,13 @@ def _checkpointing_section(report: Report, cfg, out_dir: Path) -> None:
 
 def _ac_plot(data):
     fig, ax = figure(2.2 * len(data) + 2, 4)
-    modes = list(next(iter(data.values())))
+    modes = list(dict.fromkeys(mode for d in data.values() for mode in d))  # a layout may measure fewer
     width = 0.8 / len(modes)
     for j, mode in enumerate(modes):
-        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(data))]
-        meas = [(d[mode]["measured_net"] - d[mode]["predicted"]["states"]) / KiB for d in data.values()]
-        pred = [d[mode]["predicted"]["activations"] / KiB for d in data.values()]
+        cells = [(i, d[mode]) for i, d in enumerate(data.values()) if mode in d]
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i, _ in cells]
+        meas = [(c["measured_net"] - c["predicted"]["states"]) / KiB for _, c in cells]
+        pred = [c["predicted"]["activations"] / KiB for _, c in cells]
         ax.bar(xs, meas, width * 0.9, label=mode)
         ax.plot(xs, pred, "k.", markersize=9, label="predicted" if j == 0 else None)
     ax.set_xticks(range(len(data)), list(data))
