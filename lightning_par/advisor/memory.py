@@ -247,8 +247,8 @@ def recompute_share(profile: ModuleProfile, mode, blocks=None) -> float:
 #   last, upstream from every stage but the first;
 # - its posted receive: one boundary message a direction, posted ahead ([Note: speculative receive]).
 # Stage 0 of that fit: 1805 KiB of gradients + 5 x 256 KiB = 3085 KiB against 2950 measured in every mode (off,
-# full, every 2). The resident peak of the same fits is higher still under checkpointing (allocator slack of the
-# recompute interleaved with other micro-batches' forwards); that is not modelled (docs/limitations.md).
+# full, every 2). The resident peak of the same fits was higher still under checkpointing: the checkpoint
+# machinery's own fixed cost, which the memory recipe now cancels with a baseline per mode (docs/limitations.md).
 def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision: str = "32-true",
              optimizer: str = "adamw") -> Estimate:
     """Per-device memory and per-rank communication of ``layout`` for a global batch of ``batch_size``."""
