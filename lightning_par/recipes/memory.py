@@ -77,10 +77,11 @@ def mode_name(mode) -> str:
 
 # [Note: a baseline per checkpointing mode]
 # A fit's net is its busiest rank's peak less the same layout's tiny-model fit, which cancels what the machinery
-# costs whatever the model. Under checkpointing the machinery grows: the first recompute in backward imports and
-# initializes code that a fit without it never touches (non-reentrant checkpoint's saved-tensor hooks, selective's
-# dispatch mode and its policy), a fixed 3-7 MiB of resident memory in every layout, more under selective, that a
-# tiny baseline without checkpointing left in the model's net (PP2 full measured 8.9 MiB of "activations" against
+# costs whatever the model. Under checkpointing the machinery grows: a fit with it runs code a fit without it never
+# touches (non-reentrant checkpoint's saved-tensor hooks and recompute in backward, selective's dispatch mode and
+# policy), a roughly fixed 3-7 MiB of resident memory in every layout, more under selective, beyond the tensors
+# (the profiler's tensor meter does not see it; which allocation it is was not pinned down: not glibc's mmap
+# threshold, not MKL's buffers), that a tiny baseline without checkpointing left in the model's net (PP2 full measured 8.9 MiB of "activations" against
 # 8.1 off, selective 13.3). So each mode is measured net of the tiny fit under the same mode, and predicted net of
 # the advisor's estimate of that tiny fit under the same mode (its own blocks' small recompute cancels too).
 def checkpointing_predictions(cfg) -> dict[str, dict[str, dict]]:
