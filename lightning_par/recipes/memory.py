@@ -81,9 +81,10 @@ def mode_name(mode) -> str:
 # touches (non-reentrant checkpoint's saved-tensor hooks and recompute in backward, selective's dispatch mode and
 # policy), a roughly fixed 3-7 MiB of resident memory in every layout, more under selective, beyond the tensors
 # (the profiler's tensor meter does not see it; which allocation it is was not pinned down: not glibc's mmap
-# threshold, not MKL's buffers), that a tiny baseline without checkpointing left in the model's net (PP2 full measured 8.9 MiB of "activations" against
-# 8.1 off, selective 13.3). So each mode is measured net of the tiny fit under the same mode, and predicted net of
-# the advisor's estimate of that tiny fit under the same mode (its own blocks' small recompute cancels too).
+# threshold, not MKL's buffers), that a tiny baseline without checkpointing left in the model's net (PP2 with 2
+# blocks, one a stage, full measured 8.9 MiB of "activations" against 8.1 off, selective 13.3). So each mode is
+# measured net of the tiny fit under the same mode, and predicted net of the advisor's estimate of that tiny fit
+# under the same mode (its own blocks' small recompute cancels too).
 def checkpointing_predictions(cfg) -> dict[str, dict[str, dict]]:
     """Per layout and mode, the advisor's busiest rank for ``cfg.checkpointing``, net of its estimate of the same
     layout's tiny-model fit under the same mode (what the measurement subtracts, [Note: a baseline per
@@ -141,8 +142,9 @@ def _checkpointing_section(report: Report, cfg, out_dir: Path) -> None:
             rows.append([name, mode, f"{acts / KiB:.0f}", f"{pred['activations'] / KiB:.0f}", f"{net / KiB:.0f}",
                          f"{pred['total'] / KiB:.0f}", f"{pred['total'] / net:.3f}",
                          "-" if not off_net else f"{acts / off_net:.2f}"])
-            data.setdefault(name, {})[mode] = {"measured_net": net, "predicted": pred,
-                                               "ranks": res["runs"][mode]["ranks"], "baseline": res["runs"][mode]["baseline"]}
+            run = res["runs"][mode]
+            data.setdefault(name, {})[mode] = {"measured_net": net, "predicted": pred, "ranks": run["ranks"],
+                                               "baseline": run["baseline"]}
     m = ac.model
     report.data["checkpointing"] = data
     report.tables.append((f"Activation checkpointing: busiest rank's peak KiB, GPT {m.n_layer} × {m.n_embd} wide at "
