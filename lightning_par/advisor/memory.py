@@ -170,19 +170,10 @@ def tp_activation_factor(t: int, sequence_parallel: bool) -> float:
 #   sequence parallel splits it.
 # A checkpointed block recomputes its forward in backward, one block at a time: while block j does, the stage holds
 # A_j, less what j kept, beyond what the blocks up to j kept (those after j have freed theirs: backward runs from
-# the last block down), for one micro-batch (:func:`recompute_peak`), and not beside that micro-batch's logits
-# ([Note: the logits are gone before the recompute]). fp32 doubles every 16-bit byte count
+# the last block down), for one micro-batch (:func:`recompute_peak`). fp32 doubles every 16-bit byte count
 # (the probe measures bytes in the dtype training runs in). Time: full runs the blocks' forward again (the
 # probe times it against forward + backward, ~1/3 of a step, Korthikanti et al. report 30-40%); selective only
 # the ops it does not keep (the probe's share of the blocks' forward time outside the matmuls and attention).
-# [Note: the logits are gone before the recompute]
-# The stage holding the loss keeps the head's saved tensors per micro-batch (the logits, log-softmax: the probe's
-# ``last_activation_bytes``) until backward reaches them, and backward reaches them first: the loss and the head
-# run their backward and free them before the last block's recompute starts. So a micro-batch's peak is the larger
-# of its forward's end (every block's kept bytes + the head's) and its worst recompute (the blocks' kept bytes up
-# to j + block j whole), not their sum: the recompute adds ``max(0, recompute_peak - last)`` beyond the forward's
-# end. Other micro-batches in flight (GPipe's last stage) keep their logits. Counted with the profiler's tensor
-# meter (docs/limitations.md): one device, full, was 1.25 × its tensors with the sum, 1.03 with the larger.
 def block_kept_bytes(profile: ModuleProfile, index: int, mode, t: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes per sample block ``index`` keeps for backward under checkpointing ``mode`` (see the Note above)."""
     full = profile.block_activation_bytes[index] * tp_activation_factor(t, sequence_parallel)
@@ -247,8 +238,8 @@ def recompute_share(profile: ModuleProfile, mode, blocks=None) -> float:
 #   last, upstream from every stage but the first;
 # - its posted receive: one boundary message a direction, posted ahead ([Note: speculative receive]).
 # Stage 0 of that fit: 1805 KiB of gradients + 5 x 256 KiB = 3085 KiB against 2950 measured in every mode (off,
-# full, every 2). The resident peak of the same fits was higher still under checkpointing: the checkpoint
-# machinery's own fixed cost, which the memory recipe now cancels with a baseline per mode (docs/limitations.md).
+# full, every 2). The resident peak of the same fits is higher still under checkpointing (allocator slack of the
+# recompute interleaved with other micro-batches' forwards); that is not modelled (docs/limitations.md).
 def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision: str = "32-true",
              optimizer: str = "adamw") -> Estimate:
     """Per-device memory and per-rank communication of ``layout`` for a global batch of ``batch_size``."""
@@ -288,9 +279,7 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
                  for i, x in zip(blocks, copy)]
         recompute = recompute_peak(kept, whole, [checkpointed(ac, i) for i in blocks]) / c
         acts = sum(kept) / c  # [Note: the advisor under context parallelism]: the blocks hold 1/c of the rows
-        last = profile.last_activation_bytes if s == p - 1 else 0
-        acts += (profile.first_activation_bytes if s == 0 else 0) + last
-        recompute = max(0.0, recompute - last)  # [Note: the logits are gone before the recompute]
+        acts += (profile.first_activation_bytes if s == 0 else 0) + (profile.last_activation_bytes if s == p - 1 else 0)
         ends = (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)  # root unit
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
         # kept for the step; ZeRO-3 one block at a time, beside the root unit (embeddings, head, final norm)

@@ -201,21 +201,3 @@ def test_a_pipeline_stage_counts_the_previous_steps_gradients_and_its_sends():
     assert est.total_bytes == (est.param_bytes + est.grad_bytes + est.optimizer_bytes + est.activation_bytes
                                + est.pipeline_bytes)
     assert estimate(ac_profile(), Layout(data_parallel_size=2), 16).pipeline_bytes == 0
-
-
-def test_the_recompute_and_the_logits_are_not_alive_at_once():
-    # [Note: the logits are gone before the recompute]: the head's saved tensors (500 B a sample) are freed by the
-    # loss's and the head's backward before block 3 recomputes, so a micro-batch peaks at the larger of the two
-    prof = ac_profile(last_activation_bytes=500)
-    full = estimate(prof, Layout(activation_checkpointing="full"), batch_size=2).activation_bytes
-    assert full == (4 * 100 + max(500, 900)) * 2  # the recompute (900 B beyond the inputs) is the larger
-    small = estimate(ac_profile(last_activation_bytes=1200), Layout(activation_checkpointing="full"), 2)
-    assert small.activation_bytes == (4 * 100 + 1200) * 2  # the logits are the larger: the recompute adds nothing
-    # off, and every 2nd (blocks 1 and 3 whole: its peak is the forward's end, logits included), are unchanged
-    assert estimate(prof, Layout(), 2).activation_bytes == (4 * 1000 + 500) * 2
-    assert estimate(prof, Layout(activation_checkpointing=2), 2).activation_bytes == (2 * 100 + 2 * 1000 + 500) * 2
-    # GPipe's last stage: 4 micro-batches of 2 in flight; the one that recomputes has freed its logits, the
-    # other three keep theirs
-    lay = Layout(pipeline_parallel_size=2, microbatches=4, schedule="gpipe", activation_checkpointing="full")
-    gpipe = estimate(prof, lay, 8)  # stage 1: blocks 2 and 3, each keeps its input
-    assert gpipe.activation_bytes == ((2 * 100 + 500) * 4 + (900 - 500)) * 2
