@@ -317,6 +317,16 @@ def fit_whole_then_resumed(fit: Callable[..., list[dict]], tmp, strategy: Callab
     return whole, resumed, path
 
 
+def assert_one_usage_error(code, out: str, err: str, prog: str, *named: str) -> str:
+    """A console script's refusal: exit status 2, no traceback anywhere, exactly one ``prog: error:`` line on
+    stderr, naming every one of ``named``; that line."""
+    assert code == 2, (out + err)[-3000:]
+    assert "Traceback" not in out + err, (out + err)[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith(f"{prog}: error:")]
+    assert len(errors) == 1 and all(value in errors[0] for value in named), (out + err)[-3000:]
+    return errors[0]
+
+
 def assert_resumed_exactly(whole: list, resumed: list, *, steps: int, resumed_at: int) -> None:
     """Each rank's resumed run ends at ``steps`` with the uninterrupted run's later losses and, bit for bit, its
     parameters (a resume replays the same arithmetic)."""

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import assert_one_usage_error
+
 REPO = Path(__file__).resolve().parents[2]
 FAST = 60  # seconds: an import of torch + Lightning + Hydra under load; no rank is started (no run dir either)
 
@@ -22,14 +24,7 @@ def _run(module: str, *args: str, cwd: Path, env: dict | None = None) -> subproc
 
 
 def _one_message(res: subprocess.CompletedProcess, prog: str, *named: str) -> str:
-    out = res.stdout + res.stderr
-    assert res.returncode == 2, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
-    errors = [line for line in res.stderr.splitlines() if line.startswith(f"{prog}: error:")]
-    assert len(errors) == 1, out[-3000:]
-    for value in named:
-        assert value in errors[0], errors[0]
-    return errors[0]
+    return assert_one_usage_error(res.returncode, res.stdout, res.stderr, prog, *named)
 
 
 # One mistake per console script, each run as a user runs it (a new interpreter, `python -m`): what only a

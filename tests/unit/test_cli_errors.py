@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness import assert_one_usage_error
+
 TRAIN_MISTAKES = [
     # (overrides, what the message names)
     (["strategy.comm_hok=fp16"], ["strategy.comm_hok", "comm_hook"]),
@@ -48,29 +50,30 @@ def test_train_mistake_is_found_before_the_run_naming_the_value(tmp_path, monkey
 
 # -- each console script's own handling, in this process: exit status 2 and one `prog: error:` line, no traceback
 # (tests/dist/test_cli_mistakes.py runs each console script once as a user runs it, in a new interpreter)
-def _console(monkeypatch, capsys, module: str, args: list[str]):
-    """Run ``module.main()`` as its console script with ``args``; its exit status and its stderr."""
+PROGS = {"lightning_par.train": "lightning-par-train", "lightning_par.advise": "lightning-par-advise",
+         "lightning_par.recipe": "lightning-par-recipe", "lightning_par.checkpoint.cli": "lightning-par-checkpoint"}
+
+
+def _as_console(monkeypatch, module: str, args: list[str]):
+    """``module``'s ``main``, to be called as its console script with ``args`` (argv, sys.path restored after)."""
     import importlib
     import sys
 
     monkeypatch.setattr(sys, "argv", [module, *args])
     monkeypatch.setattr(sys, "path", list(sys.path))  # the train script makes the current directory importable
+    return importlib.import_module(module).main
+
+
+def _console(monkeypatch, capsys, module: str, args: list[str]):
+    """Run ``module.main()`` as its console script with ``args``; its exit status, stdout and stderr."""
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    code = 0
+    main, code = _as_console(monkeypatch, module, args), 0
     try:
-        importlib.import_module(module).main()
+        main()
     except SystemExit as exit_:
         code = exit_.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
-
-
-def _one_message(code, err: str, prog: str, *named: str) -> str:
-    assert code == 2, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    errors = [line for line in err.splitlines() if line.startswith(f"{prog}: error:")]
-    assert len(errors) == 1 and all(value in errors[0] for value in named), err[-3000:]
-    return errors[0]
 
 
 # the mistakes a user meets first, and the app's own config errors (Hydra's messages)
@@ -101,9 +104,7 @@ def test_console_script_mistake_is_one_message_and_exit_2(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     extra = {"lightning_par.train": [f"hydra.run.dir={tmp_path / 'run'}"],
              "lightning_par.recipe": ["--out", str(tmp_path / "run")]}.get(module, [])
-    code, _, err = _console(monkeypatch, capsys, module, [*args, *extra])
-    text = _one_message(code, err, {"train": "lightning-par-train", "advise": "lightning-par-advise",
-                                    "recipe": "lightning-par-recipe"}[module.split(".")[1]], *named)
+    text = assert_one_usage_error(*_console(monkeypatch, capsys, module, [*args, *extra]), PROGS[module], *named)
     assert "unrecognized arguments: trainer" not in text
     assert not (tmp_path / "run").exists()  # nothing started: no run dir, no logs, no checkpoints
 
@@ -115,23 +116,16 @@ def test_console_script_traceback_on_request(tmp_path, monkeypatch, capsys, modu
     from lightning_par.cli_errors import UsageError
 
     monkeypatch.chdir(tmp_path)
-    import importlib
-    import sys
-
-    monkeypatch.setattr(sys, "argv", [module, *args])
-    monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1" if "--debug" not in args else "0")
+    main = _as_console(monkeypatch, module, args)
     with pytest.raises(UsageError, match="missing.ckpt|n_layr"):
-        importlib.import_module(module).main()
+        main()
 
 
-@pytest.mark.parametrize("module, prog", [("lightning_par.train", "lightning-par-train"),
-                                          ("lightning_par.advise", "lightning-par-advise"),
-                                          ("lightning_par.recipe", "lightning-par-recipe"),
-                                          ("lightning_par.checkpoint.cli", "lightning-par-checkpoint")])
-def test_console_script_version(monkeypatch, capsys, module, prog):
+@pytest.mark.parametrize("module", list(PROGS))
+def test_console_script_version(monkeypatch, capsys, module):
     code, out, err = _console(monkeypatch, capsys, module, ["--version"])
-    assert code == 0 and out.startswith(f"{prog} ") and "torch" in out, err[-2000:]
+    assert code == 0 and out.startswith(f"{PROGS[module]} ") and "torch" in out, err[-2000:]
 
 
 # the advisor's flag values, through its parser
