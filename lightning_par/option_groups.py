@@ -133,20 +133,14 @@ class BlockOptions:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryOptions:
-    """Activation memory: which blocks recompute their forward in backward (:mod:`lightning_par.memory`)."""
+    """Activation memory: which blocks recompute their forward in backward (:mod:`lightning_par.memory`); and
+    FSDP's CPU offload of the zero-stage-3 shards (:func:`~lightning_par.dp.fsdp.check_offload_stage`)."""
 
     activation_checkpointing: Union[None, int, str] = None  # None | "full" | k (every k-th block) | "selective"
-    def __post_init__(self) -> None:
-        check_activation_checkpointing(self.activation_checkpointing)
-
-
-@dataclasses.dataclass(frozen=True)
-class DataParallelMemoryOptions(MemoryOptions):
-    """:class:`MemoryOptions` and FSDP's CPU offload (``zero_stage=3`` only: :class:`DataParallelOptions`)."""
     offload: Optional[Literal["cpu"]] = None
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_activation_checkpointing(self.activation_checkpointing)
         fsdp.check_offload(self.offload)
 
 

@@ -33,8 +33,7 @@ change, and the command line would read ``strategy.pipeline.microbatches``; with
 spelling costs nothing. The cost: an editor that reads source rather than ``inspect.signature`` shows
 ``**options`` (``help()`` and the docs tables show the keywords). A new option is one field in its group (and a
 row in docs/strategies.md); a new group is one frozen dataclass here and one field of each composite that takes
-it. A group one composite extends is a subclass (DataParallelStrategy's memory group adds ``offload`` to the
-core's ``activation_checkpointing``); an option two composites need (``blocks``) is a group of its own.
+it; an option two composites need (``blocks``) is a group of its own.
 """
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ from typing import Any, Mapping, Optional, Sequence, get_type_hints
 
 from lightning_par.dp import fsdp, ft, local_sgd, lr_scaling
 from lightning_par.option_groups import (  # noqa: F401  (the groups are this module's names too)
-    START_METHODS, BlockOptions, CheckpointOptions, DataParallelMemoryOptions, FaultToleranceOptions, LaunchOptions,
+    START_METHODS, BlockOptions, CheckpointOptions, FaultToleranceOptions, LaunchOptions,
     LayoutOptions, LrScalingOptions, MemoryOptions, PipelineOptions, ReplicaOptions, ShardingOptions, Size,
     StepOptions, SyncOptions, TensorOptions, WeightsOptions, as_timeout, check_flags, check_start_method,
     check_weights)
@@ -105,6 +104,7 @@ class CoreOptions(Options):
     launch: LaunchOptions = LaunchOptions()
 
     def __post_init__(self) -> None:
+        fsdp.check_offload_stage(self.memory.offload, self.sharding.zero_stage)
         check_core_fault_tolerance(self)
         check_core_sync(self)
 
@@ -117,7 +117,7 @@ class DataParallelOptions(Options):
     sync: SyncOptions = SyncOptions()
     sharding: ShardingOptions = ShardingOptions()
     stack: BlockOptions = BlockOptions()
-    memory: DataParallelMemoryOptions = DataParallelMemoryOptions()
+    memory: MemoryOptions = MemoryOptions()
     lr_scaling: LrScalingOptions = LrScalingOptions()
     weights: WeightsOptions = WeightsOptions()
     steps: StepOptions = StepOptions()

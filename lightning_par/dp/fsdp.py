@@ -149,6 +149,17 @@ def check_offload_stage(offload: Any, zero_stage: int) -> None:
                          f"fully sharded parameters can live in host memory. Set zero_stage=3, or offload=None.")
 
 
+def check_offload_layout(offload: Any, *, sharded: bool, data_parallel_size: int) -> None:
+    """The hybrid core shards over its ``dp`` axis only with several replicas (one replica keeps its stage's or
+    tensor shard's parameters whole): there are then no FSDP shards to offload, so ``offload`` is refused rather
+    than ignored."""
+    if offload is not None and not sharded:
+        raise ValueError(f"`offload={offload!r}` offloads FSDP's zero-stage-3 shards over the data-parallel axis, but "
+                         f"this layout has data_parallel_size={data_parallel_size}: nothing is sharded, so nothing "
+                         f"would move to host memory. Use more devices (a data-parallel axis of 2 or more), or "
+                         f"offload=None.")
+
+
 def check_offload_devices(offload: Any, devices) -> None:
     """[Note: CPU offload refused on a CPU device]
     ``offload="cpu"`` keeps FSDP2's parameter shards, gradients and optimizer state in (pinned) host memory and steps
@@ -185,7 +196,8 @@ def shard_module(module: nn.Module, mesh, *, zero_stage: int, precision: str = "
     policy = mixed_precision_policy(precision)
     reshard = zero_stage == 3
     ignored = set(ignored or ())
-    offload_policy = CPUOffloadPolicy() if offload == "cpu" else OffloadPolicy()
+    # pinned host memory serves the copies to a device; training on the CPU there is none to pin for
+    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if offload == "cpu" else OffloadPolicy()
     for _, block in blocks:
         if any(True for _ in block.parameters()):  # a pipeline's ghost of another stage's block holds none
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored,

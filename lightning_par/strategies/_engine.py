@@ -77,7 +77,7 @@ class EngineOptions:
     loss_parallel = property(lambda self: self.tensor.loss_parallel)
     zero_stage = property(lambda self: self.sharding.zero_stage)
     activation_checkpointing = property(lambda self: self.memory.activation_checkpointing)
-    offload = property(lambda self: getattr(self.memory, "offload", None))  # DataParallelStrategy's memory group only
+    offload = property(lambda self: self.memory.offload)
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,8 @@ class PipelineEngine(Engine):
             free_parameters(lm, [n for n, p in lm.named_parameters() if id(p) in _not_held(lm, owned)])
             fsdp.shard_module(lm, g.mesh["dp"], zero_stage=o.zero_stage, precision=s.precision_plugin.precision,
                               broadcast=False, ignored=[p for p in lm.parameters() if id(p) in _not_held(lm, owned)],
-                              blocks=[(f"{path}.{i}", b) for i, b in enumerate(container) if not isinstance(b, Ghost)])
+                              blocks=[(f"{path}.{i}", b) for i, b in enumerate(container) if not isinstance(b, Ghost)],
+                              offload=o.offload)
         self.host.place_share(lm, reader, owned=owned)
         if g.sharded_replicas:
             shards = fsdp.StageShards(lm)

@@ -117,7 +117,7 @@ class SpmdEngine(Engine):
         parallelize(module, plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
         if g.sharded_replicas:  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis] (meta shards too)
             fsdp.shard_module(module, g.mesh["dp"], zero_stage=o.zero_stage, broadcast=False,
-                              precision=s.precision_plugin.precision)
+                              precision=s.precision_plugin.precision, offload=o.offload)
         self.host.place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
         self.plan, self.planned = plan, module
         if s.is_global_zero:

@@ -24,7 +24,7 @@ import torch.distributed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par.dp import comm_hooks, fsdp, zero
+from lightning_par.dp import comm_hooks, zero
 from lightning_par.dp import lr_scaling as scaling
 from lightning_par.options import DataParallelOptions, SyncOptions, takes_options
 from lightning_par.strategies._checkpoint import CheckpointMixin
@@ -132,8 +132,7 @@ class DataParallelStrategy(HybridParallelStrategy):
     # -- Lightning hooks ----------------------------------------------------------------------------
 
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # in the launching process; the core refuses FSDP's unsupported precisions
-        fsdp.check_offload_devices(self._dp_options.memory.offload, getattr(self, "parallel_devices", None) or [])
+        super()._configure_launcher()  # in the launching process; the core refuses FSDP's precisions and offloads
         if self.zero_stage >= 2 and self._layer_sync is not None:
             raise ValueError(f"`Trainer(sync_batchnorm=True)` with `zero_stage={self.zero_stage}` is not supported "
                              f"(FSDP shards the module in place); use zero_stage=0 or 1 for SyncBatchNorm.")
@@ -172,9 +171,12 @@ class DataParallelStrategy(HybridParallelStrategy):
         if self._replica is not None and self._engine.sync_follows():  # this step's sync: its quorum, at its start
             self._replica.begin_step()
 
+    def _sharded_replicas(self, topology=None) -> bool:
+        return self.zero_stage >= 2  # FSDP at every size, one device too
+
     def _build_groups(self, pipelined: bool) -> Groups:
         """No group beyond Lightning's (DDP's is the world's); under zero_stage 2 / 3 FSDP's ``dp`` mesh."""
-        sharded = self.zero_stage >= 2
+        sharded = self._sharded_replicas()
         mesh = self.topology.build_mesh(self.root_device.type, timeout=self._timeout) if sharded else None
         return Groups(mesh=mesh, timeout=self._timeout, sharded_replicas=sharded)
 

@@ -134,9 +134,10 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         """Whether this rank counts ``p`` (for the global gradient norm and the consolidated state)."""
         return self._engine.owns(p, name) if self._engine is not None else True
 
-    def _sharded_replicas(self) -> bool:
+    def _sharded_replicas(self, topology: Optional[Topology] = None) -> bool:
         """zero_stage 2 / 3 with several replicas: FSDP2 over the ``dp`` axis."""
-        return self._options.sharding.zero_stage >= 2 and self.topology.data_parallel_size > 1
+        topology = topology or self.topology
+        return self._options.sharding.zero_stage >= 2 and topology.data_parallel_size > 1
 
     def _resolve(self) -> Topology:
         world = self.num_nodes * len(self.parallel_devices or [None])
@@ -150,10 +151,13 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         return topo
 
     def _configure_launcher(self) -> None:  # in the launching process: bad sizes fail before any process starts
-        self._resolve()
-        zero_stage = self._options.sharding.zero_stage
+        topo = self._resolve()
+        zero_stage, offload = self._options.sharding.zero_stage, self._options.memory.offload
         if zero_stage >= 2:  # FSDP's precisions ([Note: mixed precision under FSDP] in dp/fsdp.py)
             fsdp.check_precision(self.precision_plugin.precision, zero_stage)
+        fsdp.check_offload_layout(offload, sharded=self._sharded_replicas(topo),
+                                  data_parallel_size=topo.data_parallel_size)
+        fsdp.check_offload_devices(offload, self.parallel_devices or [])
         super()._configure_launcher()
 
     def setup_environment(self) -> None:

@@ -37,16 +37,36 @@ def test_every_strategy_refuses_a_bad_value_at_construction(cls, value):
         cls(activation_checkpointing=value)
 
 
-def test_offload_needs_zero_stage_3_and_a_device():
-    with pytest.raises(ValueError, match=r"`offload='cpu'` needs `zero_stage=3` \(got zero_stage=2\)"):
-        DataParallelStrategy(offload="cpu", zero_stage=2)
-    with pytest.raises(ValueError, match=r"`offload='gpu'` must be None or 'cpu'"):
-        DataParallelStrategy(offload="gpu", zero_stage=3)
+OFFLOADING = {  # a layout of each strategy with a data-parallel axis of 2: what zero stage 3 shards over
+    DataParallelStrategy: (dict(), 2),
+    PipelineParallelStrategy: (dict(pipeline_parallel_size=2, data_parallel_size=2), 4),
+    TensorParallelStrategy: (dict(tensor_parallel_size=2, data_parallel_size=2), 4),
+    HybridParallelStrategy: (dict(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=2), 8)}
+
+
+@pytest.mark.parametrize("cls", list(OFFLOADING), ids=lambda c: c.__name__)
+def test_offload_needs_zero_stage_3_and_a_device(cls):
     import lightning.pytorch as pl
 
+    sizes, devices = OFFLOADING[cls]
+    with pytest.raises(ValueError, match=r"`offload='cpu'` needs `zero_stage=3` \(got zero_stage=2\)"):
+        cls(offload="cpu", zero_stage=2, **sizes)
+    with pytest.raises(ValueError, match=r"`offload='gpu'` must be None or 'cpu'"):
+        cls(offload="gpu", zero_stage=3, **sizes)
     with pytest.raises(ValueError, match=r"`offload='cpu'` saves device memory .* trains on the CPU"):
-        pl.Trainer(accelerator="cpu", devices=1, strategy=DataParallelStrategy(zero_stage=3, offload="cpu"),
+        pl.Trainer(accelerator="cpu", devices=devices, strategy=cls(zero_stage=3, offload="cpu", **sizes),
                    logger=False)
+
+
+@pytest.mark.parametrize("cls,sizes", [(PipelineParallelStrategy, dict(pipeline_parallel_size=2)),
+                                       (TensorParallelStrategy, dict(tensor_parallel_size=2))])
+def test_offload_with_one_replica_on_the_core_is_refused_not_ignored(cls, sizes):
+    """The core shards over its dp axis only with several replicas: with one there is nothing to offload."""
+    import lightning.pytorch as pl
+
+    with pytest.raises(ValueError, match=r"`offload='cpu'` offloads FSDP's zero-stage-3 shards .* "
+                                         r"data_parallel_size=1: nothing is sharded"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=cls(zero_stage=3, offload="cpu", **sizes), logger=False)
 
 
 def _step(model, x, *, grad=True):

@@ -44,10 +44,10 @@ TODAY = {
         timeout=1800.0, process_group_backend=None),
 }
 SYNC = {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"}  # local SGD / DiLoCo on the data axis
-ADDED = {DataParallelStrategy: SYNC,
-         PipelineParallelStrategy: {"mesh_order", *SYNC},  # the core's, now taken
-         TensorParallelStrategy: {"mesh_order", "blocks", *SYNC},  # blocks: the stack activation checkpointing uses
-         HybridParallelStrategy: {"context_parallel_size", *SYNC}}  # the presets fix it to 1
+ADDED = {DataParallelStrategy: SYNC,  # offload: zero stage 3's shards in host memory, on the core's dp axis too
+         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC},  # the core's, now taken
+         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC},  # blocks: the stack AC uses
+         HybridParallelStrategy: {"context_parallel_size", "offload", *SYNC}}  # the presets fix it to 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
 COMPOSITE = {DataParallelStrategy: options.DataParallelOptions}  # the others: CoreOptions
@@ -121,7 +121,7 @@ def test_a_preset_fixes_the_size_its_name_excludes_and_nothing_else(preset):
     (options.WeightsOptions, dict(weights_prefix=3), r"`weights_prefix=3` must be a string"),
     (options.BlockOptions, dict(blocks=3), r"`blocks=3` must be the dotted name of the block container"),
     (options.MemoryOptions, dict(activation_checkpointing=0), r"`activation_checkpointing=0` is not a setting"),
-    (options.DataParallelMemoryOptions, dict(offload="disk"), r"`offload='disk'` must be None or 'cpu'"),
+    (options.MemoryOptions, dict(offload="disk"), r"`offload='disk'` must be None or 'cpu'"),
 ])
 def test_each_group_checks_its_own_values_with_the_strategies_messages(group, kwargs, match):
     with pytest.raises(ValueError, match=match):
