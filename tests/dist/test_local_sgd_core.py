@@ -1,5 +1,5 @@
-"""``sync="local_sgd" | "diloco"`` on the hybrid core's data axis, composed with pipeline and tensor parallelism
-inside each replica (4 gloo ranks, fork): against every-step hybrid DP, against each other, and resumed from a
+"""``sync="local_sgd" | "diloco"`` on the hybrid core's data axis, composed with pipeline, tensor and context
+parallelism inside each replica (4 gloo ranks, fork): against every-step hybrid DP, against each other, and resumed from a
 checkpoint between syncs. [Note: periodic sync on the data axis] in lightning_par/strategies/_periodic_sync.py."""
 import os
 
@@ -14,7 +14,8 @@ from lightning_par.strategies.hybrid_parallel import SYNC_KEY
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 LAYOUTS = {"pp2_dp2": dict(pipeline_parallel_size=2, data_parallel_size=2, microbatches=2),
-           "tp2_dp2": dict(tensor_parallel_size=2, data_parallel_size=2)}
+           "tp2_dp2": dict(tensor_parallel_size=2, data_parallel_size=2),
+           "cp2_dp2": dict(context_parallel_size=2, data_parallel_size=2)}
 tiny_gpt = gpt_factory(warmup_steps=2)
 
 
@@ -42,6 +43,11 @@ def replica_peers(layout):
     return [(0, 1), (2, 3)] if layout == "pp2_dp2" else [(0, 2), (1, 3)]
 
 
+def sequence_peers(layout):
+    """Pairs of ranks of one replica holding the same whole model (cp2_dp2, mesh dp_cp: cp inner)."""
+    return [(0, 1), (2, 3)] if layout == "cp2_dp2" else []
+
+
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_local_sgd_every_step_equals_every_step_hybrid_data_parallel_under_sgd(tmp_path, layout):
@@ -59,6 +65,21 @@ def test_diloco_with_outer_lr_one_and_no_momentum_is_local_sgd_under_pipeline_pa
                                              outer_momentum=0.0), max_steps=5)
     assert_same_runs(diloco, local, **TOL)
     for a, b in replica_peers("pp2_dp2"):  # step 5 was not synced: the replicas are apart (no gradient average)
+        assert any(not torch.equal(local[a]["params"][n], local[b]["params"][n]) for n in local[a]["params"])
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_diloco_with_outer_lr_one_and_no_momentum_is_local_sgd_under_context_parallelism(tmp_path):
+    """dp 2 × cp 2, AdamW inside, H = 2, 5 steps: between syncs each replica's two ranks still average their
+    gradients over the sequence every step (they stay equal), while the replicas part after the unsynced step 5."""
+    local = fit4(tmp_path, "local", hybrid("cp2_dp2", sync="local_sgd", sync_every=2), max_steps=5)
+    diloco = fit4(tmp_path, "diloco", hybrid("cp2_dp2", sync="diloco", sync_every=2, outer_lr=1.0,
+                                             outer_momentum=0.0), max_steps=5)
+    assert_same_runs(diloco, local, **TOL)
+    for a, b in sequence_peers("cp2_dp2"):
+        assert local[a]["params"].keys() == local[b]["params"].keys()
+        assert all(torch.equal(local[a]["params"][n], local[b]["params"][n]) for n in local[a]["params"]), (a, b)
+    for a, b in replica_peers("cp2_dp2"):
         assert any(not torch.equal(local[a]["params"][n], local[b]["params"][n]) for n in local[a]["params"])
 
 
