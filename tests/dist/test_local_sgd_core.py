@@ -84,21 +84,23 @@ def test_diloco_with_outer_lr_one_and_no_momentum_is_local_sgd_under_context_par
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
-@pytest.mark.parametrize("distributed", [False, True], ids=["file", "dcp"])
-def test_diloco_under_tensor_parallelism_resumes_exactly_between_syncs(tmp_path, distributed):
+@pytest.mark.parametrize("layout, distributed", [("tp2_dp2", False), ("tp2_dp2", True), ("cp2_dp2", False)],
+                         ids=["file", "dcp", "cp-file"])
+def test_diloco_under_tensor_parallelism_resumes_exactly_between_syncs(tmp_path, layout, distributed):
     """4 steps an epoch, H = 3: the checkpoint of step 4 is one step past a sync; resumed, steps 5-8 are the
     uninterrupted run's, bit for bit, on every rank (each its own replica's shard and inner state), from one
-    file or from a DCP directory."""
+    file or from a DCP directory; under dp 2 × cp 2 too (each rank the whole model of its replica)."""
     kw = dict(sync="diloco", sync_every=3, save_distributed_checkpoint=distributed)
-    whole, resumed, path = fit_whole_then_resumed(fit4, tmp_path, lambda: hybrid("tp2_dp2", **kw),
+    whole, resumed, path = fit_whole_then_resumed(fit4, tmp_path, lambda: hybrid(layout, **kw),
                                                   data=corpus(train_sequences=32).train_set)
     if not distributed:
         state = torch.load(path, weights_only=False)[SYNC_KEY]
         assert (state["sync"], state["since"], len(state["ranks"])) == ("diloco", 1, 4)
-        assert state["layout"]["tensor_parallel_size"] == 2
+        size = "tensor_parallel_size" if layout == "tp2_dp2" else "context_parallel_size"
+        assert state["layout"][size] == 2
     else:
         assert os.path.isdir(path)
     assert_resumed_exactly(whole, resumed, steps=8, resumed_at=4)
-    for a, b in replica_peers("tp2_dp2"):  # step 8 was not synced: the replicas are apart
+    for a, b in replica_peers(layout):  # step 8 was not synced: the replicas are apart
         name = "blocks.0.mlp.fc.weight"
         assert not torch.equal(whole[a]["params"][name], whole[b]["params"][name])
