@@ -182,10 +182,6 @@ def check_core_sync(options: CoreOptions) -> None:
         raise ValueError(f"`sync={sync.sync!r}` with `fault_tolerance='torchft'` is not supported on the hybrid core "
                          f"(the replica groups would meet on torchft's quorum at syncs only; DataParallelStrategy "
                          f"does that). Use sync='every_step', or DataParallelStrategy.")
-    if sync.fragments > 1:
-        raise ValueError(f"`fragments={sync.fragments}` (streaming DiLoCo) is not supported on the hybrid core yet "
-                         f"(its fragments would cut the block stack across pipeline stages); use fragments=1, or "
-                         f"DataParallelStrategy for streaming DiLoCo.")
 
 
 def one_replica_per_job(size) -> str:

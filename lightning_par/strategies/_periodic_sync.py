@@ -32,6 +32,7 @@ class PeriodicSyncHooks:
     ``self.groups``; ``self.periodic``: the sync while fitting)."""
 
     periodic: Optional[local_sgd.PeriodicSync] = None
+    stack_path: Optional[str] = None  # the block stack the engine found (a pipeline's stages hold part of it)
 
     @property
     def syncs_periodically(self) -> bool:
@@ -55,7 +56,7 @@ class PeriodicSyncHooks:
         fragments = owners = None
         if sync.fragments > 1:  # [Note: streaming DiLoCo] in lightning_par.dp.local_sgd
             fragments, owners = local_sgd.block_fragments(s.lightning_module, params, sync.fragments,
-                                                          blocks=self.options.blocks)
+                                                          blocks=self.stack_path or self.options.blocks)
         self.periodic = local_sgd.PeriodicSync(params, sync=sync.sync, every=sync.sync_every, outer_lr=sync.outer_lr,
                                                outer_momentum=sync.outer_momentum, group=self.groups.dp,
                                                replicas=s.topology.data_parallel_size, owners=owners,

@@ -157,7 +157,7 @@ class PipelineEngine(Engine):
         if plan is not None and o.sequence_parallel:  # [Note: sequence-sharded stage boundaries]
             check_sequence_stack(plan, path, len(container), tp, flow.hidden_shape if flow is not None else None)
         self.full_keys = list(lm.state_dict().keys())
-        self.block_prefix = f"{path}."
+        self.block_prefix, self.stack_path = f"{path}.", path  # its other stages' blocks become ghosts below
         if lm.trainer.state.fn == TrainerFn.FITTING:
             self.host.record_one_device_order()  # before the split: [Note: recording one device's order]
         total = sum(p.numel() for p in lm.parameters())

@@ -104,3 +104,31 @@ def test_diloco_under_tensor_parallelism_resumes_exactly_between_syncs(tmp_path,
     for a, b in replica_peers(layout):  # step 8 was not synced: the replicas are apart
         name = "blocks.0.mlp.fc.weight"
         assert not torch.equal(whole[a]["params"][name], whole[b]["params"][name])
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+@pytest.mark.parametrize("layout", ["pp2_dp2", "tp2_dp2"])
+def test_streaming_diloco_on_the_core_equals_data_parallel_streaming(tmp_path, layout):
+    """fragments = 2, H = 4, 5 steps (fragment 0: embeddings and block 0, synced at step 2; fragment 1: block 1 and
+    the head, at step 4): each rank's parameters equal the replica's under DataParallelStrategy's streaming DiLoCo
+    on the same batches. Under pp 2 each stage holds one fragment whole and none of the other (its sync of nothing
+    is a no-op); under tp 2 each rank syncs its shards."""
+    from lightning_par import DataParallelStrategy
+
+    kw = dict(sync="diloco", sync_every=4, fragments=2)
+    dp = fit_and_record(seeded(tiny_gpt), DataLoader(corpus().train_set, batch_size=4), str(tmp_path / "dp"),
+                        strategy=DataParallelStrategy(start_method="fork", **kw), devices=2, max_steps=5)
+    core = fit4(tmp_path, "core", hybrid(layout, **kw), max_steps=5)
+    replica_of = {r: (r % 2 if layout == "pp2_dp2" else r // 2) for r in range(4)}  # mesh pp_dp_tp
+    replica_mean = (torch.tensor(dp[0]["losses"]) + torch.tensor(dp[1]["losses"])) / 2
+    for rank, rec in enumerate(core):
+        want = dp[replica_of[rank]]  # the core reports the mean over its replicas, DP each rank's own loss
+        torch.testing.assert_close(torch.tensor(rec["losses"]), replica_mean, **TOL)
+        own = set(rec["grads"][-1])  # the stage's own parameters (a stage may hold others it does not train)
+        assert own and own <= set(want["params"])
+        for name in own:
+            torch.testing.assert_close(rec["params"][name], want["params"][name], **TOL,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+    assert set().union(*(rec["grads"][-1] for rec in core)) == set(dp[0]["grads"][-1])  # every parameter checked
+    for a, b in replica_peers(layout):  # step 5 was not synced: the replicas are apart
+        assert any(not torch.equal(core[a]["params"][n], core[b]["params"][n]) for n in core[a]["grads"][-1])

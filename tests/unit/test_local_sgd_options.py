@@ -56,8 +56,6 @@ def test_the_hybrid_core_takes_the_sync_options():
     (dict(sync="diloco", zero_stage=1), r"`sync='diloco'` does not support `zero_stage=1`"),
     (dict(sync="local_sgd", fault_tolerance="torchft"), r"`sync='local_sgd'` with `fault_tolerance='torchft'` is "
                                                         r"not supported on the hybrid core"),
-    (dict(sync="diloco", sync_every=4, fragments=2), r"`fragments=2` \(streaming DiLoCo\) is not supported on the "
-                                                     r"hybrid core yet"),
 ])
 def test_the_hybrid_core_refuses_what_does_not_compose(kwargs, match):
     with pytest.raises(ValueError, match=match):
