@@ -361,6 +361,34 @@ def start_ranks(fn, args, nprocs: int):
             gc.unfreeze()
 
 
+# [Note: a reference run by fork, as torchrun's ranks]
+# A reference run that a test compares a torchrun job against (an uninterrupted run, a plain-DDP job) needs no
+# torchrun of its own: its result depends on what each rank computes, not on which launcher started it. Forked
+# from the pytest process with torchrun's environment (TORCHELASTIC_RUN_ID makes Lightning take the ranks as
+# launched), it runs the same entry point in-process and skips the interpreters a torchrun costs: its agent and
+# one per rank (~5 CPU-s each here, importing Lightning), most of such a test's cost.
+def _as_torchrun_rank(rank: int, target: Callable[[], object], nprocs: int, port: int, log_path: str) -> None:
+    os.environ.update(TORCHELASTIC_RUN_ID="fork", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+                      ROLE_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                      ROLE_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1
+    import sys
+
+    log = open(log_path, "a", buffering=1)  # the rank's output in a log, as a torchrun's (pytest's capture aside)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    target()
+
+
+def fork_as_torchrun(target: Callable[[], object], nprocs: int, log_path: str) -> None:
+    """Run ``target()`` on ``nprocs`` ranks forked from this process, each with the environment torchrun gives
+    its workers, their output appended to ``log_path``; raises if a rank fails ([Note: a reference run by fork,
+    as torchrun's ranks])."""
+    start_ranks(_as_torchrun_rank, (target, nprocs, free_port(), log_path), nprocs)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a rendezvous of ranks this test starts itself)."""
     with socket.socket() as s:

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S
+from harness import TIMEOUT_S, fork_as_torchrun
 from models import corpus, tiny_gpt
 from lightning_par.recipes import _ft_job as job
 
@@ -76,12 +76,14 @@ def test_two_pipeline_groups_train_as_dp2_pp2(tmp_path):
             path.mkdir()
         procs = [job.start_group(ft, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0, nproc=2)
                  for g in range(2)]
-        procs.append(job.start_group(ref, ["--mode", "ckpt", *args], group_id=None, num_groups=1, lighthouse=None,
-                                     max_restarts=0, nproc=4))
+        # the plain dp2 x pp2 reference on 4 ranks forked from here while the groups run ([Note: a reference run
+        # by fork, as torchrun's ranks] in harness.py); a failed rank raises with its exit
+        fork_as_torchrun(lambda: job.main(["--out", str(ref), "--mode", "ckpt", *args]), 4,
+                         str(ref / "torchrun-ckpt.log"))
         codes = job.wait_all(procs, timeout_s=RUN_S)
     finally:
         job.stop(procs, lighthouse)
-    assert codes == [0, 0, 0], (codes, job.log_tail(ft, "g0"), job.log_tail(ref, "ckpt"))
+    assert codes == [0, 0], (codes, job.log_tail(ft, "g0"), job.log_tail(ref, "ckpt"))
     want = job.read_records(ref, 0)  # rank 0 of dp2 x pp2 reports the mean over its two replicas
     assert [r["step"] for r in want] == list(range(1, steps + 1))
     got = [job.read_records(ft, f"{g}_0") for g in range(2)]  # each group reports its own batch's loss

@@ -2,6 +2,7 @@
 from the last complete checkpoint by itself ([Note: restarts resume by themselves] in lightning_par/train.py)
 and ends with the weights and the losses of an uninterrupted run. The run stops with ``max_epochs`` and
 checkpoints at epoch ends: Lightning resumes those exactly (README, data order)."""
+import functools
 import os
 import signal
 import subprocess
@@ -11,11 +12,13 @@ import time
 import pytest
 import torch
 
+from harness import fork_as_torchrun
+
 pytestmark = pytest.mark.e2e  # launches processes (pyproject's markers)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-EPOCHS = 6
+EPOCHS = 4  # killed in the second; the restart resumes at an epoch end and trains at least one more
 OVERRIDES = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=-1", f"trainer.max_epochs={EPOCHS}",
              "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=1",
              "model.n_layer=2", "model.n_head=2", "model.n_embd=16", "data.vocab_size=32", "data.seq_len=16",
@@ -29,6 +32,14 @@ def torchrun(run_dir, *extra, max_restarts=0):
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              f"--max-restarts={max_restarts}", "-m", "lightning_par.train", *OVERRIDES, *extra,
                              f"hydra.run.dir={run_dir}"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def app(argv):
+    """What ``python -m lightning_par.train ARGV`` runs in a rank, in this process."""
+    from lightning_par import train
+
+    sys.argv = ["lightning_par.train", *argv]
+    train.main()
 
 
 def worker_of(parent: int, rank: int) -> int | None:
@@ -55,8 +66,10 @@ def final_state(run_dir):
 @pytest.mark.parametrize("strategy", ["ddp", "pipeline"])
 def test_torchrun_restart_resumes_and_ends_as_an_uninterrupted_run(tmp_path, strategy):
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
-    ref = torchrun(ref_dir, f"strategy={strategy}")
-    assert ref.wait(timeout=300) == 0, open(ref_dir + ".log").read()[-3000:]
+    # the uninterrupted reference: the same app on 2 ranks forked from here ([Note: a reference run by fork, as
+    # torchrun's ranks] in harness.py); a failed rank raises with its exit
+    fork_as_torchrun(functools.partial(app, [*OVERRIDES, f"strategy={strategy}", f"hydra.run.dir={ref_dir}"]), 2,
+                     ref_dir + ".log")
     # the same run, killed in its second epoch: rank 1 dies once the first epoch's checkpoint exists
     proc = torchrun(run_dir, f"strategy={strategy}", max_restarts=1)
     last, deadline = os.path.join(run_dir, "checkpoints", "last.ckpt"), time.time() + 300
