@@ -2,7 +2,6 @@
 converter's round trips between a Lightning file, a DCP directory and safetensors (streamed: bounded
 memory), ``inspect``, and bad checkpoints refused with the path and the keys."""
 import doctest
-import json
 import os
 import subprocess
 import sys
@@ -84,63 +83,28 @@ def test_a_plain_lightning_file_without_names_is_not_converted_to_dcp(tmp_path):
     assert sharded.model_names(str(tmp_path / "dcp"))["tok_emb.weight"] == (32, 16)
 
 
-# the peak resident memory of a process image: /proc's VmHWM (getrusage's ru_maxrss keeps the forking parent's
-# peak across exec on Linux, so it would measure pytest).
-# [Note: one interpreter, a fork per run]
-# Every run is a child forked from one interpreter that has imported torch and the converter and done nothing
-# else: each child is its own process image, whose VmHWM starts at what it inherited (Linux's fork copies the
-# parent's current RSS as the child's high-water mark), so the child that only exits is "a process that only
-# imports" and the others' peaks exceed it by what their work held. One interpreter instead of one per run: each
-# costs ~8 CPU-s here, importing lightning_par. The batches run one after another (a later one reads what an
-# earlier one wrote), the runs of a batch at the same time.
+# the peak resident memory of this process image: /proc's VmHWM (getrusage's ru_maxrss keeps the forking
+# parent's peak across exec on Linux, so it would measure pytest)
 _CONVERT = """
-import json, os, sys, traceback, torch
+import sys, torch
 from lightning_par.checkpoint.convert import convert
-
-def work(args):
-    if args[0] != "baseline":
-        convert(args[0], args[1])
-    elif len(args) > 1:  # the contrast: a conversion that loads everything
-        torch.save(torch.load(args[1], weights_only=True), args[1] + ".copy")
-    return [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")][0]
-
-failed = False
-for batch in json.loads(sys.argv[1]):
-    children = []
-    for args in batch:
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            code = 0
-            try:
-                os.write(write, work(args).encode())
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            sys.stderr.flush()
-            os._exit(code)
-        os.close(write)
-        children.append((args, pid, read))
-    for args, pid, read in children:
-        with os.fdopen(read) as f:
-            peak = f.read()
-        _, status = os.waitpid(pid, 0)
-        failed |= os.waitstatus_to_exitcode(status) != 0
-        print(json.dumps([args, peak]), flush=True)
-sys.exit(1 if failed else 0)
+if sys.argv[1] != "baseline":
+    convert(sys.argv[1], sys.argv[2])
+elif len(sys.argv) > 2:  # the contrast: a conversion that loads everything
+    torch.save(torch.load(sys.argv[2], weights_only=True), sys.argv[2] + ".copy")
+print([line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")][0])
 """
 
 
-def _peak_kib(*batches: list[tuple]) -> list[list[int]]:
-    """The peak of each run (arguments of ``_CONVERT``'s ``work``), by batch: the batches one after another, the
-    runs of a batch at the same time, each its own process image, whose peak does not depend on the others'
-    ([Note: one interpreter, a fork per run])."""
-    proc = subprocess.run([sys.executable, "-c", _CONVERT, json.dumps([[list(a) for a in b] for b in batches])],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert proc.returncode == 0, (batches, proc.stdout[-2000:], proc.stderr[-2000:])
-    peaks = iter(int(json.loads(line)[1]) for line in proc.stdout.splitlines() if line.startswith("[["))
-    return [[next(peaks) for _ in batch] for batch in batches]
+def _peak_kib(*runs: tuple) -> list[int]:
+    """The peak of each run (arguments of ``_CONVERT``), the runs at the same time: each its own process image,
+    whose peak does not depend on the others'."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CONVERT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}) for args in runs]
+    outs = [p.communicate() for p in procs]
+    for args, p, (_, err) in zip(runs, procs, outs):
+        assert p.returncode == 0, (args, err[-2000:])
+    return [int(out.split()[-1]) for out, _ in outs]
 
 
 @pytest.mark.e2e
@@ -155,12 +119,10 @@ def test_conversion_streams_tensor_by_tensor(tmp_path):
     torch.save({"state_dict": tensors, "epoch": 0, "global_step": 0}, tmp_path / "big.ckpt")
     del tensors
     conversions = [("big.ckpt", "dcp"), ("big.ckpt", "big.safetensors")]
-    first, second = _peak_kib([("baseline",), ("baseline", str(tmp_path / "big.ckpt")),
-                               *((str(tmp_path / src), str(tmp_path / dst)) for src, dst in conversions)],
-                              [(str(tmp_path / "dcp"), str(tmp_path / "again.ckpt"))])
-    baseline, whole, *peaks = first
+    baseline, whole, *peaks = _peak_kib(("baseline",), ("baseline", str(tmp_path / "big.ckpt")),
+                                        *((str(tmp_path / src), str(tmp_path / dst)) for src, dst in conversions))
     conversions.append(("dcp", "again.ckpt"))  # reads what the first conversion wrote
-    peaks += second
+    peaks += _peak_kib((str(tmp_path / "dcp"), str(tmp_path / "again.ckpt")))
     whole = (whole - baseline) / 1024
     assert whole > 0.9 * total_mib  # the measurement sees a conversion that holds everything
     for (src, dst), peak in zip(conversions, peaks):
