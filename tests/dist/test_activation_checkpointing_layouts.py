@@ -224,6 +224,7 @@ def test_a_module_without_a_block_stack_is_refused_at_setup_naming_blocks(tmp_pa
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.e2e  # launches the app's interpreter (pyproject's markers)
 @pytest.mark.timeout(TIMEOUT_S)
 def test_the_hydra_app_takes_the_setting(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
