@@ -18,6 +18,7 @@ import glob
 import hashlib
 import os
 import socket
+import sys
 import tempfile
 from typing import Callable
 
@@ -373,8 +374,6 @@ def _as_torchrun_rank(rank: int, target: Callable[[], object], nprocs: int, port
                       ROLE_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1
-    import sys
-
     log = open(log_path, "a", buffering=1)  # the rank's output in a log, as a torchrun's (pytest's capture aside)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)

@@ -1,6 +1,7 @@
 """``sync="local_sgd" | "diloco"`` on the hybrid core's data axis, composed with pipeline, tensor and context
-parallelism inside each replica (4 gloo ranks, fork): against every-step hybrid DP, against each other, and resumed from a
-checkpoint between syncs. [Note: periodic sync on the data axis] in lightning_par/strategies/_periodic_sync.py."""
+parallelism inside each replica (4 gloo ranks, fork): against every-step hybrid DP, against each other, against
+DataParallelStrategy's streaming DiLoCo, and resumed from a checkpoint between syncs. [Note: periodic sync on the
+data axis] in lightning_par/strategies/_periodic_sync.py."""
 import os
 
 import pytest
@@ -86,7 +87,7 @@ def test_diloco_with_outer_lr_one_and_no_momentum_is_local_sgd_under_context_par
 @pytest.mark.timeout(2 * TIMEOUT_S)
 @pytest.mark.parametrize("layout, distributed", [("tp2_dp2", False), ("tp2_dp2", True), ("cp2_dp2", False)],
                          ids=["file", "dcp", "cp-file"])
-def test_diloco_under_tensor_parallelism_resumes_exactly_between_syncs(tmp_path, layout, distributed):
+def test_diloco_under_tensor_and_context_parallelism_resumes_exactly_between_syncs(tmp_path, layout, distributed):
     """4 steps an epoch, H = 3: the checkpoint of step 4 is one step past a sync; resumed, steps 5-8 are the
     uninterrupted run's, bit for bit, on every rank (each its own replica's shard and inner state), from one
     file or from a DCP directory; under dp 2 × cp 2 too (each rank the whole model of its replica)."""
@@ -96,8 +97,7 @@ def test_diloco_under_tensor_parallelism_resumes_exactly_between_syncs(tmp_path,
     if not distributed:
         state = torch.load(path, weights_only=False)[SYNC_KEY]
         assert (state["sync"], state["since"], len(state["ranks"])) == ("diloco", 1, 4)
-        size = "tensor_parallel_size" if layout == "tp2_dp2" else "context_parallel_size"
-        assert state["layout"][size] == 2
+        assert all(state["layout"][k] == v for k, v in LAYOUTS[layout].items()), state["layout"]
     else:
         assert os.path.isdir(path)
     assert_resumed_exactly(whole, resumed, steps=8, resumed_at=4)
@@ -119,7 +119,7 @@ def test_streaming_diloco_on_the_core_equals_data_parallel_streaming(tmp_path, l
     dp = fit_and_record(seeded(tiny_gpt), DataLoader(corpus().train_set, batch_size=4), str(tmp_path / "dp"),
                         strategy=DataParallelStrategy(start_method="fork", **kw), devices=2, max_steps=5)
     core = fit4(tmp_path, "core", hybrid(layout, **kw), max_steps=5)
-    replica_of = {r: (r % 2 if layout == "pp2_dp2" else r // 2) for r in range(4)}  # mesh pp_dp_tp
+    replica_of = {r: i for peers in replica_peers(layout) for i, r in enumerate(peers)}  # rank -> its dp index
     replica_mean = (torch.tensor(dp[0]["losses"]) + torch.tensor(dp[1]["losses"])) / 2
     for rank, rec in enumerate(core):
         want = dp[replica_of[rank]]  # the core reports the mean over its replicas, DP each rank's own loss
