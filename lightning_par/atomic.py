@@ -84,10 +84,14 @@ def clear_temporary(path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp, old = hidden_name(path, "partial"), hidden_name(path, "old")
     for stale in (tmp, old):  # left by a save that was killed
-        if os.path.isdir(stale):
-            shutil.rmtree(stale)
-        elif os.path.exists(stale):
+        # another rank may create ``tmp`` meanwhile (DCP's writer makes its directory while planning, before the
+        # first collective): a directory that appears between two checks is removed as a directory
+        try:
             os.remove(stale)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            shutil.rmtree(stale)
     return tmp
 
 

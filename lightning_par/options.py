@@ -135,10 +135,7 @@ class DataParallelOptions(Options):
         fsdp.check_offload_stage(self.memory.offload, zero_stage)
         local_sgd.check_combination(self.sync.sync, zero_stage=zero_stage, ddp_options=changed)
         f = self.fault_tolerance
-        if f.fault_tolerance is not None and self.sync.fragments > 1:
-            raise ValueError(f"`fragments={self.sync.fragments}` (streaming DiLoCo) with "
-                             f"`fault_tolerance='torchft'` is not supported: each fragment's sync would need a "
-                             f"torchft quorum of its own. Use fragments=1 under torchft.")
+        check_sync_fault_tolerance(self.sync, f.fault_tolerance)
         ft.validate_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout, zero_stage=zero_stage,
                                     comm_hook=self.replicas.comm_hook, static_graph=self.replicas.static_graph,
                                     lr_scaling=self.lr_scaling.lr_scaling)
@@ -178,10 +175,16 @@ def check_core_sync(options: CoreOptions) -> None:
     if sync.sync == "every_step":
         return
     local_sgd.check_combination(sync.sync, zero_stage=options.sharding.zero_stage, ddp_options={})
-    if options.fault_tolerance.fault_tolerance is not None:
-        raise ValueError(f"`sync={sync.sync!r}` with `fault_tolerance='torchft'` is not supported on the hybrid core "
-                         f"(the replica groups would meet on torchft's quorum at syncs only; DataParallelStrategy "
-                         f"does that). Use sync='every_step', or DataParallelStrategy.")
+    check_sync_fault_tolerance(sync, options.fault_tolerance.fault_tolerance)
+
+
+def check_sync_fault_tolerance(sync: SyncOptions, fault_tolerance: Optional[str]) -> None:
+    """Under torchft the replica groups meet on its quorum at syncs ([Note: periodic sync under torchft, one
+    wiring] in :mod:`lightning_par.strategies._fault_tolerance`): one quorum a sync, so no streaming DiLoCo."""
+    if fault_tolerance is not None and sync.fragments > 1:
+        raise ValueError(f"`fragments={sync.fragments}` (streaming DiLoCo) with `fault_tolerance='torchft'` is not "
+                         f"supported: each fragment's sync would need a torchft quorum of its own. Use fragments=1 "
+                         f"under torchft.")
 
 
 def one_replica_per_job(size) -> str:

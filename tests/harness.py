@@ -280,6 +280,12 @@ def assert_close_records(ref: dict, got: dict, *, atol: float = 1e-5, rtol: floa
             assert set(g) == set(r), f"step {step}: gradients differ in names: {set(g) ^ set(r)}"
         for name, grad in g.items():
             torch.testing.assert_close(grad, r[name], atol=atol, rtol=rtol, msg=lambda m: f"step {step} {name}: {m}")
+    assert_params_close(ref, got, atol=atol, rtol=rtol)
+
+
+def assert_params_close(ref: dict, got: dict, *, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """Every parameter of one rank's record against the reference, within ``atol`` / ``rtol`` plus Adam's
+    response to the two records' gradient differences ([Note: Adam's response to rounding])."""
     for name, p in got["params"].items():
         # Adam's response to the gradient differences just bounded, element by element: see the Note above
         slack = adam_response(got, ref, name)

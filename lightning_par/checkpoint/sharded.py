@@ -85,7 +85,7 @@ def start_save(path: str, flat: Mapping[str, Any], *, async_save: bool = False, 
 
     flat = map_strided(dict(flat), lambda t: t.full_tensor())
     # what a killed save left is removed by the coordinator, before dcp.save's first collective (no rank writes
-    # before every rank has planned)
+    # before every rank has planned; the others may already have made the empty directory: clear_temporary copes)
     tmp = clear_temporary(path) if not dist.is_initialized() or dist.get_rank() == 0 else incomplete(path)
     if async_save:
         response = dcp.async_save(flat, checkpoint_id=tmp, process_group=process_group)

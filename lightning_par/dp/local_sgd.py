@@ -377,9 +377,14 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def rank_state(local: dict[str, Any]) -> dict[str, Any]:
+    """This rank's ``local`` state alone (CPU tensors, copies): no collective."""
+    return _to_cpu(local)
+
+
 def rank_states(local: dict[str, Any], group=None) -> Optional[list]:
     """Every rank's ``local`` state (CPU tensors) on rank 0 of ``group``, in rank order; None on the others."""
-    local = _to_cpu(local)
+    local = rank_state(local)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [local]
     everyone: Optional[list] = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
@@ -388,4 +393,4 @@ def rank_states(local: dict[str, Any], group=None) -> Optional[list]:
 
 
 __all__ = ["SYNCS", "PeriodicSync", "average_", "block_fragments", "check_combination", "check_sync",
-           "load_optimizer_tensors", "optimizer_tensors", "rank_states"]
+           "load_optimizer_tensors", "optimizer_tensors", "rank_state", "rank_states"]

@@ -8,8 +8,8 @@ The module is a plain ``LightningModule`` (an MLP regressor, AdamW with a per-st
 knows lightning_par. Every process appends one JSON line per optimizer step to ``DIR/rec<id>.jsonl`` (``id`` =
 REPLICA_GROUP_ID, or the rank in ``ckpt`` mode): the step (Lightning's ``global_step`` and torchft's), the live
 replica groups, the loss, the wall clock, and sha256 digests of the parameters and optimizer state at the step's
-start and end (equal digests = bit-equal states). ``DIR/pid<id>-<restart>`` holds the worker's pid, which the
-launcher SIGKILLs.
+start and end, of the parameters alone at its end, and of local SGD / DiLoCo's sync state (equal digests = bit-equal
+states). ``DIR/pid<id>-<restart>`` holds the worker's pid, which the launcher SIGKILLs.
 """
 from __future__ import annotations
 
@@ -83,14 +83,9 @@ def dataset(n: int = 1024, seed: int = 0) -> TensorDataset:
 
 def state_digest(module: nn.Module, optimizer) -> str:
     """sha256 over every parameter's and optimizer-state tensor's bytes and the groups' hyper-parameters."""
-    from lightning_par.dp.ft import local_module_state, local_optimizer_state  # DTensors as this rank's shards
+    from lightning_par.dp.ft import local_optimizer_state  # DTensors as this rank's shards
 
-    h = hashlib.sha256()
-    params = dict(module.named_parameters())
-    for name, p in local_module_state(module).items():
-        if name in params:
-            h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    h = _hash_params(hashlib.sha256(), module)
     sd = local_optimizer_state(optimizer)
     for idx in sorted(sd["state"]):
         for key in sorted(sd["state"][idx]):
@@ -102,17 +97,36 @@ def state_digest(module: nn.Module, optimizer) -> str:
 
 
 def sync_digest(strategy) -> str | None:
-    """sha256 of local SGD / DiLoCo's shared state (the last synced parameters, the outer momentum), if any."""
-    sync_state = getattr(getattr(strategy, "_engine", None), "sync_state", None)  # the replica engine's only
-    state = sync_state() if sync_state is not None else None
+    """sha256 of this rank's local SGD / DiLoCo shared state (the step count, the last synced parameters, the outer
+    momentum), if any."""
+    engine = getattr(strategy, "_engine", None)
+    state = engine.sync_state(own=True) if engine is not None else None  # this rank's: no collective
     if state is None:
         return None
-    h = hashlib.sha256(repr(state["since"]).encode())
-    for t in state.get("synced", []):
+    own = state["own"]["sync"]
+    h = hashlib.sha256(repr(own["since"]).encode())
+    for t in own.get("synced", []):
         h.update(t.contiguous().numpy().tobytes())
-    for entry in (state.get("outer") or {}).get("state", {}).values():
+    for entry in (own.get("outer") or {}).get("state", {}).values():
         h.update(entry["momentum_buffer"].contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def params_digest(module: nn.Module) -> str:
+    """sha256 of this rank's parameters alone (its stage's, its shards)."""
+    return _hash_params(hashlib.sha256(), module).hexdigest()
+
+
+def _hash_params(h, module: nn.Module):
+    """``h`` updated with each of this rank's parameters, by name (DTensors as this rank's shards)."""
+    from lightning_par.dp.ft import local_module_state
+
+    params = dict(module.named_parameters())
+    for name, p in local_module_state(module).items():
+        if name in params:
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h
 
 
 STOP_FILE = "stop_at"  # DIR/stop_at: a step every process stops after (written by a launcher while they run)
@@ -137,7 +151,7 @@ class StepRecord(pl.Callback):
                "participants": replica.participants if replica else None,
                "healed_at": replica.healed_at if replica else None, "epoch": trainer.current_epoch,
                "loss": float(outputs["loss"]), "time": time.time(), "before": self._before,
-               "after": state_digest(pl_module, trainer.optimizers[0]),
+               "after": state_digest(pl_module, trainer.optimizers[0]), "params": params_digest(pl_module),
                "sync": sync_digest(trainer.strategy), "restart": attempt()}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -161,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--resume", action="store_true", help="ft mode: resume from last.ckpt (a whole-job restart)")
     p.add_argument("--pp", type=int, default=0, help="HybridParallelStrategy with this many stages (0: DDP)")
     p.add_argument("--tp", type=int, default=1, help="with --pp: tensor-parallel ranks per stage")
-    p.add_argument("--sync", default="every_step", help="DataParallelStrategy's sync (local_sgd, diloco)")
+    p.add_argument("--sync", default="every_step", help="the data axis' sync (local_sgd, diloco)")
     p.add_argument("--sync-every", type=int, default=1)
     args = p.parse_args(argv)
     from lightning_par import DataParallelStrategy, HybridParallelStrategy
@@ -183,10 +197,12 @@ def main(argv: list[str] | None = None) -> None:
                                               every_n_train_steps=args.ckpt_every)
     ft_args = dict(fault_tolerance="torchft", min_replicas=args.min_replicas, ft_timeout=args.ft_timeout) \
         if args.mode == "ft" else dict(timeout=300)  # a restarted rank may wait for its peer's imports
+    sync = dict(sync=args.sync, sync_every=args.sync_every)
     if args.pp:
-        strategy = HybridParallelStrategy(pipeline_parallel_size=args.pp, tensor_parallel_size=args.tp, **ft_args)
+        strategy = HybridParallelStrategy(pipeline_parallel_size=args.pp, tensor_parallel_size=args.tp, **sync,
+                                          **ft_args)
     else:
-        strategy = DataParallelStrategy(sync=args.sync, sync_every=args.sync_every, **ft_args)
+        strategy = DataParallelStrategy(**sync, **ft_args)
     devices = nproc
     if args.mode == "ft":
         resume = "last" if args.resume else None

@@ -32,6 +32,14 @@ A restarted group's ranks each receive the state of their coordinate from a live
 for its peer]); Lightning restores it as a checkpoint ([Note: a recovering replica resumes from a peer as from a
 checkpoint]), here after the strategy's setup (the core restores after setup).
 
+[Note: periodic sync under torchft, one wiring]
+With ``sync="local_sgd" | "diloco"`` the replica groups meet on torchft's quorum only at syncs ([Note: syncs on
+torchft's quorum] in :mod:`lightning_par.dp.local_sgd`), the same on both kinds: no per-step average is wired (no
+DDP hook, no engine average), the step that ends a period opens its quorum at its start (every rank of a group
+calls it: the sync step is the same on all), and the engine's sync averages over the live groups on each rank's
+ring. A recovering rank's peer state holds its peer's own sync state (DiLoCo's synced copy and outer momentum of
+that coordinate; no gather: it is served on torchft's quorum thread).
+
 Loss reporting under fault tolerance: [Note: loss reporting, one rule] in :mod:`lightning_par.strategies._engine`.
 """
 from __future__ import annotations
@@ -45,6 +53,7 @@ from lightning_par import _compat
 from lightning_par.dp import ft
 from lightning_par.options import one_replica_per_job
 from lightning_par.strategies._checkpoint import _unwrap
+from lightning_par.strategies._periodic_sync import SYNC_KEY
 
 
 class FaultTolerantReplicas:
@@ -52,7 +61,8 @@ class FaultTolerantReplicas:
 
     The strategy calls :meth:`_start_replica` once its model is built (DataParallelStrategy: from
     ``_register_ddp_hooks``, on the DDP wrapper; the core: at the end of ``setup``), :meth:`_join_replicas` at
-    the end of ``setup`` and :meth:`_stop_replica` at teardown."""
+    the end of ``setup`` and :meth:`_stop_replica` at teardown; its ``_sync_options()`` says whether the replicas
+    sync every step or periodically ([Note: periodic sync under torchft, one wiring])."""
 
     _ft_kind = "core"  # what a replica group is: "ddp" or "core" (see the module's docstring)
     _sharing = False  # "core": while dumping this rank's state for a recovering peer
@@ -123,16 +133,26 @@ class FaultTolerantReplicas:
             self._replica_group, min_replicas=self._min_replicas, timeout_s=self._ft_timeout,
             group_rank=self.global_rank, group_world_size=self.world_size,
             load_state_dict=lambda checkpoint: _compat.restore_module_and_callbacks(trainer, checkpoint), **shared)
-        if self._ft_kind == "ddp":
-            if self._per_step_commit():  # else no DDP: local SGD / DiLoCo sync on the quorum
-                self.model.register_comm_hook(self._replica, ft.all_reduce_hook)
+        if not self._per_step_commit():  # [Note: periodic sync under torchft, one wiring]
+            self._engine.use_replica_sync(self._replica.sync_average)
+        elif self._ft_kind == "ddp":
+            self.model.register_comm_hook(self._replica, ft.all_reduce_hook)
         else:
             self._engine.use_replica_average(self._replica.average)  # the engine's average over replicas: torchft's
         return True
 
+    def _per_step_commit(self) -> bool:
+        """Whether every step asks a quorum and commits; under local SGD / DiLoCo only their syncs do."""
+        return self._sync_options().sync == "every_step"
+
     def _peer_checkpoint(self, trainer) -> dict[str, Any]:
         """The live state a recovering replica receives (``"ddp"``): what a checkpoint holds."""
-        return _compat.dump_checkpoint(trainer)
+        return self._with_sync_state(_compat.dump_checkpoint(trainer))
+
+    def _with_sync_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """``checkpoint`` with this rank's own sync state ([Note: periodic sync under torchft, one wiring])."""
+        state = self._engine.sync_state(own=True) if self._engine is not None else None
+        return checkpoint if state is None else {**checkpoint, SYNC_KEY: state}
 
     def _check_retryable(self, trainer) -> None:
         """Refuse what a step retried by running its batch again cannot reproduce."""
@@ -163,8 +183,8 @@ class FaultTolerantReplicas:
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._replica is not None and self._per_step_commit():
-            self._replica.begin_step()
+        if self._replica is not None and (self._per_step_commit() or self._engine.sync_follows()):
+            self._replica.begin_step()  # every step's quorum, or the one of the step whose sync follows
 
     def _stop_replica(self) -> None:
         if self._replica is not None:
@@ -179,7 +199,7 @@ class FaultTolerantReplicas:
         finally:
             self._sharing = False
         checkpoint[ft.SHARE_KEY] = {"group_rank": self.global_rank, "world_size": self.world_size}
-        return checkpoint
+        return self._with_sync_state(checkpoint)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._sharing:

@@ -14,7 +14,10 @@ same (pp, cp, tp) coordinates holding the same shards: the local shard of a DTen
 parameters of a pipeline (a parameter left on the meta device is not this stage's and is skipped). A checkpoint
 holds every rank's own parameters, inner optimizer tensors and sync state (DiLoCo's synced copy and outer
 momentum of its coordinates) on global rank 0 under the layout it was saved with; a resume needs that layout and
-is exact at any step, between syncs too.
+is exact at any step, between syncs too. Under ``fault_tolerance="torchft"`` a recovering replica group's rank
+receives, with its peer's state, that peer's own sync state alone (:meth:`PeriodicSyncHooks.sync_state` with
+``own=True``: no collective, torchft's quorum thread serves it), the rank of the same coordinates of a live group
+([Note: a rank's own state for its peer] in :mod:`lightning_par.dp.ft`); it holds the same tensors as a file's.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par.dp import local_sgd
 from lightning_par.strategies._checkpoint import _unwrap
+
+SYNC_KEY = "lightning_par_sync"  # the checkpoint entry of sync="local_sgd" | "diloco"
 
 
 class PeriodicSyncHooks:
@@ -81,32 +86,44 @@ class PeriodicSyncHooks:
         """torchft: syncs average over the live replica groups and commit (``reduce(tensors) -> committed``)."""
         self.periodic.reduce = reduce
 
-    def sync_state(self) -> Optional[dict[str, Any]]:
+    def sync_state(self, own: bool = False) -> Optional[dict[str, Any]]:
         """The sync state for a checkpoint (every rank calls it: a gather): the step count, the layout and, on
         global rank 0, every rank's own state (``ranks``: its parameters, its inner optimizer's tensors, its sync
-        state); None without a periodic sync."""
+        state); None without a periodic sync. ``own=True``: this rank's own state alone (``rank``, ``own``), no
+        collective: what a recovering peer of its coordinates receives under torchft."""
         if self.periodic is None:
             return None
         s = self.strategy
-        own = self.periodic.state_dict()
-        local = {"params": [p.detach() for p in self.periodic.params], "sync": own,
+        mine = self.periodic.state_dict()
+        local = {"params": [p.detach() for p in self.periodic.params], "sync": mine,
                  "inner": local_sgd.optimizer_tensors(_unwrap(s.optimizers[0]))}
-        return {"sync": own["sync"], "every": own["every"], "since": own["since"], "layout": _layout(s),
-                "ranks": local_sgd.rank_states(local)}
+        state = {"sync": mine["sync"], "every": mine["every"], "since": mine["since"], "layout": _layout(s)}
+        if own:
+            return {**state, "rank": s.global_rank, "own": local_sgd.rank_state(local)}
+        return {**state, "ranks": local_sgd.rank_states(local)}
 
     def load_sync_state(self, state: Optional[dict[str, Any]], where: str) -> None:
-        """After Lightning restored the module (the first replica's) and the optimizer: this rank's own state."""
+        """After Lightning restored the module (the first replica's) and the optimizer: this rank's own state (from
+        a file's ``ranks``, or a live peer's ``own``)."""
         if self.periodic is None:
             return
         if state is None:  # saved under sync="every_step": the replicas start equal, from the checkpoint's weights
             self.periodic.restart()
             return
-        s, ranks, saved = self.strategy, state["ranks"], state.get("layout")
-        if len(ranks) != s.world_size or (saved is not None and saved != _layout(s)):
-            raise ValueError(f"{where} holds the replicas of a {len(ranks)}-rank sync={state['sync']!r} run; this run "
-                             f"has {s.world_size} ranks (saved layout {saved}, this run's {_layout(s)}). Resume with "
-                             f"the saved layout: each rank resumes its own replica.")
-        mine = ranks[s.global_rank]
+        s, saved = self.strategy, state.get("layout")
+        if "own" in state:  # a peer's ([Note: a rank's own state for its peer] in lightning_par.dp.ft)
+            if state["rank"] != s.global_rank or saved != _layout(s):
+                raise ValueError(f"{where} holds rank {state['rank']}'s sync={state['sync']!r} state of the layout "
+                                 f"{saved}; this is rank {s.global_rank} of {_layout(s)}. Every replica group must "
+                                 f"run the same layout.")
+            mine = state["own"]
+        else:
+            ranks = state["ranks"]
+            if len(ranks) != s.world_size or (saved is not None and saved != _layout(s)):
+                raise ValueError(f"{where} holds the replicas of a {len(ranks)}-rank sync={state['sync']!r} run; "
+                                 f"this run has {s.world_size} ranks (saved layout {saved}, this run's "
+                                 f"{_layout(s)}). Resume with the saved layout: each rank resumes its own replica.")
+            mine = ranks[s.global_rank]
         with torch.no_grad():
             for p, t in zip(self.periodic.params, mine["params"], strict=True):
                 p.copy_(t)

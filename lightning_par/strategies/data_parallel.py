@@ -18,7 +18,7 @@ Loss reporting is DDP's: rank-local ([Note: loss reporting, one rule] in :mod:`l
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -30,7 +30,7 @@ from lightning_par.options import DataParallelOptions, SyncOptions, takes_option
 from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._engine import Groups
 from lightning_par.strategies._replica_engine import ReplicaEngine
-from lightning_par.strategies.hybrid_parallel import SYNC_KEY, HybridParallelStrategy
+from lightning_par.strategies.hybrid_parallel import HybridParallelStrategy
 
 
 class DataParallelStrategy(HybridParallelStrategy):
@@ -150,26 +150,6 @@ class DataParallelStrategy(HybridParallelStrategy):
 
     def _sync_options(self) -> SyncOptions:
         return self._dp_options.sync
-
-    # -- sync="local_sgd" | "diloco" under torchft: [Note: syncs on torchft's quorum] in lightning_par.dp.local_sgd --
-    def _per_step_commit(self) -> bool:
-        return self._dp_options.sync.sync == "every_step"
-
-    def _start_replica(self, trainer) -> bool:
-        started = super()._start_replica(trainer)
-        if started and not self._per_step_commit():
-            self._engine.use_replica_sync(self._replica.sync_average)
-        return started
-
-    def _peer_checkpoint(self, trainer) -> dict[str, Any]:
-        state = self._engine.sync_state()  # one rank per replica group: no collective (torchft's quorum thread)
-        checkpoint = super()._peer_checkpoint(trainer)
-        return checkpoint if state is None else {**checkpoint, SYNC_KEY: state}
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self._replica is not None and self._engine.sync_follows():  # this step's sync: its quorum, at its start
-            self._replica.begin_step()
 
     def _sharded_replicas(self, topology=None) -> bool:
         return self.zero_stage >= 2  # FSDP at every size, one device too

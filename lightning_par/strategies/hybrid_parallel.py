@@ -40,14 +40,12 @@ from lightning_par.pipeline.stage import StageRuntime
 from lightning_par.strategies._base import LayoutStrategy, check_accumulation, size_names
 from lightning_par.strategies._engine import Engine, EngineOptions, Groups, Host
 from lightning_par.strategies._fault_tolerance import FaultTolerantReplicas
+from lightning_par.strategies._periodic_sync import SYNC_KEY  # the checkpoint entry of sync="local_sgd" | "diloco"
 from lightning_par.strategies._pipeline_engine import PipelineEngine
 from lightning_par.strategies._spmd_engine import SpmdEngine
 from lightning_par.tensor.mixed import split_step_by_kind
 from lightning_par.tensor.rules import restore_rules
 from lightning_par.topology import ORDERS, Topology, keep_loader_on_one_process
-
-
-SYNC_KEY = "lightning_par_sync"  # the checkpoint entry of sync="local_sgd" | "diloco"
 
 
 class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
@@ -73,7 +71,7 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
     each rank materializes only its share (:mod:`lightning_par.materialize`).
     ``fault_tolerance="torchft"`` (``min_replicas``, ``ft_timeout``): each torchrun job is one replica group holding
     the whole pp × tp model, and the replicas are the live groups ([Note: the replica axis under torchft] in
-    :mod:`lightning_par.strategies._fault_tolerance`)."""
+    :mod:`lightning_par.strategies._fault_tolerance`); with ``sync="local_sgd" | "diloco"`` they meet at syncs only."""
 
     strategy_name = "hybrid_parallel"
     strategy_description = "lightning_par data × pipeline × tensor parallel (unchanged module)"

@@ -9,7 +9,6 @@ below without torch's optimizer.
 """
 import contextlib
 import copy
-import glob
 import os
 
 import lightning.pytorch as pl
@@ -23,7 +22,7 @@ from models import GPT_SIZES, corpus, gpt_factory, sgd_gpt
 from lightning_par import DataParallelStrategy
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.models import GPT
-from lightning_par.strategies.data_parallel import SYNC_KEY
+from lightning_par.strategies.hybrid_parallel import SYNC_KEY
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 tiny_gpt = gpt_factory(warmup_steps=2)

@@ -107,18 +107,21 @@ def test_diloco_under_tensor_and_context_parallelism_resumes_exactly_between_syn
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
-@pytest.mark.parametrize("layout", ["pp2_dp2", "tp2_dp2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_streaming_diloco_on_the_core_equals_data_parallel_streaming(tmp_path, layout):
     """fragments = 2, H = 4, 5 steps (fragment 0: embeddings and block 0, synced at step 2; fragment 1: block 1 and
     the head, at step 4): each rank's parameters equal the replica's under DataParallelStrategy's streaming DiLoCo
     on the same batches. Under pp 2 each stage holds one fragment whole and none of the other (its sync of nothing
-    is a no-op); under tp 2 each rank syncs its shards."""
+    is a no-op); under tp 2 each rank syncs its shards; under cp 2 both ranks of a replica sync the same whole copy.
+    The inner optimizer is plain SGD: under Adam an entry whose gradient is rounding noise moves by a sizeable
+    fraction of lr whichever noise it got ([Note: Adam's response to rounding] in tests/harness.py), and the outer
+    Nesterov step carries that on; SGD leaves the comparison to the sync itself, at 1e-5."""
     from lightning_par import DataParallelStrategy
 
     kw = dict(sync="diloco", sync_every=4, fragments=2)
-    dp = fit_and_record(seeded(tiny_gpt), DataLoader(corpus().train_set, batch_size=4), str(tmp_path / "dp"),
+    dp = fit_and_record(seeded(sgd_gpt), DataLoader(corpus().train_set, batch_size=4), str(tmp_path / "dp"),
                         strategy=DataParallelStrategy(start_method="fork", **kw), devices=2, max_steps=5)
-    core = fit4(tmp_path, "core", hybrid(layout, **kw), max_steps=5)
+    core = fit4(tmp_path, "core", hybrid(layout, **kw), model=sgd_gpt, max_steps=5)
     replica_of = {r: i for peers in replica_peers(layout) for i, r in enumerate(peers)}  # rank -> its dp index
     replica_mean = (torch.tensor(dp[0]["losses"]) + torch.tensor(dp[1]["losses"])) / 2
     for rank, rec in enumerate(core):

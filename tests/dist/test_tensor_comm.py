@@ -1,6 +1,7 @@
-"""What tensor parallelism costs: collectives per transformer layer per micro-batch (CommDebugMode) and the
+"""What tensor parallelism costs: collectives per transformer layer per micro-batch (lightning_par.comm.count_comm) and the
 per-rank bytes of the sharded layers' parameters, gradients and optimizer state (measured on the ranks)."""
 import os
+from collections import Counter
 
 import lightning.pytorch as pl
 import pytest
@@ -9,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, seeded, trainer_kwargs
 from models import corpus
+from lightning_par.comm import CommCounter, count_comm
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 
@@ -22,14 +24,18 @@ class Measure(pl.Callback):
         self.out_dir, self.counts, self.mode = out_dir, [], None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from torch.distributed.tensor.debug import CommDebugMode
-
-        self.mode = CommDebugMode()
+        # the package's own dispatch-mode counter (lightning_par.comm): CommDebugMode's module tracker loses its
+        # place in some Hugging Face forwards (transformers 5.25: IndexError in _fw_set_module_hook)
+        self.counter = CommCounter()
+        self.mode = count_comm(self.counter)
         self.mode.__enter__()
 
     def on_after_backward(self, trainer, pl_module):
         self.mode.__exit__(None, None, None)
-        self.counts.append({str(k): v for k, v in self.mode.get_comm_counts().items()})
+        counts = Counter()
+        for kind, n in self.counter.calls.items():  # forward and backward together: "all_reduce[bwd]" -> all_reduce
+            counts[kind.removesuffix("[bwd]")] += n
+        self.counts.append(dict(counts))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         from torch.distributed.tensor import DTensor
@@ -70,8 +76,8 @@ def test_sequence_parallel_collectives(tmp_path):
             # Megatron-SP per layer: forward all-gather + reduce-scatter around attention and around the MLP,
             # backward the same pair in reverse (4 + 4); once per micro-batch the stack's entry (its backward
             # is an all-gather) and exit (all-gather of the last block's output); no all-reduce
-            assert counts == {"c10d_functional.all_gather_into_tensor": 4 * N_LAYER + 2,
-                              "c10d_functional.reduce_scatter_tensor": 4 * N_LAYER}, counts
+            assert counts == {"all_gather": 4 * N_LAYER + 2,
+                              "reduce_scatter": 4 * N_LAYER}, counts
         assert rec["partial"] == 0  # norm-weight gradients are reduced before the optimizer sees them
 
 
@@ -97,7 +103,7 @@ def test_loss_parallel_never_gathers_logits(tmp_path):
             # 4 per layer, + the vocabulary-parallel embedding's forward all-reduce, + the head's input
             # gradient, + 3 of the sharded cross-entropy (max, sum of exp, target logit; b*s scalars each);
             # no all-gather: the b*s*vocab logits are never assembled
-            assert counts == {"c10d_functional.all_reduce": 4 * N_LAYER + 5}, counts
+            assert counts == {"all_reduce": 4 * N_LAYER + 5}, counts
 
 
 class QwenLM(pl.LightningModule):
@@ -125,4 +131,4 @@ def test_hugging_face_plan_also_reduces_four_times_per_layer(tmp_path):
     pytest.importorskip("transformers")
     for rec in fit_measure(tmp_path, factory=QwenLM):
         for counts in rec["counts"]:
-            assert counts == {"c10d_functional.all_reduce": 4 * N_LAYER}, counts
+            assert counts == {"all_reduce": 4 * N_LAYER}, counts

@@ -182,20 +182,16 @@ def test_a_module_without_a_block_stack_is_refused_naming_blocks():
 def test_the_command_line_setting_reaches_the_strategy(strategy, override, value):
     """`strategy.activation_checkpointing=full` arrives as a string and `=2` as an int (the schema's field is
     untyped: OmegaConf has no int-or-string), and the strategy built from the config holds it."""
-    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
+    from app_config import compose_app
     from lightning_par import config as schemas
-    from lightning_par.paths import conf_dir
 
-    schemas.register_configs()
-    with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir())):
-        cfg = compose("config", overrides=[f"strategy={strategy}", f"strategy.activation_checkpointing={override}",
-                                           "strategy.start_method=fork"])
+    cfg = compose_app(f"strategy={strategy}", f"strategy.activation_checkpointing={override}",
+                      "strategy.start_method=fork")
     schemas.check_keys(cfg)
     assert cfg.strategy.activation_checkpointing == value
     assert instantiate(cfg.strategy)._ac == value
-    with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir())):
-        bad = compose("config", overrides=[f"strategy={strategy}", "strategy.activation_checkpointing=0"])
+    bad = compose_app(f"strategy={strategy}", "strategy.activation_checkpointing=0")
     with pytest.raises(Exception, match="`activation_checkpointing=0` is not a setting"):
         instantiate(bad.strategy)

@@ -10,20 +10,17 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import get_object
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins.precision import MixedPrecision
 from omegaconf import OmegaConf
 
+from app_config import compose_app
 from lightning_par import config as schemas
 from lightning_par import train
 from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
-from lightning_par.paths import conf_dir, recipes_dir
-from lightning_par.precision import precision_kwargs, resolve_accelerator
+from lightning_par.paths import conf_dir
 
 CONF = conf_dir()
 GROUP_OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
@@ -39,12 +36,6 @@ OPTION_ARGS = {
     ("model", "hf"): [f"model.config={TINY_LLAMA}"],
     ("data", "custom"): ["data._target_=lightning_par.data.SyntheticCorpus", "+data.train_sequences=64"],
 }
-
-
-def _compose(*overrides: str):
-    schemas.register_configs()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        return compose("config", overrides=list(overrides))
 
 
 def _error_text(exc: BaseException) -> str:
@@ -86,7 +77,7 @@ def test_conf_groups_are_the_expected_ones():
 
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
 def test_every_option_composes_typed_and_instantiates(group, option, text_file):
-    cfg = _compose(*_overrides_for(group, option, text_file))
+    cfg = compose_app(*_overrides_for(group, option, text_file))
     node = cfg[group]
     schema = OmegaConf.get_type(node)
     assert dataclasses.is_dataclass(schema), f"conf/{group}/{option}.yaml must start from a schema"
@@ -112,7 +103,7 @@ def test_every_option_composes_typed_and_instantiates(group, option, text_file):
 
 
 def test_default_run_is_gpt_on_the_markov_corpus_with_ddp_on_two_devices():
-    cfg = _compose()
+    cfg = compose_app()
     assert OmegaConf.get_type(cfg.strategy) is schemas.DataParallelStrategyConfig
     assert OmegaConf.get_type(cfg.model) is schemas.GPTConfig
     assert OmegaConf.get_type(cfg.data) is schemas.SyntheticCorpusConfig
@@ -123,9 +114,9 @@ def test_default_run_is_gpt_on_the_markov_corpus_with_ddp_on_two_devices():
 
 
 def test_strategy_single_is_one_device_unless_overridden():
-    assert _compose("strategy=single").trainer.devices == 1
-    assert _compose("strategy=single", "trainer.devices=3").trainer.devices == 3
-    assert train.build_strategy(_compose("strategy=single").strategy) == "auto"
+    assert compose_app("strategy=single").trainer.devices == 1
+    assert compose_app("strategy=single", "trainer.devices=3").trainer.devices == 3
+    assert train.build_strategy(compose_app("strategy=single").strategy) == "auto"
 
 
 STRATEGY_CLASSES = [(name, s) for name, s in schemas.STRATEGY_SCHEMAS.items() if inspect.isclass(get_object(s._target_))]
@@ -196,32 +187,32 @@ def test_schema_fields_are_constructor_arguments(schema):
 ])
 def test_misspelled_or_mistyped_key_fails_at_composition_naming_it(override, key, why):
     with pytest.raises(ConfigCompositionException) as info:
-        _compose(override)
+        compose_app(override)
     text = _error_text(info.value)
     assert key in text and why in text
 
 
 def test_forced_unknown_key_is_refused_before_anything_runs():
-    cfg = _compose("+strategy.comm_hok=fp16")  # `+` forces a key into the schema's node
+    cfg = compose_app("+strategy.comm_hok=fp16")  # `+` forces a key into the schema's node
     with pytest.raises(ValueError, match=r"`strategy.comm_hok` is not a setting of strategy .*valid keys: .*comm_hook, "):
         schemas.check_keys(cfg)
 
 
 def test_missing_required_value_is_named():
-    cfg = _compose("data=text")
+    cfg = compose_app("data=text")
     with pytest.raises(ValueError, match=r"data.path must be given .*`data.path=<value>`"):
         schemas.check_keys(cfg)
 
 
 def test_model_size_that_the_data_cannot_supply_is_named():
-    cfg = _compose("model=gpt", "data=classification")
+    cfg = compose_app("model=gpt", "data=classification")
     with pytest.raises(ValueError, match=r"model.vocab_size is null, .*SyntheticClassification has no `vocab_size`.*model.vocab_size=<int>"):
         train.build_model(cfg.model, train.build_datamodule(cfg.data))
 
 
 @pytest.mark.parametrize("devices", [0, "two", 1.5])
 def test_bad_devices_are_refused(devices):
-    cfg = _compose()
+    cfg = compose_app()
     cfg.trainer.devices = devices
     with pytest.raises(ValueError, match=r"trainer.devices=.* must be a positive int"):
         train.build_trainer_kwargs(cfg, "run")
@@ -229,107 +220,16 @@ def test_bad_devices_are_refused(devices):
 
 def test_multirun_under_the_popen_launcher_is_refused():
     with pytest.raises(ValueError, match=r"multirun .*strategy.start_method=popen.*strategy.start_method=spawn"):
-        train.check_multirun(_compose(), multirun=True)
-    train.check_multirun(_compose(), multirun=False)
-    train.check_multirun(_compose("strategy.start_method=spawn"), multirun=True)
-    train.check_multirun(_compose("strategy=single"), multirun=True)
+        train.check_multirun(compose_app(), multirun=True)
+    train.check_multirun(compose_app(), multirun=False)
+    train.check_multirun(compose_app("strategy.start_method=spawn"), multirun=True)
+    train.check_multirun(compose_app("strategy=single"), multirun=True)
 
 
 def test_training_forever_is_refused():
-    cfg = _compose("trainer.max_steps=-1")
+    cfg = compose_app("trainer.max_steps=-1")
     with pytest.raises(ValueError, match="train forever"):
         train.build_trainer_kwargs(cfg, "run")
-
-
-# ---------------------------------------------------------------------------------------- precision
-
-
-def test_16_mixed_on_cpu_is_really_float16_with_a_scaler():
-    kw = precision_kwargs("16-mixed", "cpu")
-    assert "precision" not in kw
-    (plugin,) = kw["plugins"]
-    assert isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed"
-    assert isinstance(plugin.scaler, torch.amp.GradScaler)
-    with plugin.forward_context():
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, **kw)
-    assert trainer.precision_plugin is plugin and trainer.precision == "16-mixed"
-
-
-def test_lightning_alone_would_have_given_bf16_on_cpu():
-    """The reason for the plugin: a plain `precision="16-mixed"` autocasts to bfloat16 on CPU."""
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, precision="16-mixed")
-    with trainer.precision_plugin.forward_context():
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
-def test_other_precisions_pass_through(precision):
-    assert precision_kwargs(precision, "cpu") == {"precision": precision}
-    assert precision_kwargs("16-mixed", "cuda") == {"precision": "16-mixed"}
-
-
-def test_unknown_precision_names_the_choices():
-    with pytest.raises(ValueError, match=r"trainer.precision='fp8' .*32-true, bf16-mixed, 16-mixed, bf16-true"):
-        precision_kwargs("fp8", "cpu")
-
-
-def test_resolve_accelerator():
-    assert resolve_accelerator("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert resolve_accelerator("GPU") == "cuda" and resolve_accelerator("cpu") == "cpu"
-
-
-def test_trainer_kwargs_from_the_config(tmp_path):
-    cfg = _compose("trainer.precision=16-mixed", "trainer.accumulate_grad_batches=4", "trainer.accelerator=cpu")
-    kw = train.build_trainer_kwargs(cfg, tmp_path)
-    assert kw["accumulate_grad_batches"] == 4 and kw["devices"] == 2 and "precision" not in kw
-    assert isinstance(kw["plugins"][0], MixedPrecision)
-    assert isinstance(kw["logger"][0], CSVLogger) and kw["logger"][0].save_dir == str(tmp_path)
-    (ckpt,) = [c for c in kw["callbacks"] if isinstance(c, ModelCheckpoint)]
-    assert ckpt.dirpath == str(tmp_path / "checkpoints") and ckpt.save_last
-
-
-def test_devices_follow_torchrun_when_auto(monkeypatch):
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    cfg = _compose("trainer.devices=auto")
-    assert train.build_trainer_kwargs(cfg, "run")["devices"] == 3
-
-
-# -------------------------------------------------------------------------------------- paths, run dir
-
-
-def test_conf_and_recipes_are_found():
-    assert (conf_dir() / "config.yaml").is_file()
-    assert recipes_dir().is_dir()
-
-
-@pytest.mark.parametrize("env, expected", [
-    ({"TORCHELASTIC_RUN_ID": "r42"}, "outputs/torchrun-r42"),
-    ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "8"}, "outputs/slurm-77-3"),
-    ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "1"}, "outputs/20"),  # one task: by time
-    ({"SLURM_JOB_ID": "77"}, "outputs/20"),  # inside an allocation, not under srun: by time
-])
-def test_run_dir_is_shared_by_externally_launched_processes(monkeypatch, env, expected):
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert schemas.run_dir("outputs").startswith(expected)
-
-
-def test_run_dir_by_launch_time_is_stable_within_a_process(monkeypatch):
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
-    first = schemas.run_dir("outputs")
-    assert first.startswith("outputs/20") and schemas.run_dir("outputs") == first
-
-
-def test_summary_lines():
-    lines = train.summary_lines({"train_loss": torch.tensor(2.5), "val_loss": 2.25}, 2.125)
-    assert lines == ["train_loss                 2.5000", "val_loss                   2.2500",
-                     "loss floor (entropy rate)  2.1250"]
-    assert train.summary_lines({}, None)[2].endswith("unknown for this data")
 
 
 # ------------------------------------------------------------------------------------- app callbacks
@@ -360,14 +260,14 @@ def test_validate_at_last_step_validates_the_final_weights_once(accumulate):
 
 
 def test_fault_tolerance_from_the_command_line():
-    strategy = train.build_strategy(_compose("strategy.fault_tolerance=torchft", "strategy.min_replicas=2").strategy)
+    strategy = train.build_strategy(compose_app("strategy.fault_tolerance=torchft", "strategy.min_replicas=2").strategy)
     assert strategy.fault_tolerance == "torchft" and strategy._min_replicas == 2
     from hydra.errors import InstantiationException
 
     with pytest.raises(InstantiationException, match="`fault_tolerance='torchft'` does not support `zero_stage=1`"):
-        train.build_strategy(_compose("strategy.fault_tolerance=torchft", "strategy.zero_stage=1").strategy)
+        train.build_strategy(compose_app("strategy.fault_tolerance=torchft", "strategy.zero_stage=1").strategy)
     for group in ("hybrid", "pipeline", "tensor"):  # the replica axis of the core (one whole model per torchrun job)
-        strategy = train.build_strategy(_compose(f"strategy={group}", "strategy.fault_tolerance=torchft",
+        strategy = train.build_strategy(compose_app(f"strategy={group}", "strategy.fault_tolerance=torchft",
                                                  "strategy.ft_timeout=5").strategy)
         assert strategy.fault_tolerance == "torchft" and strategy._ft_timeout == 5
 
@@ -376,7 +276,7 @@ def test_fault_tolerance_from_the_command_line():
 
 
 def test_any_trainer_argument_passes_through(tmp_path):
-    cfg = _compose("+trainer.profiler=simple", "+trainer.max_time=00:00:01:00", "+trainer.fast_dev_run=true",
+    cfg = compose_app("+trainer.profiler=simple", "+trainer.max_time=00:00:01:00", "+trainer.fast_dev_run=true",
                    "+trainer.detect_anomaly=true", "trainer.accelerator=cpu")
     schemas.check_keys(cfg)
     kw = train.build_trainer_kwargs(cfg, tmp_path)
@@ -387,7 +287,7 @@ def test_any_trainer_argument_passes_through(tmp_path):
 
 
 def test_loggers_and_callbacks_by_target(tmp_path):
-    cfg = _compose("+trainer.logger._target_=lightning.pytorch.loggers.CSVLogger",
+    cfg = compose_app("+trainer.logger._target_=lightning.pytorch.loggers.CSVLogger",
                    f"+trainer.logger.save_dir={tmp_path / 'mine'}",
                    "+trainer.callbacks=[{_target_: lightning.pytorch.callbacks.LearningRateMonitor}]",
                    "trainer.accelerator=cpu")
@@ -400,18 +300,18 @@ def test_loggers_and_callbacks_by_target(tmp_path):
 
 
 def test_trainer_logger_false_turns_logging_off(tmp_path):
-    kw = train.build_trainer_kwargs(_compose("+trainer.logger=false"), tmp_path)
+    kw = train.build_trainer_kwargs(compose_app("+trainer.logger=false"), tmp_path)
     assert kw["logger"] is False
 
 
 def test_unknown_trainer_argument_is_refused_by_name():
     with pytest.raises(ValueError, match=r"`trainer.profilr` is not a setting of trainer \(lightning.Trainer\); "
                                          r"did you mean `profiler`\?"):
-        schemas.check_keys(_compose("+trainer.profilr=simple"))
+        schemas.check_keys(compose_app("+trainer.profilr=simple"))
 
 
 def test_custom_model_and_data_by_target():
-    cfg = _compose("model=custom", "model._target_=lightning_par.models.MLPClassifier", "+model.in_features=8",
+    cfg = compose_app("model=custom", "model._target_=lightning_par.models.MLPClassifier", "+model.in_features=8",
                    "+model.num_classes=3", "data=custom", "data._target_=lightning_par.data.SyntheticClassification",
                    "+data.in_features=8", "+data.num_classes=3", "+data.train_samples=64")
     schemas.check_keys(cfg)
@@ -421,7 +321,7 @@ def test_custom_model_and_data_by_target():
 
 
 def test_hf_model_from_a_config_dict():
-    cfg = _compose("model=hf", f"model.config={TINY_LLAMA}")
+    cfg = compose_app("model=hf", f"model.config={TINY_LLAMA}")
     model = train.build_model(cfg.model, train.build_datamodule(cfg.data))
     assert model.model.config.model_type == "llama" and model.model.config.vocab_size == cfg.data.vocab_size
     batch = next(iter(train.build_datamodule(cfg.data).train_dataloader()))
@@ -430,7 +330,7 @@ def test_hf_model_from_a_config_dict():
 
     small = r"vocabulary \(8, from model.config\) is smaller than the data's \(64\)"
     with pytest.raises(InstantiationException, match=small):
-        train.build_model(_compose("model=hf", f"model.config={TINY_LLAMA[:-1]}, vocab_size: 8}}").model,
+        train.build_model(compose_app("model=hf", f"model.config={TINY_LLAMA[:-1]}, vocab_size: 8}}").model,
                           train.build_datamodule(cfg.data))
 
 
@@ -449,7 +349,7 @@ def _llama_file(tmp_path, vocab_size: int = 64) -> tuple[Path, dict]:
 
 def test_hf_weights_read_by_the_module_where_the_strategy_takes_none(tmp_path):
     path, tensors = _llama_file(tmp_path)
-    cfg = _compose("strategy=single", "model=hf", f"model.config={TINY_LLAMA}", f"model.weights={path}")
+    cfg = compose_app("strategy=single", "model=hf", f"model.config={TINY_LLAMA}", f"model.weights={path}")
     assert not train.streamed_weights(cfg)
     model = train.build_model(cfg.model, train.build_datamodule(cfg.data))
     for name, value in model.model.state_dict().items():
@@ -458,6 +358,6 @@ def test_hf_weights_read_by_the_module_where_the_strategy_takes_none(tmp_path):
 
 def test_hf_weights_go_to_the_strategys_weights_where_it_takes_them(tmp_path):
     path, _ = _llama_file(tmp_path)
-    cfg = _compose("strategy=pipeline", "model=hf", f"model.config={TINY_LLAMA}", f"model.weights={path}")
+    cfg = compose_app("strategy=pipeline", "model=hf", f"model.config={TINY_LLAMA}", f"model.weights={path}")
     assert train.streamed_weights(cfg)
     assert cfg.strategy.weights == str(path) and cfg.strategy.weights_prefix == "model." and cfg.model.weights is None

@@ -122,17 +122,10 @@ def test_the_guard_leaves_a_routing_mode_that_a_base_exception_left_entered():
 
 
 def test_the_hydra_override_reaches_the_strategy():
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
-
-    from lightning_par import config as schemas
+    from app_config import compose_app
     from lightning_par import train
 
-    schemas.register_configs()
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
-        cfg = compose("config", overrides=["strategy=hybrid", "strategy.context_parallel_size=2"])
+    cfg = compose_app("strategy=hybrid", "strategy.context_parallel_size=2")
     strategy = train.build_strategy(cfg.strategy)
     assert strategy._options.layout.context_parallel_size == 2
 

@@ -5,9 +5,10 @@ import doctest
 import pytest
 import torch
 
-from lightning_par import DataParallelStrategy, HybridParallelStrategy, train
+from lightning_par import (DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy,
+                           TensorParallelStrategy, train)
 from lightning_par.dp import local_sgd
-from test_configs import _compose
+from app_config import compose_app
 
 
 def test_doctests():
@@ -54,22 +55,33 @@ def test_the_hybrid_core_takes_the_sync_options():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(sync="diloco", zero_stage=1), r"`sync='diloco'` does not support `zero_stage=1`"),
-    (dict(sync="local_sgd", fault_tolerance="torchft"), r"`sync='local_sgd'` with `fault_tolerance='torchft'` is "
-                                                        r"not supported on the hybrid core"),
+    (dict(sync="diloco", sync_every=4, fragments=2, fault_tolerance="torchft"),
+     r"`fragments=2` \(streaming DiLoCo\) with `fault_tolerance='torchft'` is not supported"),
 ])
-def test_the_hybrid_core_refuses_what_does_not_compose(kwargs, match):
+def test_the_hybrid_core_refuses_what_does_notcompose_app(kwargs, match):
     with pytest.raises(ValueError, match=match):
         HybridParallelStrategy(**kwargs)
 
 
+@pytest.mark.parametrize("cls, sizes", [(HybridParallelStrategy, dict(pipeline_parallel_size=2)),
+                                        (PipelineParallelStrategy, dict(pipeline_parallel_size=2)),
+                                        (TensorParallelStrategy, dict(tensor_parallel_size=2))])
+@pytest.mark.parametrize("sync", ["local_sgd", "diloco"])
+def test_the_hybrid_core_takes_the_sync_under_torchft(cls, sizes, sync):
+    """The groups meet on torchft's quorum at syncs only, as DataParallelStrategy's (one wiring, in the core)."""
+    s = cls(sync=sync, sync_every=4, fault_tolerance="torchft", **sizes)
+    assert s.fault_tolerance == "torchft" and s._options.sync.sync == sync and not s._per_step_commit()
+    assert cls(fault_tolerance="torchft", **sizes)._per_step_commit()
+
+
 def test_the_command_line_sets_the_sync():
-    strategy = train.build_strategy(_compose("strategy.sync=diloco", "strategy.sync_every=8").strategy)
+    strategy = train.build_strategy(compose_app("strategy.sync=diloco", "strategy.sync_every=8").strategy)
     s = strategy._dp_options.sync
     assert isinstance(strategy, DataParallelStrategy) and (s.sync, s.sync_every, s.outer_lr) == ("diloco", 8, 0.7)
     from hydra.errors import InstantiationException
 
     with pytest.raises(InstantiationException, match=r"`sync_every=0` must be an integer >= 1"):
-        train.build_strategy(_compose("strategy.sync=local_sgd", "strategy.sync_every=0").strategy)
+        train.build_strategy(compose_app("strategy.sync=local_sgd", "strategy.sync_every=0").strategy)
 
 
 def test_sync_batchnorm_is_refused_at_launch():

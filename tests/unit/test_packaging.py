@@ -37,3 +37,17 @@ def test_plotting_without_matplotlib_says_how_to_install_it(monkeypatch):
         figure(4, 3)
     assert isinstance(info.value, UsageError) and isinstance(info.value, ModuleNotFoundError)
     assert info.value.name == "matplotlib"
+
+
+def _python_files(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("folders, limit", [(("lightning_par", "tests", "benchmarks", "examples"), 450),
+                                            (("lightning_par/strategies",), 350)])
+def test_no_file_outgrows_its_limit(folders, limit):
+    """The layout's rule: no file over 450 lines; the strategies are hook wiring, 350 lines a file at most."""
+    files = _python_files(*folders)
+    assert len(files) > 10
+    over = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > limit}
+    assert not over, f"over {limit} lines: {over}"
