@@ -10,7 +10,7 @@ torchrun and importing torch costs far more than a few tiny training steps); bef
 each rank shapes its own veth end with tc (``lightning_par.recipes.netns``; only an interface that
 ``TwoNodeLink.torchrun`` names in ``LIGHTNING_PAR_NETNS``). Every rank writes
 ``DIR/<layout>-<rate>/rank<r>.pt`` (``DIR/single/rank0.pt`` for the reference): the loss of every step,
-the wall time of every step, the bytes its network interface (``GLOO_SOCKET_IFNAME``) sent and received
+the wall time of every step, the bytes (and frames) its network interface (``GLOO_SOCKET_IFNAME``) sent and received
 during every step (the kernel's counters, read at the step's start and end), the parameters it owns at
 the end (those it held a gradient for at the last optimizer step: a pipeline stage owns its blocks) as
 full tensors; beside them ``qdisc<r>.json`` (tc's statistics around the fit) and, with
@@ -63,11 +63,14 @@ def dp_options(layout: str) -> dict | None:
     return {"sync": m[1], "sync_every": int(m[2]), **({"fragments": int(m[3])} if m[3] else {})}
 
 
-def _interface_counters(ifname: str | None) -> tuple[int, int]:
+COUNTERS = ("tx_bytes", "rx_bytes", "tx_packets")
+
+
+def _interface_counters(ifname: str | None) -> tuple[int, ...]:
     if not ifname:
-        return 0, 0
+        return (0,) * len(COUNTERS)
     stats = Path("/sys/class/net") / ifname / "statistics"
-    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+    return tuple(int((stats / key).read_text()) for key in COUNTERS)
 
 
 class NodeRecord(pl.Callback):
@@ -75,9 +78,10 @@ class NodeRecord(pl.Callback):
 
     def __init__(self, out_dir: Path, ifname: str | None, held_out=None):
         self.out_dir, self.ifname, self.held_out = out_dir, ifname, held_out
-        self.losses, self.step_s, self.tx, self.rx = [], [], [], []
+        self.losses, self.step_s = [], []
+        self.counts: dict[str, list[int]] = {key: [] for key in COUNTERS}  # per step, as the kernel counts them
         self.owned: set[str] = set()
-        self._c0: tuple[int, int] | None = None
+        self._c0: tuple[int, ...] | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._t0 = time.perf_counter()
@@ -88,8 +92,8 @@ class NodeRecord(pl.Callback):
         still running after the step's end (streaming DiLoCo's fragment, finished in the next forward) counts."""
         now = _interface_counters(self.ifname)
         if self._c0 is not None:
-            self.tx.append(now[0] - self._c0[0])
-            self.rx.append(now[1] - self._c0[1])
+            for key, a, b in zip(COUNTERS, now, self._c0):
+                self.counts[key].append(a - b)
         self._c0 = now
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -117,7 +121,7 @@ class NodeRecord(pl.Callback):
         torch.save({"rank": trainer.global_rank, "eval_loss": eval_loss, "node": int(os.environ.get("GROUP_RANK", 0)),
                     "netns": os.stat("/proc/self/ns/net").st_ino,  # which network namespace this rank ran in
                     "world_size": trainer.world_size, "losses": self.losses, "step_s": self.step_s,
-                    "tx_bytes": self.tx, "rx_bytes": self.rx, "params": params},
+                    **self.counts, "params": params},
                    self.out_dir / f"rank{trainer.global_rank}.pt")
 
 
