@@ -171,7 +171,8 @@ def tp_activation_factor(t: int, sequence_parallel: bool) -> float:
 # A checkpointed block recomputes its forward in backward, one block at a time: while block j does, the stage holds
 # A_j, less what j kept, beyond what the blocks up to j kept (those after j have freed theirs: backward runs from
 # the last block down), for one micro-batch (:func:`recompute_peak`). fp32 doubles every 16-bit byte count
-# (the probe measures bytes in the dtype training runs in). Time: full runs the blocks' forward again (the
+# (the probe measures bytes in the dtype training runs in); what backward adds beside it: [Note: a checkpointed
+# backward's gradients]. Time: full runs the blocks' forward again (the
 # probe times it against forward + backward, ~1/3 of a step, Korthikanti et al. report 30-40%); selective only
 # the ops it does not keep (the probe's share of the blocks' forward time outside the matmuls and attention).
 def block_kept_bytes(profile: ModuleProfile, index: int, mode, t: int = 1, sequence_parallel: bool = False) -> float:
@@ -188,10 +189,11 @@ def block_kept_bytes(profile: ModuleProfile, index: int, mode, t: int = 1, seque
     return min(inp + sel * share, full)
 
 
-def recompute_peak(kept, whole, marked) -> float:
+def recompute_peak(kept, whole, marked, beside: float = 0.0) -> float:
     """What a stage holds beyond every block's ``kept`` bytes while backward recomputes a checkpointed block
     (``marked``): backward runs from the last block down, so when block ``j`` recomputes its ``whole`` activations
-    the blocks after it have already freed what they kept.
+    the blocks after it have already freed what they kept; ``beside``: what that block's backward holds beside its
+    activations ([Note: a checkpointed backward's gradients]).
 
     Example::
 
@@ -205,8 +207,33 @@ def recompute_peak(kept, whole, marked) -> float:
     for k, w, m in zip(kept, whole, marked):
         run += k
         if m:
-            peak = max(peak, run + w - k)
+            peak = max(peak, run + w - k + beside)
     return peak - held
+
+
+# [Note: a checkpointed backward's gradients]
+# Under checkpointing the step's peak moves from the forward's end into backward, and what backward allocates
+# beside the saved tensors decides it. Two moments, per micro-batch of the stage that recomputes:
+# - the loss's backward: the head's saved tensors (the probe's ``last_activation_bytes``: the final norm's input,
+#   the head's, the logits and log-softmax) and as many bytes of their gradients, beside every block's kept bytes;
+# - a block's recompute: the blocks' kept bytes up to it, its whole activations (:func:`recompute_peak`) and the
+#   gradients its backward is handed and makes: the block output's gradient (one block input, 1/t with sequence
+#   parallel) and the MLP's hidden gradients, counted as two block inputs / t. The loss's and the head's tensors are
+#   freed by then (their backward ran first), so the two moments are not summed: the larger is the peak.
+# The second term's size is measured, not derived: the profiler's allocation events show the 4h hidden's whole
+# gradient (4 block inputs) alive at that moment, while the resident peaks that the recipes measure fit two (why
+# the pages hold less than the tensors is not pinned down). Checked against the resident peaks that the memory
+# recipe measures (single, DP2, PP2, TP2, CP2 × off / full / every 2nd / selective; recipes/memory/README.md): two
+# runs of GPT 4 × 128 at 256 tokens, within 0.93-1.08 but TP2 full and every 2nd (1.08-1.12), and a size not used
+# to choose the terms (GPT 4 × 192 at 384 tokens, 4 sequences, vocabulary 128), 0.92-1.05 in every cell; and the
+# capacity sweep's two-block one-device fits (0.99-1.01). Without checkpointing the forward's end is the peak and
+# neither term is added (measured within 3% without them).
+def backward_gradient_bytes(profile: ModuleProfile, t: int = 1, c: int = 1, sequence_parallel: bool = False) -> float:
+    """Bytes per sample of gradients alive beside a checkpointed block's recompute ([Note: a checkpointed
+    backward's gradients]): its output's gradient and its MLP's hidden gradients, ``1 + 2/t`` block inputs
+    (``3/t`` with sequence parallel), ``/ c`` under context parallelism."""
+    inp = profile.block_input_bytes or profile.seq_len * profile.hidden_size * profile.dtype_bytes
+    return (inp / (t if sequence_parallel else 1) + 2 * inp / t) / c
 
 
 def recompute_share(profile: ModuleProfile, mode, blocks=None) -> float:
@@ -238,8 +265,9 @@ def recompute_share(profile: ModuleProfile, mode, blocks=None) -> float:
 #   last, upstream from every stage but the first;
 # - its posted receive: one boundary message a direction, posted ahead ([Note: speculative receive]).
 # Stage 0 of that fit: 1805 KiB of gradients + 5 x 256 KiB = 3085 KiB against 2950 measured in every mode (off,
-# full, every 2). The resident peak of the same fits is higher still under checkpointing (allocator slack of the
-# recompute interleaved with other micro-batches' forwards); that is not modelled (docs/limitations.md).
+# full, every 2). The resident peak of the same fits was higher still under checkpointing: the checkpoint
+# machinery's own fixed cost, which the memory recipe cancels with a baseline per mode ([Note: a baseline per
+# checkpointing mode] in lightning_par/recipes/memory.py).
 def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision: str = "32-true",
              optimizer: str = "adamw") -> Estimate:
     """Per-device memory and per-rank communication of ``layout`` for a global batch of ``batch_size``."""
@@ -277,9 +305,14 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
                 for i, x in zip(blocks, copy)]
         whole = [profile.block_activation_bytes[i] * tp_activation_factor(t, layout.sequence_parallel) + x
                  for i, x in zip(blocks, copy)]
-        recompute = recompute_peak(kept, whole, [checkpointed(ac, i) for i in blocks]) / c
+        marked = [checkpointed(ac, i) for i in blocks]
+        grads_beside = backward_gradient_bytes(profile, t, 1, layout.sequence_parallel) if any(marked) else 0.0
+        recompute = recompute_peak(kept, whole, marked, grads_beside) / c
         acts = sum(kept) / c  # [Note: the advisor under context parallelism]: the blocks hold 1/c of the rows
-        acts += (profile.first_activation_bytes if s == 0 else 0) + (profile.last_activation_bytes if s == p - 1 else 0)
+        last = profile.last_activation_bytes if s == p - 1 else 0
+        acts += (profile.first_activation_bytes if s == 0 else 0) + last
+        if any(marked):  # [Note: a checkpointed backward's gradients]: the loss's moment or the recompute's
+            recompute = max(last, recompute - last)
         ends = (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)  # root unit
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
         # kept for the step; ZeRO-3 one block at a time, beside the root unit (embeddings, head, final norm)

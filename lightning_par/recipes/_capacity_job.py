@@ -236,15 +236,21 @@ def run_layout(spec: dict, layout: dict, out_dir: Path) -> dict:
 def run_fits(spec: dict, layout: dict, out_dir: Path) -> dict:
     """The baseline (tiny GPT) and one fit of each of ``layout["fits"]`` (no search; each ``{"model": {...},
     "args": {...}}`` over the spec's model and the layout's strategy arguments): each fit's records and the busiest
-    rank's peak net of the baseline (``spec["fits"]``: the memory recipe's activation checkpointing)."""
+    rank's peak net of the baseline (``spec["fits"]``: the memory recipe's activation checkpointing). With
+    ``spec["baseline_per_fit"]`` each fit has its own baseline, the tiny GPT under the fit's arguments
+    ([Note: a baseline per checkpointing mode] in :mod:`lightning_par.recipes.memory`)."""
     tiny = {**spec["model"], **spec["tiny"]}
     base = measure(spec, layout, tiny, out_dir / f"{layout['name']}-tiny", None)
-    base_net = [r["net"] for r in base]
     runs = {}
     for name, fit in layout["fits"].items():
-        recs = measure(spec, {**layout, "args": {**layout.get("args", {}), **fit.get("args", {})}},
-                       {**spec["model"], **fit.get("model", {})}, out_dir / f"{layout['name']}-{name}", None)
-        runs[name] = {"ranks": recs, "model_net": max(r["net"] - b for r, b in zip(recs, base_net))}
+        fit_layout = {**layout, "args": {**layout.get("args", {}), **fit.get("args", {})}}
+        own = (measure(spec, fit_layout, tiny, out_dir / f"{layout['name']}-{name}-tiny", None)
+               if spec.get("baseline_per_fit") and any(v is not None for v in fit.get("args", {}).values())
+               else base)
+        recs = measure(spec, fit_layout, {**spec["model"], **fit.get("model", {})},
+                       out_dir / f"{layout['name']}-{name}", None)
+        runs[name] = {"ranks": recs, "model_net": max(r["net"] - b["net"] for r, b in zip(recs, own)),
+                      "baseline": own}
     return {"baseline": base, "runs": runs}
 
 

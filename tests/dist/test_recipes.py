@@ -58,13 +58,18 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
             assert ratio <= min(2, m) / m + 0.01, (m, ratio)
     if name == "memory":
         checkpointing = results.pop("checkpointing")
-        for layout, modes in checkpointing.items():  # separate processes' peaks, net of the tiny-model fit
+        # the issue's layouts, each mode: separate processes' peaks, net of the tiny-model fit under the same mode
+        assert set(checkpointing) == {"single", "DP2", "PP2", "TP2"}, checkpointing.keys()
+        for layout, modes in checkpointing.items():
             for mode, res in modes.items():
                 ratio = res["predicted"]["total"] / res["measured_net"]
                 assert 0.9 <= ratio <= 1.1, (layout, mode, res["predicted"], res["measured_net"])
+            if "full" not in modes:  # TP2 measures off only (recipes/memory/README.md)
+                continue
             off, full = (modes[m]["measured_net"] - modes[m]["predicted"]["states"] for m in ("off", "full"))
-            # full checkpointing keeps the blocks' inputs and recomputes one block: 2 blocks hold ~0.53 of off
-            assert full < 0.6 * off, (layout, off, full)
+            # full checkpointing keeps the blocks' inputs and recomputes one block: 4 blocks hold ~0.26 of off on
+            # one device, a PP2 stage's 2 blocks ~0.3
+            assert full < 0.45 * off, (layout, off, full)
         for layout, res in results.items():
             measured = max(sum(r[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"))
                            for r in res["rows"])

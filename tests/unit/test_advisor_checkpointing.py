@@ -6,7 +6,7 @@ import torch
 from lightning_par.advisor import (Layout, ModuleProfile, advise, estimate, korthikanti_bytes_per_layer,
                                    korthikanti_stack_bytes, profile_lightning_module)
 from lightning_par.advisor.choose import bubble_share
-from lightning_par.advisor.memory import block_kept_bytes, checkpointed, recompute_share
+from lightning_par.advisor.memory import backward_gradient_bytes, block_kept_bytes, checkpointed, recompute_share
 from lightning_par.models import GPT
 
 MiB = 1024**2
@@ -76,11 +76,14 @@ def test_estimate_per_mode_on_one_device_by_hand():
     prof = ac_profile()
     acts = {mode: estimate(prof, Layout(activation_checkpointing=mode), batch_size=2).activation_bytes
             for mode in (None, "full", 2, "selective")}
-    # kept per sample × 2 samples, + the last block's recompute (its 1000 B less what it kept) × 2 samples
+    # kept per sample × 2 samples, + the last block's recompute (its 1000 B less what it kept) and the gradients its
+    # backward holds beside it (its output's, 100 B, and two inputs' worth of hidden ones: 300 B) × 2 samples
     assert acts[None] == 4 * 1000 * 2
-    assert acts["full"] == 4 * 100 * 2 + 900 * 2
-    assert acts[2] == (2 * 100 + 2 * 1000) * 2  # block 2 recomputes after block 3 freed its 1000 B
-    assert acts["selective"] == 4 * (100 + 300) * 2 + 600 * 2
+    assert acts["full"] == 4 * 100 * 2 + (900 + 300) * 2
+    # block 2 recomputes after block 3 freed its 1000 B: 2 × 100 + 1000 + 1000 + 300 beside it, 200 B over the
+    # forward's end
+    assert acts[2] == (2 * 100 + 2 * 1000 + 200) * 2
+    assert acts["selective"] == 4 * (100 + 300) * 2 + (600 + 300) * 2
     # parameters, gradients and optimizer state do not change
     assert len({estimate(prof, Layout(activation_checkpointing=m), 2).param_bytes for m in acts}) == 1
 
@@ -89,11 +92,12 @@ def test_estimate_under_pipeline_tensor_and_sequence_parallel_by_hand():
     prof = ac_profile()
     # PP2, 1F1B, m=4, batch 8: micro-batches of 2; stage 0 holds min(p, m) = 2 in flight, each block its input
     pp = estimate(prof, Layout(pipeline_parallel_size=2, microbatches=4, activation_checkpointing="full"), 8)
-    assert pp.activation_bytes == 2 * 100 * 2 * 2 + 900 * 2
+    assert pp.activation_bytes == 2 * 100 * 2 * 2 + (900 + 300) * 2
     # every 2nd block of the stack: stage 1 holds blocks 2 (checkpointed) and 3 (not), one micro-batch in flight
     lay = Layout(pipeline_parallel_size=2, microbatches=4, schedule="gpipe", activation_checkpointing=2)
     gpipe = estimate(prof, lay, 8)  # GPipe: 4 micro-batches in flight on both stages; block 2's recompute comes
-    assert gpipe.activation_bytes == (100 + 1000) * 2 * 4  # after block 3 freed its activations
+    # after block 3 freed its activations: 100 + 1000 + 300 of gradients beside it, 200 B over what it kept
+    assert gpipe.activation_bytes == (100 + 1000) * 2 * 4 + 200 * 2
     # TP2: a block's share (10 + 24/2) / 34 without checkpointing; the input stays whole, 1/2 with SP
     tp_off = block_kept_bytes(prof, 0, None, t=2)
     assert tp_off == pytest.approx(1000 * 22 / 34)
@@ -103,7 +107,8 @@ def test_estimate_under_pipeline_tensor_and_sequence_parallel_by_hand():
     assert block_kept_bytes(prof, 0, "selective", t=2, sequence_parallel=True) == pytest.approx(
         50 + 300 * (8 / 2 + 2 + 1) / 10)
     tp = estimate(prof, Layout(tensor_parallel_size=2, activation_checkpointing="full"), 2)
-    assert tp.activation_bytes == int(4 * 100 * 2 + (tp_off - 100) * 2)
+    # the output's gradient whole (100 B), the hidden ones 1/2: 2 × 100 / 2
+    assert tp.activation_bytes == int(4 * 100 * 2 + (tp_off - 100 + 100 + 100) * 2)
 
 
 def test_recompute_time_from_the_probe_and_the_pipeline_bubble():
@@ -201,3 +206,29 @@ def test_a_pipeline_stage_counts_the_previous_steps_gradients_and_its_sends():
     assert est.total_bytes == (est.param_bytes + est.grad_bytes + est.optimizer_bytes + est.activation_bytes
                                + est.pipeline_bytes)
     assert estimate(ac_profile(), Layout(data_parallel_size=2), 16).pipeline_bytes == 0
+
+
+def test_a_checkpointed_backward_peaks_at_the_loss_or_at_a_recompute_with_its_gradients():
+    # [Note: a checkpointed backward's gradients]: the head's saved tensors (500 B a sample) and their gradients
+    # beside the kept inputs, or block 3's recompute with its gradients (1000 + 300 B beside blocks 0-2's inputs)
+    # after the loss's and the head's backward freed theirs: the larger of the two, not their sum
+    prof = ac_profile(last_activation_bytes=500)
+    full = estimate(prof, Layout(activation_checkpointing="full"), batch_size=2).activation_bytes
+    assert full == (3 * 100 + 1000 + 300) * 2  # the recompute is the larger
+    big = estimate(ac_profile(last_activation_bytes=1200), Layout(activation_checkpointing="full"), 2)
+    assert big.activation_bytes == (4 * 100 + 2 * 1200) * 2  # the loss's moment is the larger
+    # without checkpointing the forward's end is the peak: nothing is added
+    assert estimate(prof, Layout(), 2).activation_bytes == (4 * 1000 + 500) * 2
+    # GPipe's last stage: 4 micro-batches of 2 in flight; the one that recomputes has freed its head's tensors,
+    # the other three keep theirs
+    lay = Layout(pipeline_parallel_size=2, microbatches=4, schedule="gpipe", activation_checkpointing="full")
+    gpipe = estimate(prof, lay, 8)  # stage 1: blocks 2 and 3, each keeps its input
+    assert gpipe.activation_bytes == ((2 * 100 + 500) * 4 + (100 + 1000 + 300 - 2 * 100 - 500)) * 2
+
+
+def test_the_gradients_beside_a_recompute_split_as_the_block_does():
+    prof = ac_profile()  # block input 100 B a sample
+    assert backward_gradient_bytes(prof) == 300  # the output's gradient + 2 inputs of hidden gradients
+    assert backward_gradient_bytes(prof, t=2) == 100 + 100  # the hidden ones are column-parallel: 1/t
+    assert backward_gradient_bytes(prof, t=2, sequence_parallel=True) == 50 + 100  # the output's too
+    assert backward_gradient_bytes(prof, c=2) == 150  # context parallel: each rank's rows
