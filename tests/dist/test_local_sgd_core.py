@@ -135,3 +135,18 @@ def test_streaming_diloco_on_the_core_equals_data_parallel_streaming(tmp_path, l
     assert set().union(*(rec["grads"][-1] for rec in core)) == set(dp[0]["grads"][-1])  # every parameter checked
     for a, b in replica_peers(layout):  # step 5 was not synced: the replicas are apart
         assert any(not torch.equal(core[a]["params"][n], core[b]["params"][n]) for n in core[a]["grads"][-1])
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+@pytest.mark.parametrize("layout", ["pp2_dp2", "tp2_dp2"])
+def test_streaming_diloco_on_the_core_resumes_exactly_with_a_fragment_in_flight(tmp_path, layout):
+    """2 steps an epoch, H = 4, 2 fragments: the checkpoint of step 2 is taken while fragment 0's sync is in flight
+    (the save finishes it, as the next forward would); resumed, steps 3-8 are the uninterrupted run's on every rank,
+    bit for bit (each its stage's or shard's part of both fragments and of the outer state)."""
+    kw = dict(sync="diloco", sync_every=4, fragments=2)
+    whole, resumed, path = fit_whole_then_resumed(fit4, tmp_path, lambda: hybrid(layout, **kw), epochs=4,
+                                                  data=corpus(train_sequences=16).train_set)
+    state = torch.load(path, weights_only=False)[SYNC_KEY]
+    assert (state["since"], len(state["ranks"])) == (2, 4)
+    assert all(r["sync"]["fragments"] == 2 for r in state["ranks"]), state["ranks"][0]["sync"]
+    assert_resumed_exactly(whole, resumed, steps=8, resumed_at=2)
