@@ -380,11 +380,16 @@ def _as_torchrun_rank(rank: int, target: Callable[[], object], nprocs: int, port
                       ROLE_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1
-    log = open(log_path, "a", buffering=1)  # the rank's output in a log, as a torchrun's (pytest's capture aside)
+    output_to(log_path)  # the rank's output in a log, as a torchrun's (pytest's capture aside)
+    target()
+
+
+def output_to(log_path: str, mode: str = "a") -> None:
+    """This (forked) process's stdout and stderr, Python's and the file descriptors, into ``log_path``."""
+    log = open(log_path, mode, buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-    target()
 
 
 def fork_as_torchrun(target: Callable[[], object], nprocs: int, log_path: str) -> None:

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from harness import TIMEOUT_S
+from harness import TIMEOUT_S, output_to
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,10 +61,7 @@ def _run_checks(kind: str, log_path: str) -> None:
 
     torch.set_num_threads(1)
     os.chdir(ROOT)
-    log = open(log_path, "w", buffering=1)
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    sys.stdout = sys.stderr = log
+    output_to(log_path, "w")
     sys.argv = ["-c", kind]
     exec(compile(BODY + CHECKS, "<teardown checks>", "exec"), {"__name__": "__main__"})
 
