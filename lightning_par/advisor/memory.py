@@ -306,12 +306,13 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         whole = [profile.block_activation_bytes[i] * tp_activation_factor(t, layout.sequence_parallel) + x
                  for i, x in zip(blocks, copy)]
         marked = [checkpointed(ac, i) for i in blocks]
-        grads_beside = backward_gradient_bytes(profile, t, 1, layout.sequence_parallel) if any(marked) else 0.0
+        recomputes = any(marked)
+        grads_beside = backward_gradient_bytes(profile, t, 1, layout.sequence_parallel) if recomputes else 0.0
         recompute = recompute_peak(kept, whole, marked, grads_beside) / c
         acts = sum(kept) / c  # [Note: the advisor under context parallelism]: the blocks hold 1/c of the rows
         last = profile.last_activation_bytes if s == p - 1 else 0
         acts += (profile.first_activation_bytes if s == 0 else 0) + last
-        if any(marked):  # [Note: a checkpointed backward's gradients]: the loss's moment or the recompute's
+        if recomputes:  # [Note: a checkpointed backward's gradients]: the loss's moment or the recompute's
             recompute = max(last, recompute - last)
         ends = (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)  # root unit
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
