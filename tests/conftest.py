@@ -101,6 +101,17 @@ def _no_process_left_behind():
 
 
 @pytest.fixture(autouse=True)
+def _native_crash_stacks():
+    """A process that dies of a native fault (SIGSEGV, SIGABRT from glibc's heap checks, ...) prints every thread's
+    Python stack into the test's captured output, where the failure report shows it: the forked ranks inherit the
+    handler and the descriptor. (pytest's own faulthandler writes to the session's stderr, which xdist does not
+    report: a rank's ``double free or corruption`` once came with no stack at all.)"""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    yield
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
+
+@pytest.fixture(autouse=True)
 def _environment_restored():
     """Each test sees the environment the session started with, whatever an earlier test's launch set
     (harness.LAUNCH_VARIABLES says what a launch leaves and what it does to a later subprocess)."""
