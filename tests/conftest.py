@@ -130,6 +130,25 @@ def _environment_restored():
 # (``gc.freeze()``); before each distributed test what earlier tests left is collected and frozen too, so a
 # launch collects only what its test made and its ranks skip the rest. Frozen objects are still freed by their
 # reference counts; only cycles among them stay (this process's lifetime).
+# [Note: the longest tests first]
+# Under ``-n 2 --dist worksteal`` a worker that runs out of tests steals half of the other's queue from its end, and
+# the session ends when the last test does: a long test near the end of a queue (a recipe, a torchft run, ~15-80 s)
+# leaves the other core idle meanwhile. The slow tests go first, then the other process-launch tests, then the
+# distributed ones, and the unit tests (mostly under a second) last, where they fill both workers to the end (the
+# longest-processing-time-first rule). Within a group the order is pytest's.
+_ORDER = ("slow", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> int:
+        for i, marker in enumerate(_ORDER):
+            if item.get_closest_marker(marker):
+                return i
+        return len(_ORDER) + ("dist" not in item.path.parts)
+
+    items.sort(key=group)  # stable
+
+
 def pytest_collection_finish(session):
     # what every DDP / tensor-parallel rank imports at setup, imported once here rather than in each rank
     import torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook  # noqa: F401
