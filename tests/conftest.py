@@ -112,6 +112,20 @@ def _native_crash_stacks():
 
 
 @pytest.fixture(autouse=True)
+def _no_patch_left():
+    """No test leaves a patch of lightning_par.patches installed in this process (DTensor's sharding tables are
+    process-global): it would be in every later test of this worker and every rank it forks, and fail the one
+    that checks teardown's state, far from its cause. The leak is taken out, and the test that left it fails."""
+    from lightning_par import patches
+
+    yield
+    left = patches.pending()
+    if left:
+        patches.undo()
+        pytest.fail(f"the test left patches installed in the pytest process: {left}")
+
+
+@pytest.fixture(autouse=True)
 def _environment_restored():
     """Each test sees the environment the session started with, whatever an earlier test's launch set
     (harness.LAUNCH_VARIABLES says what a launch leaves and what it does to a later subprocess)."""

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from lightning_par.atomic import clear_temporary, hidden_name, publish_directory
 from lightning_par.checkpoint.tensors import is_strided, map_strided, zip_strided
+from lightning_par.waits import named_wait
 
 MODEL = "state_dict"
 META = "lightning"
@@ -84,9 +85,13 @@ def start_save(path: str, flat: Mapping[str, Any], *, async_save: bool = False, 
     import torch.distributed.checkpoint as dcp
 
     flat = map_strided(dict(flat), lambda t: t.full_tensor())
-    # what a killed save left is removed by the coordinator, before dcp.save's first collective (no rank writes
-    # before every rank has planned; the others may already have made the empty directory: clear_temporary copes)
+    # what a killed save left is removed by the coordinator while the others wait: dcp.save makes the directory
+    # on every rank as it plans, and a rank whose mkdir ran into the coordinator's removal failed the save
+    # (pathlib's mkdir found the name taken, then no directory there: FileExistsError, seen under load)
     tmp = clear_temporary(path) if not dist.is_initialized() or dist.get_rank() == 0 else incomplete(path)
+    if dist.is_initialized():
+        with named_wait(f"the checkpoint save's start ({path}: the coordinator clears what a killed save left)"):
+            dist.barrier(group=process_group)
     if async_save:
         response = dcp.async_save(flat, checkpoint_id=tmp, process_group=process_group)
         return getattr(response, "upload_completion", response)

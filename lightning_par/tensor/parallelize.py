@@ -275,9 +275,23 @@ def parallelize(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, *, seq
     """Apply ``plan`` in place (parents before children) and return ``module``. With ``check``, every kind of
     region is first tried on a copy (:func:`~lightning_par.tensor.probe.check_regions`); one that fails is
     left replicated with a warning (``plan`` is updated)."""
+    from lightning_par import patches
+    from lightning_par.tensor.rules import restore_rules
+
+    ours = "dtensor-rules" not in patches.pending()  # registered by this call, not by a run still going on
+    register_rules()
+    try:
+        return _apply(module, plan, tp_mesh, sequence_parallel, check)
+    except BaseException:
+        if ours:  # a refused plan leaves DTensor's process-global tables as they were
+            restore_rules()
+        raise
+
+
+def _apply(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, sequence_parallel: bool,
+           check: bool) -> nn.Module:
     from lightning_par.tensor.probe import check_regions
 
-    register_rules()
     if check:
         check_regions(module, plan, tp_mesh, sequence_parallel=sequence_parallel)
     styles = torch_styles(plan, sequence_parallel=sequence_parallel)

@@ -158,6 +158,7 @@ def test_tied_weight_sharded_on_one_side_only_is_refused():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from lightning_par import patches
     from lightning_par.tensor.parallelize import parallelize
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -171,6 +172,7 @@ def test_tied_weight_sharded_on_one_side_only_is_refused():
         plan = build_plan(model, 1, {"lm_head": "colwise"})
         with pytest.raises(ValueError, match=r"lm_head\.weight shares its weight with tok_emb\.weight"):
             parallelize(model, plan, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+        assert patches.pending() == []  # the refusal took its sharding rules out of DTensor again
     finally:
         dist.destroy_process_group()
 
