@@ -320,6 +320,7 @@ def test_setup_check_leaves_a_failing_region_replicated_with_a_warning():
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_par.tensor.probe import check_regions
+    from lightning_par.tensor.rules import restore_rules
 
     # a one-rank process group is enough: DTensor dispatch (and its missing rule) is the same on one rank
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
@@ -337,4 +338,5 @@ def test_setup_check_leaves_a_failing_region_replicated_with_a_warning():
         plan = check_regions(good, build_plan(good, 1), mesh)
         assert plan.checked == {"blocks.0.attn": MATCHES, "blocks.1.attn": MATCHES}
     finally:
+        restore_rules()  # the strategy's teardown does it: DTensor's sharding tables are this process's
         dist.destroy_process_group()
