@@ -83,9 +83,7 @@ def clear_temporary(path: str) -> str:
     path = os.path.normpath(os.fspath(path))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp, old = hidden_name(path, "partial"), hidden_name(path, "old")
-    for stale in (tmp, old):  # left by a save that was killed
-        # another rank may create ``tmp`` meanwhile (DCP's writer makes its directory while planning, before the
-        # first collective): a directory that appears between two checks is removed as a directory
+    for stale in (tmp, old):  # left by a save that was killed: a file or a directory
         try:
             os.remove(stale)
         except FileNotFoundError:

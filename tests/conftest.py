@@ -117,10 +117,12 @@ def _no_patch_left():
     process-global): it would be in every later test of this worker and every rank it forks, and fail the one
     that checks teardown's state, far from its cause. The leak is taken out, and the test that left it fails."""
     from lightning_par import patches
+    from lightning_par.tensor.rules import restore_rules
 
     yield
     left = patches.pending()
     if left:
+        restore_rules()  # as the strategies' teardown: DTensor's cached decisions go with the rules
         patches.undo()
         pytest.fail(f"the test left patches installed in the pytest process: {left}")
 
@@ -136,14 +138,6 @@ def _environment_restored():
         os.environ.update(saved)
 
 
-# [Note: the session's objects are frozen]
-# Every fork launch collects this process's garbage first ([Note: collect before fork] in
-# lightning_par/strategies/_materialize.py), and every rank's collections walk what it inherited: with torch,
-# Lightning and transformers imported that is ~0.5 M objects, ~0.4 s a collection, paid in the caller before
-# each launch and again in each rank. What the session holds when its tests begin is collected once and frozen
-# (``gc.freeze()``); before each distributed test what earlier tests left is collected and frozen too, so a
-# launch collects only what its test made and its ranks skip the rest. Frozen objects are still freed by their
-# reference counts; only cycles among them stay (this process's lifetime).
 # [Note: the longest tests first]
 # Under ``-n 2 --dist worksteal`` a worker that runs out of tests steals half of the other's queue from its end, and
 # the session ends when the last test does: a long test near the end of a queue (a recipe, a torchft run, ~15-80 s)
@@ -163,6 +157,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=group)  # stable
 
 
+# [Note: the session's objects are frozen]
+# Every fork launch collects this process's garbage first ([Note: collect before fork] in
+# lightning_par/strategies/_materialize.py), and every rank's collections walk what it inherited: with torch,
+# Lightning and transformers imported that is ~0.5 M objects, ~0.4 s a collection, paid in the caller before
+# each launch and again in each rank. What the session holds when its tests begin is collected once and frozen
+# (``gc.freeze()``); before each distributed test what earlier tests left is collected and frozen too, so a
+# launch collects only what its test made and its ranks skip the rest. Frozen objects are still freed by their
+# reference counts; only cycles among them stay (this process's lifetime).
 def pytest_collection_finish(session):
     # what every DDP / tensor-parallel rank imports at setup, imported once here rather than in each rank
     import torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook  # noqa: F401
