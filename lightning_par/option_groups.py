@@ -145,20 +145,32 @@ class MemoryOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplicaOptions:
-    """DDP's replicas: the communication hook (:mod:`lightning_par.dp.comm_hooks`) and ``DistributedDataParallel``'s
-    own settings (defaults as there)."""
+class CommHookOptions:
+    """How the replicas' gradients travel: a DDP communication hook (:mod:`lightning_par.dp.comm_hooks`), DDP's own on
+    DataParallelStrategy, run on the core's flat buckets elsewhere ([Note: DDP's hooks on the core's flat buckets])."""
 
     comm_hook: Optional[Literal["fp16", "bf16", "powersgd"]] = None
     powersgd_rank: int = 1
     powersgd_start_iter: int = 1000
+
+    def __post_init__(self) -> None:
+        comm_hooks.validate_comm_hook(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
+
+    def changed(self) -> dict[str, Any]:
+        """``comm_hook`` where one is given (the PowerSGD settings act only with it)."""
+        return {} if self.comm_hook is None else {"comm_hook": self.comm_hook}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaOptions:
+    """``DistributedDataParallel``'s own settings (defaults as there), DataParallelStrategy's alone."""
+
     find_unused_parameters: bool = False
     bucket_cap_mb: Optional[float] = None  # None: DDP's 25 MiB buckets after a 1 MiB first one
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
 
     def __post_init__(self) -> None:
-        comm_hooks.validate_comm_hook(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
         cap = self.bucket_cap_mb
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
             raise ValueError(f"`bucket_cap_mb={cap!r}` must be a positive number of MiB or None (DDP's "
@@ -167,10 +179,10 @@ class ReplicaOptions:
                     gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph)
 
     def changed(self) -> dict[str, Any]:
-        """The DDP options (the hook and ``DistributedDataParallel``'s) given a value other than their default."""
+        """``DistributedDataParallel``'s options given a value other than their default."""
         default = type(self)()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("powersgd")
-                and getattr(self, f.name) != getattr(default, f.name)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
 
     def ddp_kwargs(self, *, fault_tolerant: bool) -> dict[str, Any]:
         """``DistributedDataParallel``'s keywords (``bucket_cap_mb`` only when given, as Lightning's DDPStrategy)."""

@@ -44,7 +44,7 @@ from typing import Any, Mapping, Optional, Sequence, get_type_hints
 
 from lightning_par.dp import fsdp, ft, local_sgd, lr_scaling
 from lightning_par.option_groups import (  # noqa: F401  (the groups are this module's names too)
-    START_METHODS, BlockOptions, CheckpointOptions, FaultToleranceOptions, LaunchOptions,
+    START_METHODS, BlockOptions, CheckpointOptions, CommHookOptions, FaultToleranceOptions, LaunchOptions,
     LayoutOptions, LrScalingOptions, MemoryOptions, PipelineOptions, ReplicaOptions, ShardingOptions, Size,
     StepOptions, SyncOptions, TensorOptions, WeightsOptions, as_timeout, check_flags, check_start_method,
     check_weights)
@@ -97,6 +97,7 @@ class CoreOptions(Options):
     stack: BlockOptions = BlockOptions()
     memory: MemoryOptions = MemoryOptions()
     sync: SyncOptions = SyncOptions()  # the data axis: every step, or local SGD / DiLoCo
+    comm: CommHookOptions = CommHookOptions()  # the data axis' average through a DDP communication hook
     weights: WeightsOptions = WeightsOptions()
     steps: StepOptions = StepOptions()
     fault_tolerance: FaultToleranceOptions = FaultToleranceOptions()
@@ -105,6 +106,7 @@ class CoreOptions(Options):
 
     def __post_init__(self) -> None:
         fsdp.check_offload_stage(self.memory.offload, self.sharding.zero_stage)
+        check_hook_sharding(self.comm, self.sharding.zero_stage)
         check_core_fault_tolerance(self)
         check_core_sync(self)
 
@@ -113,6 +115,7 @@ class CoreOptions(Options):
 class DataParallelOptions(Options):
     """:class:`~lightning_par.DataParallelStrategy`."""
 
+    comm: CommHookOptions = CommHookOptions()
     replicas: ReplicaOptions = ReplicaOptions()
     sync: SyncOptions = SyncOptions()
     sharding: ShardingOptions = ShardingOptions()
@@ -126,7 +129,7 @@ class DataParallelOptions(Options):
     launch: LaunchOptions = LaunchOptions()
 
     def __post_init__(self) -> None:
-        zero_stage, changed = self.sharding.zero_stage, self.replicas.changed()
+        zero_stage, changed = self.sharding.zero_stage, {**self.comm.changed(), **self.replicas.changed()}
         if zero_stage >= 2 and changed:  # FSDP has no DDP reducer to apply them to
             given = ", ".join(f"{k}={v!r}" for k, v in changed.items())
             raise ValueError(f"`zero_stage={zero_stage}` shards with FSDP, which has no DDP communication hooks or "
@@ -137,7 +140,7 @@ class DataParallelOptions(Options):
         f = self.fault_tolerance
         check_sync_fault_tolerance(self.sync, f.fault_tolerance)
         ft.validate_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout, zero_stage=zero_stage,
-                                    comm_hook=self.replicas.comm_hook, static_graph=self.replicas.static_graph,
+                                    comm_hook=self.comm.comm_hook, static_graph=self.replicas.static_graph,
                                     lr_scaling=self.lr_scaling.lr_scaling)
 
     def core(self) -> CoreOptions:
@@ -148,11 +151,23 @@ class DataParallelOptions(Options):
                            steps=self.steps, checkpointing=self.checkpointing, launch=self.launch)
 
 
+def check_hook_sharding(comm: CommHookOptions, zero_stage: int) -> None:
+    """A communication hook acts on the replicas' gradient all-reduce, which zero stages 2 and 3 replace by FSDP's
+    reduce-scatter."""
+    if comm.comm_hook is not None and zero_stage >= 2:
+        raise ValueError(f"`zero_stage={zero_stage}` shards with FSDP, which reduce-scatters the gradients itself: "
+                         f"`comm_hook={comm.comm_hook!r}` cannot apply. Drop it, or use zero_stage=0 or 1.")
+
+
 def check_core_fault_tolerance(options: CoreOptions) -> None:
     """What ``fault_tolerance='torchft'`` needs of the core's other groups ([Note: the replica axis under torchft]
     in :mod:`lightning_par.strategies._fault_tolerance`)."""
     if options.fault_tolerance.fault_tolerance is None:
         return
+    if options.comm.comm_hook is not None:
+        raise ValueError(f"`fault_tolerance='torchft'` does not support `comm_hook={options.comm.comm_hook!r}`: the "
+                         f"replicas' average is torchft's all-reduce over the live groups; compressing hooks are not "
+                         f"composed with it. Use comm_hook=None.")
     zero_stage = options.sharding.zero_stage
     if zero_stage != 0:
         raise ValueError(f"`fault_tolerance='torchft'` does not support `zero_stage={zero_stage}` on the hybrid core: "
@@ -174,7 +189,7 @@ def check_core_sync(options: CoreOptions) -> None:
     sync = options.sync
     if sync.sync == "every_step":
         return
-    local_sgd.check_combination(sync.sync, zero_stage=options.sharding.zero_stage, ddp_options={})
+    local_sgd.check_combination(sync.sync, zero_stage=options.sharding.zero_stage, ddp_options=options.comm.changed())
     check_sync_fault_tolerance(sync, options.fault_tolerance.fault_tolerance)
 
 

@@ -131,3 +131,62 @@ def select_comm_hook(comm_hook: str | None, *, process_group: Any = None, powers
             return state, powerSGD_hook.powerSGD_hook
         return SerializedHookState(state, powerSGD_hook.powerSGD_hook), serialized_hook
     raise ValueError(f"`comm_hook={comm_hook!r}` is not a known DDP communication hook.")  # validated earlier
+
+
+# [Note: DDP's hooks on the core's flat buckets]
+# The hybrid core (pipeline, tensor, context layouts) averages its replicas' gradients itself, one flat all-reduce
+# per dtype after the step's backward ([Note: gradients under context parallelism] and ``average_flat_`` in
+# lightning_par.tensor.mixed): torch's DDP cannot wrap a pipeline stage run by our schedule nor take DTensor
+# parameters. ``comm_hook`` there runs the same torch hook functions DDP would, on each of those flat buffers
+# presented as a DDP ``GradBucket`` (:class:`FlatBucket`: the buffer, its gradients as views into it, its index,
+# whether it is the step's last), waiting for each bucket's future before the next (so PowerSGD's chained
+# collectives keep one order on every rank, as :func:`serialized_hook` does for DDP on gloo). fp16 / bf16 are
+# elementwise, so they give what DDP's hook gives whatever the bucketing; PowerSGD compresses each gradient matrix
+# as DDP's hook does, but the batching of its factors and the seeds of its random starts follow the core's buckets
+# (one per dtype), not DDP's 25 MiB ones.
+class FlatBucket:
+    """What torch's DDP hooks read of a ``GradBucket`` (``buffer``, ``gradients``, ``index``, ``is_last``), over one
+    flat buffer whose ``shapes`` are the gradients it concatenates."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, shapes: list, last: bool) -> None:
+        self._index, self._buffer, self._last = index, buffer, last
+        self._grads, offset = [], 0
+        for shape in shapes:
+            n = int(torch.Size(shape).numel())
+            self._grads.append(buffer[offset:offset + n].view(shape))
+            offset += n
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list:
+        return self._grads
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+class HookAverage:
+    """The replicas' average of the core's flat gradient buckets through a DDP communication hook ([Note: DDP's hooks
+    on the core's flat buckets]): ``average(flat, tensors, last)`` for each bucket of a step in order (``tensors``:
+    what ``flat`` concatenates; ``last``: the step's last bucket), in place."""
+
+    def __init__(self, comm_hook: str, group: dist.ProcessGroup, *, powersgd_rank: int = 1,
+                 powersgd_start_iter: int = 1000) -> None:
+        selected = select_comm_hook(comm_hook, process_group=group, powersgd_rank=powersgd_rank,
+                                    powersgd_start_iter=powersgd_start_iter, backend=dist.get_backend(group))
+        if selected is None:
+            raise ValueError("comm_hook=None averages with a plain all-reduce, not a hook.")
+        self.comm_hook = comm_hook
+        self.state, self.hook = selected
+        self._index = 0  # the bucket's index within its step (PowerSGD keys its error feedback by it)
+
+    def __call__(self, flat: torch.Tensor, tensors: list, last: bool = True) -> None:
+        bucket = FlatBucket(self._index, flat, [t.shape for t in tensors], last=last)
+        self._index = 0 if last else self._index + 1
+        out = self.hook(self.state, bucket).wait()
+        if out is not flat:
+            flat.copy_(out)

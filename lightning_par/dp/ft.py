@@ -323,9 +323,10 @@ class Replica:
         self.participants = self.manager.num_participants()
         return committed
 
-    def average(self, flat: torch.Tensor) -> None:
+    def average(self, flat: torch.Tensor, tensors=None, last: bool = True) -> None:
         """``flat`` averaged in place over the live replica groups: this rank's ring, the ranks of the same group
-        rank in every group of the quorum. A lost peer does not raise ([Note: one step, committed exactly once])."""
+        rank in every group of the quorum. A lost peer does not raise ([Note: one step, committed exactly once]).
+        ``tensors`` / ``last`` (what ``flat`` concatenates, whether it is a step's last bucket) are not needed."""
         self.manager.allreduce(flat).wait()  # AVG over the participants
 
     def resume_at(self, step: int) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import scaler_optimizer_state
+from lightning_par.tensor.mixed import average_flat_
 from lightning_par.topology import Topology
 
 
@@ -36,9 +37,10 @@ class SharedParameters:
         self.owner_stage: Optional[dict[str, int]] = None  # non-block parameter name -> owning stage
         self.groups: dict[str, Any] = {}  # non-block parameter name -> group of the stages that use it
         self._order: Optional[list] = None  # (index into params, group), in name order: the same on every rank
-        # averages a flat gradient over the replicas in place, instead of the dp group (torchft's live replica
-        # groups: lightning_par.strategies._fault_tolerance); None: the dp group
-        self.replica_average: Optional[Callable[[torch.Tensor], None]] = None
+        # averages a flat gradient over the replicas in place, instead of the dp group's all-reduce (torchft's live
+        # replica groups: lightning_par.strategies._fault_tolerance; a DDP communication hook: dp/comm_hooks.py);
+        # None: the dp group's all-reduce (lightning_par.tensor.mixed.average_flat_)
+        self.replica_average: Optional[Callable[..., None]] = None
 
     @property
     def stage(self) -> int:
@@ -106,22 +108,11 @@ class SharedParameters:
             if grads[p_idx] is None:
                 grads[p_idx] = torch.zeros_like(self.params[p_idx])
             dist.all_reduce(_local(grads[p_idx]), group=group)  # a DTensor's shard: the same on every stage
-        if self.dp_group is None and self.replica_average is None and self.cp_group is None:
-            return
         present = [_local(g) for g in grads if g is not None]  # replicas hold the same shards
-        flat = torch.cat([g.reshape(-1) for g in present])
-        if self.replica_average is not None:
-            self.replica_average(flat)
-        elif self.dp_group is not None:
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.topology.data_parallel_size
+        if self.dp_group is not None or self.replica_average is not None:
+            average_flat_(present, self.dp_group, self.topology.data_parallel_size, average=self.replica_average)
         if self.cp_group is not None:  # [Note: gradients under context parallelism] in context/sharding.py
-            dist.all_reduce(flat, group=self.cp_group)
-            flat /= self.topology.context_parallel_size
-        offset = 0
-        for g in present:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+            average_flat_(present, self.cp_group, self.topology.context_parallel_size)
 
     def owns(self, p: torch.nn.Parameter, name: str) -> bool:
         """Whether this stage counts ``p`` (for the global gradient norm and the consolidated state)."""

@@ -36,10 +36,11 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from lightning_par.dp.comm_hooks import HookAverage
 from lightning_par.memory.checkpointing import Checkpointed, apply_activation_checkpointing
 from lightning_par.strategies._periodic_sync import PeriodicSyncHooks
-from lightning_par.options import (BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, SyncOptions,
-                                   TensorOptions)
+from lightning_par.options import (BlockOptions, CommHookOptions, MemoryOptions, PipelineOptions, ShardingOptions,
+                                   SyncOptions, TensorOptions)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class EngineOptions:
     memory: MemoryOptions = MemoryOptions()  # lightning_par.memory.checkpointing
     stages: int = 1  # the layout's pipeline_parallel_size
     sync: SyncOptions = SyncOptions()  # the replica engine's sync="local_sgd" | "diloco" (lightning_par.dp.local_sgd)
+    comm: CommHookOptions = CommHookOptions()  # the pipeline and SPMD engines' (the replica engine's DDP registers its own)
 
     @property
     def microbatches(self) -> int:
@@ -120,7 +122,14 @@ class Engine(PeriodicSyncHooks):
 
     def __init__(self, strategy, options: EngineOptions, groups: Groups, host: Host) -> None:
         self.strategy, self.options, self.groups, self.host = strategy, options, groups, host
-        self.replica_average: Optional[Callable] = None  # torchft's average over the live replica groups
+        # how the replicas average a flat gradient bucket in place, where not by the dp group's all-reduce: a DDP
+        # communication hook's ([Note: DDP's hooks on the core's flat buckets] in lightning_par.dp.comm_hooks) or,
+        # under torchft, its average over the live replica groups (use_replica_average)
+        self.replica_average: Optional[Callable] = None
+        if options.comm.comm_hook is not None and groups.dp is not None:
+            self.replica_average = HookAverage(options.comm.comm_hook, groups.dp,
+                                               powersgd_rank=options.comm.powersgd_rank,
+                                               powersgd_start_iter=options.comm.powersgd_start_iter)
         self.periodic = None  # sync="local_sgd" | "diloco" while fitting (lightning_par.dp.local_sgd.PeriodicSync)
 
     # -- setup ------------------------------------------------------------------------------------

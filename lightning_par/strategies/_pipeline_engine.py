@@ -207,6 +207,7 @@ class PipelineEngine(Engine):
                                        dp_group=None if shards is not None or self.syncs_periodically else g.dp,
                                        cp_group=g.cp,
                                        default_owner=first_owner(uses, bounds, v))
+        self.shared.replica_average = self.replica_average  # a communication hook's (torchft's: use_replica_average)
         s.model = lm
         confine_metrics(lm, is_last=rt.is_last, dp_group=g.dp)
         # 6. Lightning's clipping and loss scaling see the whole model ([Note: precision subclasses])

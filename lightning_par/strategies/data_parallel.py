@@ -97,7 +97,7 @@ class DataParallelStrategy(HybridParallelStrategy):
 
     @property
     def comm_hook(self) -> str | None:
-        return self._dp_options.replicas.comm_hook
+        return self._dp_options.comm.comm_hook
 
     @property
     def zero_stage(self) -> int:
@@ -180,14 +180,14 @@ class DataParallelStrategy(HybridParallelStrategy):
         a CPU build see [Note: bf16 hook on CPU] in :mod:`lightning_par.dp.comm_hooks`); or torchft's."""
         if self._start_replica(self.lightning_module.trainer):
             return
-        replicas = self._dp_options.replicas
-        selected = comm_hooks.select_comm_hook(replicas.comm_hook, powersgd_rank=replicas.powersgd_rank,
-                                               powersgd_start_iter=replicas.powersgd_start_iter,
+        comm = self._dp_options.comm
+        selected = comm_hooks.select_comm_hook(comm.comm_hook, powersgd_rank=comm.powersgd_rank,
+                                               powersgd_start_iter=comm.powersgd_start_iter,
                                                backend=torch.distributed.get_backend())
         if selected is None:
             return
         if not isinstance(self.model, DistributedDataParallel):
-            raise RuntimeError(f"comm_hook={replicas.comm_hook!r} needs the DDP-wrapped model, found "
+            raise RuntimeError(f"comm_hook={comm.comm_hook!r} needs the DDP-wrapped model, found "
                                f"{type(self.model).__name__}.")
         state, hook = selected
         self.model.register_comm_hook(state, hook)

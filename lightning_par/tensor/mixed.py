@@ -186,9 +186,9 @@ def settle_grads(parameters: list[torch.Tensor], grads: list, group) -> list:
 
 
 def average_grads(parameters: Iterable[torch.Tensor], group, size: int, *,
-                  average: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+                  average: Optional[Callable[..., None]] = None) -> None:
     """Average gradients over a data-parallel ``group`` of ``size`` replicas (:func:`average_flat_`); or, given
-    ``average`` (a flat tensor averaged in place, e.g. over torchft's live replica groups), with it.
+    ``average`` (torchft's live replica groups, a communication hook: :func:`average_flat_`), with it.
 
     A DTensor gradient is averaged through its local shard: data-parallel peers hold the same shard.
     """
@@ -199,13 +199,16 @@ def average_grads(parameters: Iterable[torch.Tensor], group, size: int, *,
 
 
 def average_flat_(tensors: Iterable[torch.Tensor], group, size: int, *,
-                  average: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+                  average: Optional[Callable[..., None]] = None) -> None:
     """Average ``tensors`` in place over the ``size`` ranks of ``group``: one flat all-reduce (SUM, then / size) per
-    dtype and device; or each flat tensor through ``average``."""
+    dtype and device; or each flat tensor through ``average(flat, tensors, last)`` (in place; ``tensors``: what the
+    flat one concatenates, ``last``: the last of them; torchft's live replica groups, or a DDP communication hook's
+    :class:`~lightning_par.dp.comm_hooks.HookAverage`)."""
     if average is None:
         return start_average_flat(tensors, group, size)()
-    for same, flat in _flat_buckets(tensors):
-        average(flat)
+    buckets = _flat_buckets(tensors)
+    for i, (same, flat) in enumerate(buckets):
+        average(flat, same, i == len(buckets) - 1)
         _copy_back(same, flat)
 
 

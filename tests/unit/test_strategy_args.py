@@ -4,7 +4,8 @@ from datetime import timedelta
 
 import pytest
 
-from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
+from lightning_par import (DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy,
+                           TensorParallelStrategy)
 
 STRATEGIES = [DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy]
 
@@ -53,3 +54,32 @@ def test_layout_strategies_check_sizes_and_flags_and_have_no_layout_before_setup
         cls(save_distributed_checkpoint="yes")
     with pytest.raises(RuntimeError, match=rf"The layout of {cls.__name__} exists once its processes are set up"):
         cls().topology
+
+
+CORE = [PipelineParallelStrategy, TensorParallelStrategy, HybridParallelStrategy]
+
+
+@pytest.mark.parametrize("cls", [DataParallelStrategy, *CORE])
+@pytest.mark.parametrize("kwargs,named", [
+    (dict(comm_hook="int8"), ["`comm_hook='int8'`", "None, 'fp16', 'bf16', 'powersgd'"]),
+    (dict(comm_hook="bf16", zero_stage=2), ["`zero_stage=2`", "FSDP", "comm_hook='bf16'", "zero_stage=0 or 1"]),
+    (dict(comm_hook="powersgd", zero_stage=3), ["`zero_stage=3`", "comm_hook='powersgd'"]),
+    (dict(comm_hook="fp16", sync="diloco", sync_every=4), ["`sync='diloco'`", "comm_hook='fp16'", "sync='every_step'"]),
+    (dict(comm_hook="fp16", fault_tolerance="torchft"), ["`fault_tolerance='torchft'`", "comm_hook='fp16'",
+                                                         "comm_hook=None"]),
+    (dict(comm_hook="powersgd", powersgd_start_iter=1), ["`powersgd_start_iter=1`"]),
+])
+def test_every_strategy_refuses_a_comm_hook_it_cannot_apply_naming_it(cls, kwargs, named):
+    """The core runs DDP's hooks on its own gradient buckets ([Note: DDP's hooks on the core's flat buckets]): the
+    same refusals as DataParallelStrategy's, before any process starts."""
+    with pytest.raises(ValueError) as err:
+        cls(**kwargs)
+    for text in named:
+        assert text in str(err.value), (text, str(err.value))
+
+
+@pytest.mark.parametrize("cls", CORE)
+def test_the_core_takes_a_comm_hook_and_keeps_ddps_own_options_out(cls):
+    assert cls(comm_hook="bf16", zero_stage=1)._options.comm.comm_hook == "bf16"
+    with pytest.raises(TypeError, match="bucket_cap_mb"):  # DDP's reducer's options: DataParallelStrategy's alone
+        cls(bucket_cap_mb=1.0)
