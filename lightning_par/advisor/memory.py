@@ -74,6 +74,7 @@ class Layout:
     sequence_parallel: bool = False
     activation_checkpointing: str | int | None = None
     context_parallel_size: int = 1
+    comm_hook: str | None = None  # "fp16" / "bf16": the replicas' gradient all-reduce in 16 bits (PowerSGD: not modeled)
 
     def __post_init__(self):
         check_checkpointing(self.activation_checkpointing)
@@ -98,6 +99,8 @@ class Layout:
             parts.append(f"DP{self.data_parallel_size}" if self.data_parallel_size > 1 else "single")
         if self.zero_stage:
             parts.append(f"ZeRO-{self.zero_stage}")
+        if self.comm_hook:
+            parts.append(self.comm_hook)
         ac = self.activation_checkpointing
         if ac is not None:
             parts.append(f"AC {ac}" if isinstance(ac, str) else f"AC every {ac}")
@@ -335,8 +338,8 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
             # again in backward; the root unit, embeddings / head / final norm, stays gathered for the step)
             again = params - ends if zero == 3 and p == 1 else 0  # a pipeline stage gathers once per step
             comm = (dp - 1) / dp * (params * (g_bytes + p_bytes) + again * p_bytes)
-        else:
-            comm = 2 * (dp - 1) / dp * params * g_bytes
+        else:  # the replicas' ring all-reduce; a 16-bit hook sends the gradients in 2 bytes (PowerSGD: counted whole)
+            comm = 2 * (dp - 1) / dp * params * (2 if layout.comm_hook in ("fp16", "bf16") else g_bytes)
         if zero == 1:
             comm += (dp - 1) / dp * params * p_bytes
         if p > 1:

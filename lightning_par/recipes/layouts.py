@@ -7,7 +7,7 @@ state, activations alive, and communication, measured on one step) and one
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +49,10 @@ def strategy_for(kind: str, args: dict, acc: str):
 
 
 def layout_for(kind: str, args: dict, devices: int) -> Layout:
+    return replace(_sizes_for(kind, args, devices), comm_hook=args.get("comm_hook"))
+
+
+def _sizes_for(kind: str, args: dict, devices: int) -> Layout:
     ac = args.get("activation_checkpointing")
     if kind in ("single", "dp"):
         return Layout(data_parallel_size=devices, zero_stage=args.get("zero_stage", 0), activation_checkpointing=ac)
