@@ -156,7 +156,8 @@ class Engine(PeriodicSyncHooks):
             self.checkpointed = None
 
     def use_replica_average(self, average: Callable) -> None:
-        """torchft: gradients are averaged over the live replica groups with ``average`` (a flat tensor, in place)."""
+        """torchft: gradients are averaged over the live replica groups with ``average`` (``average(flat, tensors, last)``,
+        in place: :func:`~lightning_par.tensor.mixed.average_flat_`)."""
         self.replica_average = average
 
     def on_train_start(self) -> None:

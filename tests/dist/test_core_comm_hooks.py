@@ -151,3 +151,24 @@ def test_the_core_compresses_its_replicas_average_within_the_formats_rounding(tm
     for a, b in peers:
         assert got[a]["params"].keys() == got[b]["params"].keys()
         torch.testing.assert_close(got[a]["params"], got[b]["params"], atol=0, rtol=0)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_powersgd_on_a_pipeline_counts_its_iterations_by_optimizer_steps(tmp_path):
+    """pp 2 x dp 2 with ``powersgd_start_iter=2``: steps 0 and 1 are the plain average, exactly the run without a hook
+    (each stage's buckets, the last marked as such, count one iteration a step); step 2 compresses."""
+    kw = dict(start_method="fork", timeout=120, data_parallel_size=2, pipeline_parallel_size=2, microbatches=2)
+    loader = lambda: DataLoader(DATA.train_set, batch_size=4)  # noqa: E731
+    plain = fit_and_record(seeded(tiny_gpt), loader(), str(tmp_path / "plain"),
+                           strategy=HybridParallelStrategy(**kw), devices=4)
+    psgd = fit_and_record(seeded(tiny_gpt), loader(), str(tmp_path / "psgd"), devices=4,
+                          strategy=HybridParallelStrategy(**kw, comm_hook="powersgd", powersgd_start_iter=2))
+    for p, g in zip(plain, psgd):
+        for step in (0, 1):
+            for name, grad in p["grads"][step].items():
+                torch.testing.assert_close(g["grads"][step][name], grad, atol=0, rtol=0)
+        matrices = [n for n, t in p["grads"][2].items() if t.dim() == 2 and min(t.shape) >= 8]
+        assert matrices and any(not torch.allclose(g["grads"][2][n], p["grads"][2][n], atol=1e-4) for n in matrices)
+        torch.testing.assert_close(torch.tensor(g["losses"]), torch.tensor(p["losses"]), rtol=0, atol=2e-2)
+    torch.testing.assert_close(psgd[0]["params"], psgd[1]["params"], atol=0, rtol=0)  # replicas of stage 0
+    torch.testing.assert_close(psgd[2]["params"], psgd[3]["params"], atol=0, rtol=0)  # and of stage 1
