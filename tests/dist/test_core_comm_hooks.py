@@ -120,11 +120,12 @@ NOISE = 1e-9
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("layout,comm_hook,peers", [
-    ("pp2_dp2", "bf16", [(0, 1), (2, 3)]),   # ranks (pp, dp): 0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1)
-    ("tp2_dp2", "fp16", [(0, 2), (1, 3)]),   # ranks (dp, tp): 0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1)
+@pytest.mark.parametrize("layout,comm_hook,zero_stage,peers", [
+    ("pp2_dp2", "bf16", 0, [(0, 1), (2, 3)]),   # ranks (pp, dp): 0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1)
+    ("tp2_dp2", "fp16", 1, [(0, 2), (1, 3)]),   # ranks (dp, tp): 0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1); ZeRO-1's shards
 ])
-def test_the_core_compresses_its_replicas_average_within_the_formats_rounding(tmp_path, layout, comm_hook, peers):
+def test_the_core_compresses_its_replicas_average_within_the_formats_rounding(tmp_path, layout, comm_hook, zero_stage,
+                                                                             peers):
     """Step 0 starts from the same weights on the same data as one process: only the hook's rounding differs, so
     each gradient is within ``2u ||exact||`` (+ fp16's subnormal spacing, + fp32 noise) of it, norm-wise (an element whose two
     replicas' halves nearly cancel carries their rounding, not its own), and some differ by more than u / 8 (the hook
@@ -135,7 +136,8 @@ def test_the_core_compresses_its_replicas_average_within_the_formats_rounding(tm
     ref = one_process_fit(tiny_gpt, DATA.train_set, 8)
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "h"),
                          strategy=HybridParallelStrategy(start_method="fork", timeout=120, data_parallel_size=2,
-                                                         comm_hook=comm_hook, **sizes), devices=4)
+                                                         comm_hook=comm_hook, zero_stage=zero_stage, **sizes),
+                         devices=4)
     assert len(got) == 4
     for rec in got:
         errs, norms = [], []
