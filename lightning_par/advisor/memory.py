@@ -74,7 +74,7 @@ class Layout:
     sequence_parallel: bool = False
     activation_checkpointing: str | int | None = None
     context_parallel_size: int = 1
-    comm_hook: str | None = None  # "fp16" / "bf16": the replicas' gradient all-reduce in 16 bits (PowerSGD: not modeled)
+    comm_hook: str | None = None  # "fp16" / "bf16": the replicas' all-reduce in 16 bits (PowerSGD: not modeled)
 
     def __post_init__(self):
         check_checkpointing(self.activation_checkpointing)

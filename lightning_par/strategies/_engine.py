@@ -56,7 +56,7 @@ class EngineOptions:
     memory: MemoryOptions = MemoryOptions()  # lightning_par.memory.checkpointing
     stages: int = 1  # the layout's pipeline_parallel_size
     sync: SyncOptions = SyncOptions()  # the replica engine's sync="local_sgd" | "diloco" (lightning_par.dp.local_sgd)
-    comm: CommHookOptions = CommHookOptions()  # the pipeline and SPMD engines' (the replica engine's DDP registers its own)
+    comm: CommHookOptions = CommHookOptions()  # the pipeline / SPMD engines' (the replica engine's DDP has its own)
 
     @property
     def microbatches(self) -> int:
@@ -156,8 +156,8 @@ class Engine(PeriodicSyncHooks):
             self.checkpointed = None
 
     def use_replica_average(self, average: Callable) -> None:
-        """torchft: gradients are averaged over the live replica groups with ``average`` (``average(flat, tensors, last)``,
-        in place: :func:`~lightning_par.tensor.mixed.average_flat_`)."""
+        """torchft: gradients are averaged over the live replica groups with ``average`` (called as
+        ``average(flat, tensors, last)``, in place: :func:`~lightning_par.tensor.mixed.average_flat_`)."""
         self.replica_average = average
 
     def on_train_start(self) -> None:

@@ -127,10 +127,10 @@ NOISE = 1e-9
 def test_the_core_compresses_its_replicas_average_within_the_formats_rounding(tmp_path, layout, comm_hook, zero_stage,
                                                                              peers):
     """Step 0 starts from the same weights on the same data as one process: only the hook's rounding differs, so
-    each gradient is within ``2u ||exact||`` (+ fp16's subnormal spacing, + fp32 noise) of it, norm-wise (an element whose two
-    replicas' halves nearly cancel carries their rounding, not its own), and some differ by more than u / 8 (the hook
-    ran: micro-batching and sharding alone move a gradient by ~1e-7). Later
-    steps track the uncompressed losses; the two replicas of each stage / shard stay identical."""
+    each gradient is within ``2u ||exact||`` (+ fp16's subnormal spacing, + fp32 noise) of it, norm-wise (an element
+    whose two replicas' halves nearly cancel carries their rounding, not its own), and all of them together differ
+    by more than u / 8 (the hook ran: micro-batching and sharding alone move a gradient by ~1e-7). Later steps track
+    the uncompressed losses; the two replicas of each stage / shard stay identical."""
     sizes = (dict(pipeline_parallel_size=2, microbatches=2) if layout.startswith("pp")
              else dict(tensor_parallel_size=2))
     ref = one_process_fit(tiny_gpt, DATA.train_set, 8)
