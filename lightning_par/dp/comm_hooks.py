@@ -180,7 +180,6 @@ class HookAverage:
                                     powersgd_start_iter=powersgd_start_iter, backend=dist.get_backend(group))
         if selected is None:
             raise ValueError("comm_hook=None averages with a plain all-reduce, not a hook.")
-        self.comm_hook = comm_hook
         self.state, self.hook = selected
         self._index = 0  # the bucket's index within its step (PowerSGD keys its error feedback by it)
 
