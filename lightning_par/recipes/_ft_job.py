@@ -358,9 +358,12 @@ def stop(procs, lighthouse) -> None:
 
 
 def checkpoint_differences(out: Path, steps: int, groups: int = 2) -> list[str]:
-    """How the groups' ``last.ckpt`` differ from group 0's and from a checkpoint of step ``steps`` ([]: not at all,
-    bit for bit: step, LR schedulers, every module entry)."""
-    ckpts = [torch.load(out / f"ckpt-g{g}" / "last.ckpt", weights_only=False) for g in range(groups)]
+    """How the groups' last checkpoints differ from group 0's and from a checkpoint of step ``steps`` ([]: not at
+    all, bit for bit: step, LR schedulers, every module entry). A group's last checkpoint is its newest
+    ``last*.ckpt``: a restarted process's ModelCheckpoint writes ``last-v1.ckpt`` beside the one its predecessor
+    saved before it was killed."""
+    ckpts = [torch.load(max((out / f"ckpt-g{g}").glob("last*.ckpt"), key=lambda f: f.stat().st_mtime_ns),
+                        weights_only=False) for g in range(groups)]
     first, problems = ckpts[0], []
     for g, c in enumerate(ckpts):
         if c["global_step"] != steps:

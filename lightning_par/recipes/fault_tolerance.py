@@ -17,7 +17,8 @@ rendezvous sometimes failed to connect (the new rank 1 refused by a stale addres
 [Note: the run ends after the recoveries]
 The launches do not run a fixed number of steps: once the restarted replica group has healed and made a step, the
 recipe writes one stop step into every launch's directory (``_ft_job.STOP_FILE``): ``steps_after_recovery`` past the
-furthest step any launch has made, at most ``steps``. Every launch ends on that step, so the throughputs compare the
+furthest step any launch has made, rounded up to a checkpoint step (a multiple of ``ckpt_every``), at most ``steps``.
+Every launch ends on that step, with a ``last.ckpt`` of it, so the throughputs compare the
 same steps, and the checkpoint restart, relaunched meanwhile, ends at least as far past its kill step. A fixed count
 had to outlast the slowest restart under load (300 quick steps of 0.15 s: the test's slowest minute and a half).
 """
@@ -91,7 +92,8 @@ def _drive(cfg, dirs: dict[str, Path], procs: dict[str, list]) -> tuple[dict[str
             # at least `steps_after_recovery` past the checkpoint restart's kill step too, and past every step
             # already made (a launch past the stop step would stop later than the others)
             ahead = max(cfg.kill_after, *(job.last_step(d) for d in dirs.values()))
-            end = min(cfg.steps, ahead + cfg.steps_after_recovery)
+            # on a checkpoint step: every launch's `last.ckpt` then holds the end step, and the groups' compare
+            end = min(cfg.steps, -(-(ahead + cfg.steps_after_recovery) // cfg.ckpt_every) * cfg.ckpt_every)
             for d in dirs.values():
                 job.write_stop(d, end)
         waiting = [p for name in ("torchft", "ckpt") if name not in kills for p in procs[name]]
@@ -196,7 +198,8 @@ def _report(cfg, command, out_dir, res, curves, alive) -> Report:
         f"(sha256): {res['weights_equal_after_recovery']}.",
         _before_kill_note(res),
         f"Every launch stopped at step {res['end_step']}, chosen when the restarted replica group had healed: "
-        f"{cfg.steps_after_recovery} steps past the furthest step any launch had made then (at most {cfg.steps}), "
+        f"{cfg.steps_after_recovery} steps past the furthest step any launch had made then, rounded up to a "
+        f"checkpoint step (every {cfg.ckpt_every}; at most {cfg.steps}), "
         "so the three throughputs cover the same steps and the checkpoint restart ends past its kill step too.",
         f"The checkpoint restart loses the steps since its last checkpoint (every {cfg.ckpt_every}) and the restart of "
         "every rank; torchft loses no step, only the lost replica's share of the batch while it is away.",

@@ -20,6 +20,29 @@ def run_quick(name, tmp_path, capsys, overrides=()) -> dict:
     return json.loads((tmp_path / "results.json").read_text())
 
 
+def _assert_torchft_launch(out, results) -> None:
+    """The recipe's torchft launch, record by record: the killed replica group's process (SIGKILLed, restarted by its
+    torchrun) rejoined with the survivor's exact state, and no step was lost or repeated on the survivor. (The
+    launch is the one a user of DataParallelStrategy(fault_tolerance="torchft") makes: one torchrun per group, one
+    rank each, under a lighthouse; tests/dist/test_fault_tolerance.py tests the other outcomes.)"""
+    from lightning_par.recipes import _ft_job as job
+
+    steps = results["end_step"]
+    alive, back = job.read_records(out, 0), [r for r in job.read_records(out, 1) if r["restart"] == 1]
+    # no step lost or repeated on the survivor (with min_replicas=1 the first group to start may make step 1 alone,
+    # the other then joins with its state: a survivor that joined so starts at the step it received + 1)
+    assert [r["step"] for r in alive] == list(range(alive[0]["step"], steps + 1)) and alive[0]["step"] <= 3
+    assert alive[0]["healed_at"] in (None, alive[0]["step"] - 1)
+    assert back[0]["step"] == results["heal_step"] + 1 and back[-1]["step"] == steps
+    assert all(r["participants"] == 2 for r in back)
+    assert any(r["participants"] == 1 for r in alive) and alive[-1]["participants"] == 2
+    # the LR schedule came along: both groups end on the same learning rate and the same checkpoint
+    assert job.checkpoint_differences(out, steps) == []
+    # Lightning's logger kept logging in the rejoined process, at the steps it continued from
+    text = "\n".join(p.read_text() for p in (out / "logs1").rglob("metrics.csv"))
+    assert "train_loss" in text and f",{steps - 1}," in text
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S)
@@ -40,16 +63,18 @@ def test_quick_recipe_writes_its_report(name, tmp_path, capsys):
             assert max(abs(a - b) for a, b in zip(curve, results["curves"]["single"])) < 1e-5, layout
     if name == "fault_tolerance":
         # the killed replica group came back, received the survivor's exact state, and both ended on the stop step
-        # the recipe chose: 10 steps past every launch's furthest step once the group had healed (at most 300)
+        # the recipe chose: 10 steps past every launch's furthest step once the group had healed, rounded up to a
+        # checkpoint step (every 15; at most 300)
         assert results["killed"] and results["recovered"] and results["weights_equal_after_recovery"], results
         end = results["end_step"]
         assert results["steps_agree"] and results["final_step"] == end and results["steps_alone"] >= 1
-        assert results["heal_step"] + 10 <= end <= 300 or end == 300, results
+        assert results["heal_step"] + 10 <= end <= 300 and end % 15 == 0 or end == 300, results
         assert results["recovery_s"] > 0 and results["ckpt_restart"]["steps_redone"] >= 1
         # all three launches ended on that step (the throughputs compare the same steps), the checkpoint restart
         # 10 or more steps past its kill step
         assert {t["final_step"] for t in results["throughput"].values()} == {end}, results["throughput"]
         assert end >= results["ckpt_restart"]["kill_step"] + 10 and len(results["curves"]["ckpt"]) == end
+        _assert_torchft_launch(tmp_path / "torchft", results)
     if name == "pipeline_bubble":
         for res in results.values():
             assert all(0 < b < 1 for b in res["per_rank_bubble"]) and len(res["per_rank_bubble"]) == res["p"]

@@ -185,3 +185,16 @@ def test_a_presets_size_error_names_only_its_own_sizes(make, named, not_named):
     with pytest.raises(ValueError) as info:
         pl.Trainer(accelerator="cpu", devices=3, strategy=make(), logger=False)
     assert all(value in str(info.value) for value in named) and not_named not in str(info.value), str(info.value)
+
+
+def test_train_misspelled_key_is_one_short_line(tmp_path, monkeypatch, capsys):
+    """The whole of stderr is one line naming the key, the schema and the valid keys (the console script's own
+    handling, as a user meets it; tests/unit/test_configs.py checks the message at composition)."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _console(monkeypatch, capsys, "lightning_par.train",
+                            ["strategy.comm_hok=fp16", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert ("`strategy.comm_hok` is not a setting of strategy (DataParallelStrategyConfig); valid keys: " in err
+            and "Traceback" not in err)
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
