@@ -272,9 +272,10 @@ def test_advise_cli_proposes_context_parallel_for_a_long_sequence(capsys):
     from lightning_par.advise import main
 
     # one sequence of 1024 tokens on 2 devices of 20 MiB: one head (no tensor split), no replica to split the batch;
-    # cp 2 halves the blocks' activations at the ring's bytes, a pipeline of one micro-batch idles half the step
-    args = ["model.n_head=1", "data.seq_len=1024", "--devices", "2", "--device-memory-gb", str(20 / 1024),
-            "--batch-size", "1"]
+    # cp 2 halves the blocks' activations at the ring's bytes, a pipeline of one micro-batch idles half the step;
+    # a corpus of one batch (the probe reads one; sampling the default 2,304 sequences of 1,025 tokens took 80%)
+    args = ["model.n_head=1", "data.seq_len=1024", "data.train_sequences=16", "data.val_sequences=1", "--devices",
+            "2", "--device-memory-gb", str(20 / 1024), "--batch-size", "1"]
     main(args)
     out = capsys.readouterr().out
     assert "context parallelism: considered" in out, out
