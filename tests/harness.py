@@ -17,7 +17,6 @@ import functools
 import glob
 import hashlib
 import os
-import socket
 import sys
 import tempfile
 from typing import Callable
@@ -400,10 +399,11 @@ def fork_as_torchrun(target: Callable[[], object], nprocs: int, log_path: str) -
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a rendezvous of ranks this test starts itself)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, below the ephemeral range (for a rendezvous of ranks this test starts
+    itself; the recipes' launcher picks its ports so: [Note: a free port below the ephemeral range])."""
+    from lightning_par.recipes._ft_job import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 def seeded(factory: Callable[[], pl.LightningModule], seed: int = 0) -> pl.LightningModule:

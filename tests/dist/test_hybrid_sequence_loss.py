@@ -4,7 +4,6 @@ embedding, so the tie spans the first and the last stage, both vocabulary-sharde
 tiny Hugging Face Llama built from a config; and the bytes that cross a stage boundary under sequence
 parallelism (1/tp of the replicated case, counted by lightning_par.comm)."""
 import os
-import socket
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -13,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, one_process_fit, SavePredictions, seeded, start_ranks
+from harness import TIMEOUT_S, fit_and_record, free_port, one_process_fit, SavePredictions, seeded, start_ranks
 from models import CausalLM, hf_model
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.pipeline.p2p import _HEADER_BYTES
@@ -217,10 +216,7 @@ def test_stage_boundary_sends_the_sequence_chunk_and_rebuilds_the_shard(tmp_path
     plain and whole."""
     from torch.distributed.tensor import Shard
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    start_ranks(_boundary_worker, (port, str(tmp_path)), 2)
+    start_ranks(_boundary_worker, (free_port(), str(tmp_path)), 2)
     full = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
     weight = torch.linspace(-1, 1, full.numel()).reshape(full.shape)
     for rank in range(2):
