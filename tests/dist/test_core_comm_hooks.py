@@ -169,8 +169,12 @@ def test_powersgd_on_a_pipeline_counts_its_iterations_by_optimizer_steps(tmp_pat
         for step in (0, 1):
             for name, grad in p["grads"][step].items():
                 torch.testing.assert_close(g["grads"][step][name], grad, atol=0, rtol=0)
+        # step 2 compresses: a rank-1 approximation of a matrix of 8 or more rows and columns drops all its other
+        # singular directions, a difference of the gradients' own size (measured 4e-3 to 6e-2 on most of these
+        # matrices), against fp32's ~1e-7
         matrices = [n for n, t in p["grads"][2].items() if t.dim() == 2 and min(t.shape) >= 8]
         assert matrices and any(not torch.allclose(g["grads"][2][n], p["grads"][2][n], atol=1e-4) for n in matrices)
-        torch.testing.assert_close(torch.tensor(g["losses"]), torch.tensor(p["losses"]), rtol=0, atol=2e-2)
+        # every recorded loss is computed before step 2's update, on weights the plain averages made: the same
+        torch.testing.assert_close(torch.tensor(g["losses"]), torch.tensor(p["losses"]), rtol=0, atol=0)
     torch.testing.assert_close(psgd[0]["params"], psgd[1]["params"], atol=0, rtol=0)  # replicas of stage 0
     torch.testing.assert_close(psgd[2]["params"], psgd[3]["params"], atol=0, rtol=0)  # and of stage 1
