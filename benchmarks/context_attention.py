@@ -68,18 +68,15 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     args.seq = args.seq or (1024 if args.quick else 4096)
-    import socket
-
     import torch.multiprocessing as mp
+
+    from lightning_par.recipes._ft_job import free_port
 
     print(f"sequence {args.seq}, {args.heads} heads ({args.kv_heads} k/v) of {args.head_dim}, float32, causal")
     print(f"{'cp':>3} {'method':>10} {'wire MB/rank':>13} {'ms fwd+bwd':>11}")
     with tempfile.TemporaryDirectory() as out:
         for cp in (int(c) for c in args.cp.split(",")):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.start_processes(_rank, args=(cp, port, args, out), nprocs=cp, start_method="fork")
+            mp.start_processes(_rank, args=(cp, free_port(), args, out), nprocs=cp, start_method="fork")
             for method, (wire, sec) in torch.load(os.path.join(out, f"cp{cp}.pt")).items():
                 print(f"{cp:>3} {method:>10} {wire / 1e6:>13.2f} {sec * 1e3:>11.1f}")
 

@@ -25,6 +25,10 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler, default_collate
 
+# the port of a rendezvous of ranks a test starts itself, picked as the recipes' launcher picks its own
+# ([Note: a free port below the ephemeral range])
+from lightning_par.recipes._ft_job import free_port  # noqa: F401  (the tests import it from here)
+
 # What a launch leaves in this process's environment (Lightning's launchers and `_init_dist_connection` set
 # MASTER_ADDR / MASTER_PORT, a cluster environment may set NODE_RANK / LOCAL_RANK): a later test's subprocess
 # inherits it, and a LOCAL_RANK there makes Lightning believe its ranks were launched externally, so the script
@@ -396,14 +400,6 @@ def fork_as_torchrun(target: Callable[[], object], nprocs: int, log_path: str) -
     its workers, their output appended to ``log_path``; raises if a rank fails ([Note: a reference run by fork,
     as torchrun's ranks])."""
     start_ranks(_as_torchrun_rank, (target, nprocs, free_port(), log_path), nprocs)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, below the ephemeral range (for a rendezvous of ranks this test starts
-    itself; the recipes' launcher picks its ports so: [Note: a free port below the ephemeral range])."""
-    from lightning_par.recipes._ft_job import free_port as below_ephemeral
-
-    return below_ephemeral()
 
 
 def seeded(factory: Callable[[], pl.LightningModule], seed: int = 0) -> pl.LightningModule:

@@ -248,7 +248,8 @@ def free_port() -> int:
             low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768  # Linux's default; elsewhere the same bound, or the ephemeral fallback below
-    for port in random.Random().sample(range(10000, max(low, 10001)), k=min(64, max(low - 10000, 1))):
+    below = range(10000, low)  # empty where the ephemeral range starts lower
+    for port in random.Random().sample(below, k=min(64, len(below))):  # seeded by the OS: callers pick apart
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
