@@ -1,5 +1,6 @@
-"""DataParallelStrategy(fault_tolerance="torchft"): a torchft lighthouse and two replica groups (one torchrun each,
-one CPU rank each) on this machine; one group's process is SIGKILLed mid-run.
+"""DataParallelStrategy(fault_tolerance="torchft"): a torchft lighthouse and two replica groups (one CPU rank each,
+each group forked from here as its torchrun would run it: [Note: replica groups by fork] in tests/ft_groups.py) on
+this machine; one group's process is SIGKILLed mid-run.
 
 The jobs are :mod:`lightning_par.recipes._ft_job` (a plain LightningModule: MLP regressor, AdamW, per-step StepLR);
 every step each process records its global_step, torchft's step, the live groups and digests of its parameters
@@ -8,6 +9,7 @@ and optimizer state, which these tests compare.
 import pytest
 import torch
 
+from ft_groups import fork_group
 from harness import TIMEOUT_S, fork_as_torchrun
 from lightning_par.recipes import _ft_job as job
 
@@ -18,7 +20,7 @@ def _launch(tmp_path, *, steps: int, sleep: float, kill_after: int = 3):
     """``steps`` steps; group 1's process is SIGKILLed after ``kill_after`` and not restarted."""
     lighthouse, address = job.start_lighthouse(min_replicas=1)
     args = ["--steps", str(steps), "--sleep", str(sleep), "--width", "16"]
-    groups = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0)
+    groups = [fork_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0)
               for g in range(2)]
     try:
         kill_time, kill_step = job.kill_after(tmp_path, 1, kill_after, timeout_s=RUN_S, procs=groups)
@@ -28,7 +30,7 @@ def _launch(tmp_path, *, steps: int, sleep: float, kill_after: int = 3):
     return codes, job.summarize_kill(tmp_path, survivor=0, killed=1, kill_time=kill_time, kill_step=kill_step)
 
 
-# A killed replica group that torchrun restarts and that rejoins with the survivor's exact state, record by record:
+# A killed replica group that its torchrun restarts and that rejoins with the survivor's exact state, record by record:
 # the fault_tolerance recipe's quick run makes that launch (tests/dist/test_recipes.py, `_assert_torchft_launch`).
 
 
@@ -60,7 +62,7 @@ def test_replica_groups_average_gradients_as_ddp(tmp_path):
     try:
         for path in (ft, ddp):
             path.mkdir()
-        procs = [job.start_group(ft, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0)
+        procs = [fork_group(ft, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0)
                  for g in range(2)]
         # the 2-rank DDP reference forked from here while the groups run ([Note: a reference run by fork, as
         # torchrun's ranks] in harness.py); a failed rank raises with its exit
@@ -93,8 +95,8 @@ def test_whole_job_restart_resumes_every_group_from_its_checkpoint(tmp_path):
     try:
         for attempt, steps in ((0, 10), (1, 16)):
             args = ["--steps", str(steps), "--sleep", "0", "--width", "16", "--ckpt-every", "5", "--resume"]
-            procs = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0,
-                                     attempt=attempt) for g in range(2)]
+            procs = [fork_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0,
+                                attempt=attempt) for g in range(2)]
             assert job.wait_all(procs, timeout_s=RUN_S) == [0, 0], job.log_tail(tmp_path, "g1")
     finally:
         job.stop(procs, lighthouse)

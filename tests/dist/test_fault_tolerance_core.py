@@ -1,6 +1,7 @@
 """HybridParallelStrategy(fault_tolerance="torchft"): the replica (dp) axis of the hybrid core under torchft. A
-lighthouse and two replica groups, each one torchrun job of a two-stage pipeline (2 CPU ranks each); one rank of one
-group is SIGKILLed mid-run, torchrun restarts that group and each of its ranks rejoins with the state of its stage
+lighthouse and two replica groups, each a two-stage pipeline (2 CPU ranks each) run as a torchrun job would run it
+([Note: replica groups by fork] in tests/ft_groups.py); one rank of one group is SIGKILLed mid-run, its agent
+restarts that group and each of its ranks rejoins with the state of its stage
 from the survivor.
 
 The jobs are :mod:`lightning_par.recipes._ft_job` (a plain LightningModule: input layer, 4 Linear+Tanh blocks, head;
@@ -16,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from ft_groups import fork_group
 from harness import TIMEOUT_S, fork_as_torchrun
 from models import corpus, tiny_gpt
 from lightning_par.recipes import _ft_job as job
@@ -29,12 +31,12 @@ PP = ["--pp", "2", "--width", "16"]
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_killed_stage_rejoins_with_its_coordinates_state(tmp_path):
     # steps of >= 0.2 s until the restarted group is back, then 10-20 more together (the stop step written to a file
-    # the jobs read); the surviving rank of the killed group exits within ft_timeout of torchrun's SIGTERM
+    # the jobs read); the surviving rank of the killed group exits within ft_timeout of its agent's SIGTERM
     args = ["--steps", "2000", "--sleep", "0.2", "--ft-timeout", "10", "--ckpt-every", "10", *PP]
     lighthouse, address = job.start_lighthouse(min_replicas=1)
-    groups = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, nproc=2,
-                              max_restarts=1 if g == 1 else 0) for g in range(2)]
-    try:  # the second stage of group 1 dies; torchrun restarts both of its ranks
+    groups = [fork_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, nproc=2,
+                         max_restarts=1 if g == 1 else 0) for g in range(2)]
+    try:  # the second stage of group 1 dies; its agent restarts both of its ranks
         kill_time, kill_step = job.kill_after(tmp_path, "1_1", 3, timeout_s=RUN_S, procs=groups)
         steps = job.stop_after_rejoin(tmp_path, "1_0", 10, every=10, timeout_s=RUN_S, procs=groups)
         codes = job.wait_all(groups, timeout_s=RUN_S)
@@ -74,7 +76,7 @@ def test_two_pipeline_groups_train_as_dp2_pp2(tmp_path):
     try:
         for path in (ft, ref):
             path.mkdir()
-        procs = [job.start_group(ft, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0, nproc=2)
+        procs = [fork_group(ft, args, group_id=g, num_groups=2, lighthouse=address, max_restarts=0, nproc=2)
                  for g in range(2)]
         # the plain dp2 x pp2 reference on 4 ranks forked from here while the groups run ([Note: a reference run
         # by fork, as torchrun's ranks] in harness.py); a failed rank raises with its exit

@@ -41,3 +41,37 @@ def test_one_process_references_are_fitted_once_per_configuration(tmp_path, monk
     assert len(fits) == 2 and len(harness._ONE_PROCESS) == 1
     with pytest.raises(TypeError, match="no content key"):
         harness._key(lambda: None)
+
+
+def _failing_once(out):
+    """A rank body that records torchrun's environment; on the first attempt rank 1 fails and rank 0 waits."""
+    import os
+    import time
+
+    rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    (out / f"r{rank}-{restart}").write_text(f"{os.environ['WORLD_SIZE']} {os.environ['TORCHELASTIC_RUN_ID']} "
+                                            f"{os.environ['GIVEN']}")
+    if restart == 0:
+        if rank == 1:
+            raise RuntimeError("rank 1 fails")
+        time.sleep(TIMEOUT_S)  # until its agent stops it
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_forked_agent_restarts_a_failed_group_as_torchrun(tmp_path, max_restarts):
+    """[Note: replica groups by fork] in tests/ft_groups.py: a failed rank has its agent stop the group's other rank
+    (SIGTERM) and start the whole group again, with torchrun's environment and restart count; out of restarts, the
+    agent fails."""
+    from ft_groups import fork_agent
+
+    log = tmp_path / "agent.log"
+    agent = fork_agent(lambda: _failing_once(tmp_path), nproc=2, max_restarts=max_restarts, env={"GIVEN": "yes"},
+                       log=str(log), restart_delay_s=0)
+    assert agent.wait(timeout=60) == (0 if max_restarts else 1), log.read_text()
+    text = log.read_text()
+    assert "attempt 0 ended with exit codes [-15, 1]" in text and "RuntimeError: rank 1 fails" in text, text
+    assert ("attempt 1 ended with exit codes [0, 0]" in text) == bool(max_restarts), text
+    ran = ["r0-0", "r1-0"] + (["r0-1", "r1-1"] if max_restarts else [])
+    assert sorted(p.name for p in tmp_path.glob("r*-*")) == sorted(ran)
+    assert all((tmp_path / name).read_text() == "2 fork yes" for name in ran)

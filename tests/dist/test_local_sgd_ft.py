@@ -1,13 +1,15 @@
-"""sync="diloco" with fault_tolerance="torchft": a torchft lighthouse and two replica groups (one torchrun each,
-:mod:`lightning_par.recipes._ft_job`), on DataParallelStrategy (one CPU rank a group) and on the hybrid core (a
-two-stage pipeline a group, as tests/dist/test_fault_tolerance_core.py); one group's process is SIGKILLed between
-syncs and restarted by torchrun: it rejoins at the start of the next sync's step with the survivor's state, the
-outer optimizer's among it ([Note: syncs on torchft's quorum] in lightning_par.dp.local_sgd, [Note: periodic sync
-under torchft, one wiring] in lightning_par.strategies._fault_tolerance)."""
+"""sync="diloco" with fault_tolerance="torchft": a torchft lighthouse and two replica groups (each run as a torchrun
+would run it: [Note: replica groups by fork] in tests/ft_groups.py; :mod:`lightning_par.recipes._ft_job`), on
+DataParallelStrategy (one CPU rank a group) and on the hybrid core (a two-stage pipeline a group, as
+tests/dist/test_fault_tolerance_core.py); one group's process is SIGKILLed between syncs and restarted by its agent:
+it rejoins at the start of the next sync's step with the survivor's state, the outer optimizer's among it ([Note:
+syncs on torchft's quorum] in lightning_par.dp.local_sgd, [Note: periodic sync under torchft, one wiring] in
+lightning_par.strategies._fault_tolerance)."""
 import math
 
 import pytest
 
+from ft_groups import fork_group
 from harness import TIMEOUT_S
 from lightning_par.recipes import _ft_job as job
 
@@ -21,8 +23,8 @@ EVERY = 4
 def test_killed_diloco_replica_rejoins_with_the_outer_state(tmp_path):
     lighthouse, address = job.start_lighthouse(min_replicas=1)
     args = ["--steps", "2000", "--sleep", "0.2", "--width", "16", "--sync", "diloco", "--sync-every", str(EVERY)]
-    groups = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address,
-                              max_restarts=1 if g == 1 else 0) for g in range(2)]
+    groups = [fork_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address,
+                         max_restarts=1 if g == 1 else 0) for g in range(2)]
     try:
         _, kill_step = job.kill_after(tmp_path, 1, 2 * EVERY + 2, timeout_s=RUN_S, procs=groups)  # 2 syncs behind it
         stop = job.stop_after_rejoin(tmp_path, 1, 3 * EVERY, every=EVERY, timeout_s=RUN_S, procs=groups)
@@ -55,14 +57,14 @@ def test_killed_diloco_replica_rejoins_with_the_outer_state(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_killed_pipeline_group_rejoins_diloco_with_each_stages_outer_state(tmp_path):
-    """HybridParallelStrategy(pipeline_parallel_size=2, sync="diloco"): the second stage of group 1 dies, torchrun
+    """HybridParallelStrategy(pipeline_parallel_size=2, sync="diloco"): the second stage of group 1 dies, its agent
     restarts both of its ranks, and each receives the state of its stage (parameters, AdamW moments, DiLoCo's synced
     copy and outer momentum of that stage) from the survivor's rank of the same stage."""
     lighthouse, address = job.start_lighthouse(min_replicas=1)
     args = ["--steps", "2000", "--sleep", "0.2", "--width", "16", "--pp", "2", "--sync", "diloco",
             "--sync-every", str(EVERY), "--ft-timeout", "30", "--ckpt-every", "1000"]
-    groups = [job.start_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, nproc=2,
-                              max_restarts=1 if g == 1 else 0) for g in range(2)]
+    groups = [fork_group(tmp_path, args, group_id=g, num_groups=2, lighthouse=address, nproc=2,
+                         max_restarts=1 if g == 1 else 0) for g in range(2)]
     try:
         _, kill_step = job.kill_after(tmp_path, "1_1", 2 * EVERY + 2, timeout_s=RUN_S, procs=groups)
         stop = job.stop_after_rejoin(tmp_path, "1_0", 2 * EVERY, every=EVERY, timeout_s=RUN_S, procs=groups)
