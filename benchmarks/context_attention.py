@@ -70,7 +70,7 @@ def main():
     args.seq = args.seq or (1024 if args.quick else 4096)
     import torch.multiprocessing as mp
 
-    from lightning_par.recipes._ft_job import free_port
+    from lightning_par.recipes.ports import free_port
 
     print(f"sequence {args.seq}, {args.heads} heads ({args.kv_heads} k/v) of {args.head_dim}, float32, causal")
     print(f"{'cp':>3} {'method':>10} {'wire MB/rank':>13} {'ms fwd+bwd':>11}")

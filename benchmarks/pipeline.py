@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_par.models import GPT  # noqa: E402
 from lightning_par.pipeline.schedules import bubble_fraction  # noqa: E402
-from lightning_par.recipes._ft_job import free_port  # noqa: E402
+from lightning_par.recipes.ports import free_port  # noqa: E402
 from lightning_par.saved import SavedTensorMeter  # noqa: E402
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy  # noqa: E402
 
@@ -192,7 +192,8 @@ def run_torch(args, out_dir, schedule) -> list[dict]:
     import torch.multiprocessing as mp
 
     os.makedirs(out_dir, exist_ok=True)
-    mp.start_processes(_torch_worker, args=(args, schedule, free_port(), out_dir), nprocs=2, start_method="fork", join=True)
+    mp.start_processes(_torch_worker, args=(args, schedule, free_port(), out_dir), nprocs=2, start_method="fork",
+                       join=True)
     return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(2)]
 
 

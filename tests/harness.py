@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sequential
 
 # the port of a rendezvous of ranks a test starts itself, picked as the recipes' launcher picks its own
 # ([Note: a free port below the ephemeral range])
-from lightning_par.recipes._ft_job import free_port  # noqa: F401  (the tests import it from here)
+from lightning_par.recipes.ports import free_port  # noqa: F401  (the tests import it from here)
 
 # What a launch leaves in this process's environment (Lightning's launchers and `_init_dist_connection` set
 # MASTER_ADDR / MASTER_PORT, a cluster environment may set NODE_RANK / LOCAL_RANK): a later test's subprocess

@@ -1,12 +1,12 @@
 """The ports our launches pick for themselves: free, and below the kernel's ephemeral range ([Note: a free port below
-the ephemeral range] in lightning_par/recipes/_ft_job.py)."""
+the ephemeral range] in lightning_par/recipes/ports.py)."""
 import os
 import random
 import socket
 
 import pytest
 
-from lightning_par.recipes._ft_job import free_port
+from lightning_par.recipes.ports import free_port
 
 RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 
