@@ -1,5 +1,8 @@
+import contextlib
 import faulthandler
+import functools
 import gc
+import inspect
 import os
 import signal
 import sys
@@ -180,3 +183,49 @@ def _heap_frozen(request):
         gc.collect()
         gc.freeze()
     yield
+
+
+# [Note: a test runs on one frame-stack chunk]
+# CPython 3.11 keeps its Python frames on a per-thread stack of chunks (16 KiB each, mapped and unmapped whole):
+# a call that does not fit in the top chunk maps a new one, and its return unmaps it. A hot call whose frame sits
+# across a chunk's end (a dispatch loop of DTensor, autograd or Lightning at that depth) therefore maps, faults in
+# and unmaps 16 KiB every time: ~4-6.5 us a call against ~0.03 us, and 35% of the page faults of
+# test_tensor_parallel.py's ranks. The chunk for a frame larger than 16 KiB is the next power of two above it, so
+# the test body is called through a frame of a 512 KiB value stack: its chunk is 1 MiB, and every frame above it
+# (the test's, and those of the ranks it forks, which inherit the chunk) fits in the other half. The value stack's
+# slots are never touched (its pages are not faulted in), and on a CPython without chunks it is one more frame.
+def _on_one_chunk(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+_on_one_chunk.__code__ = _on_one_chunk.__code__.replace(co_stacksize=1 << 16)
+
+
+@contextlib.contextmanager
+def _swapped(owner, attr, fn):
+    """owner.attr is fn called on one chunk inside the with block, and fn again after it."""
+    setattr(owner, attr, functools.wraps(fn)(functools.partial(_on_one_chunk, fn)))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, fn)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    test = getattr(item, "obj", None)
+    if not callable(test):
+        return (yield)
+    with _swapped(item, "obj", test):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    # A generator fixture's body runs where pytest calls next() on it, and a fixture of a test class is bound to
+    # its instance: both are left as they are (the suite's fixtures that fit a model return their value).
+    fn = fixturedef.func
+    if inspect.isgeneratorfunction(fn) or request.instance is not None:
+        return (yield)
+    with _swapped(fixturedef, "func", fn):
+        return (yield)
