@@ -17,6 +17,8 @@ import functools
 import glob
 import hashlib
 import os
+import re
+import signal
 import sys
 import tempfile
 from typing import Callable
@@ -345,6 +347,15 @@ def assert_resumed_exactly(whole: list, resumed: list, *, steps: int, resumed_at
         assert r["losses"] == w["losses"][resumed_at:]
         for name, p in w["params"].items():
             torch.testing.assert_close(r["params"][name], p, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def assert_only_port_races_after_the_kill(log: str, killed_local_rank: int) -> None:
+    """A torchrun agent's log: its first failed worker is the one the test SIGKILLed, and every failure after it is
+    torchrun's port race (the restarted rank 0 could not listen on the ephemeral MASTER_PORT the agent had picked for
+    it: EADDRINUSE). The launches give that race a spare restart, and nothing else may use it."""
+    failures = re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", log)
+    assert failures and failures[0] == (str(-signal.SIGKILL), str(killed_local_rank)), failures
+    assert len(failures) - 1 <= log.count("name: EADDRINUSE"), log[-3000:]
 
 
 def union_of_grad_names(records: list[dict]) -> set[str]:
