@@ -191,9 +191,11 @@ def _heap_frozen(request):
 # across a chunk's end (a dispatch loop of DTensor, autograd or Lightning at that depth) therefore maps, faults in
 # and unmaps 16 KiB every time: ~4-6.5 us a call against ~0.03 us, and 35% of the page faults of
 # test_tensor_parallel.py's ranks. The chunk for a frame larger than 16 KiB is the next power of two above it, so
-# the test body is called through a frame of a 512 KiB value stack: its chunk is 1 MiB, and every frame above it
-# (the test's, and those of the ranks it forks, which inherit the chunk) fits in the other half. The value stack's
-# slots are never touched (its pages are not faulted in), and on a CPython without chunks it is one more frame.
+# each test body, and each fixture that returns its value (a module's one-process reference fit), is called through
+# a frame of a 512 KiB value stack: its chunk is 1 MiB, and every frame above it (the test's, and those of the ranks
+# it forks, which inherit the chunk) fits in the other half. The value stack's slots are never touched (its pages
+# are not faulted in; a frame object made of it for a traceback is one untouched allocation of that size), and on
+# a CPython without chunks it is one more frame.
 def _on_one_chunk(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
