@@ -30,7 +30,8 @@ def _assert_torchft_launch(out, results) -> None:
     steps = results["end_step"]
     alive, back = job.read_records(out, 0), [r for r in job.read_records(out, 1) if r["restart"] >= 1]
     # one restarted process trained: a restart that lost torchrun's port race (the recipe's spare) recorded nothing
-    assert len({r["restart"] for r in back}) == 1, sorted({r["restart"] for r in back})
+    restarts = {r["restart"] for r in back}
+    assert len(restarts) == 1, sorted(restarts)
     assert_only_port_races_after_the_kill((out / "torchrun-g1.log").read_text(errors="replace"), killed_local_rank=0)
     # no step lost or repeated on the survivor (with min_replicas=1 the first group to start may make step 1 alone,
     # the other then joins with its state: a survivor that joined so starts at the step it received + 1)

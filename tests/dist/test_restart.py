@@ -71,9 +71,7 @@ def test_torchrun_restart_resumes_and_ends_as_an_uninterrupted_run(tmp_path, str
     fork_as_torchrun(functools.partial(app, [*OVERRIDES, f"strategy={strategy}", f"hydra.run.dir={ref_dir}"]), 2,
                      ref_dir + ".log")
     # the same run, killed in its second epoch: rank 1 dies once the first epoch's checkpoint exists
-    # torchrun picks each attempt's MASTER_PORT by binding an ephemeral port and closing it, and another process's
-    # outgoing connection can take it before the restarted rank 0 listens on it (EADDRINUSE: once in a whole-suite
-    # run of two workers). A second restart is there for that race only: every failure after the kill must be it.
+    # the second restart is a spare for torchrun's port race only (assert_only_port_races_after_the_kill, below)
     proc = torchrun(run_dir, f"strategy={strategy}", max_restarts=2)
     last, deadline = os.path.join(run_dir, "checkpoints", "last.ckpt"), time.time() + 300
     while not os.path.exists(last):
