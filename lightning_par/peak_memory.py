@@ -15,7 +15,9 @@ holds its own pages: its peak is not this one's. CUDA: ``max_memory_allocated`` 
 :class:`TensorPeak` counts tensor bytes instead of pages: the most bytes c10's CPU allocator held at once between
 its ``start()`` and ``stop()`` beyond what was held at ``start()``, from the torch profiler's allocation events.
 Unlike the resident set it is deterministic (no allocator slack, no code or file pages, no other thread's
-heap), so tests can bound it; it slows every op down while it runs (keep it to setups of small models).
+heap), so tests can bound it; it slows every op down while it runs (keep it to setups of small models). A free
+the profiler does not record is never subtracted (seen under tensor parallelism with activation checkpointing,
+docs/limitations.md): its counts can only be too high, so an upper bound on them still holds.
 
 Used by ``benchmarks/meta_memory.py``, ``lightning-par-recipe capacity`` and the meta-build tests.
 """

@@ -34,10 +34,12 @@ def parameter_storages(params: Iterable[torch.Tensor]) -> set[tuple[int, str]]:
 class SavedTensorMeter:
     """Counts what autograd saves while :meth:`track` is active: ``total`` bytes, ``by_tag`` bytes per tag
     (the active :attr:`tag`: a micro-batch, a block), ``by_width`` bytes per element size, and ``peak`` bytes
-    alive at once. ``params`` (the module's parameters) are not counted."""
+    alive at once. ``params`` (the module's parameters) are not counted. With ``keep_keys``, :attr:`keys` maps
+    each tag to the storages saved under it and their bytes (the advisor's probe sorts them)."""
 
-    def __init__(self, params: Iterable[torch.Tensor]):
+    def __init__(self, params: Iterable[torch.Tensor], keep_keys: bool = False):
         self.params = parameter_storages(params)
+        self.keys: dict[Any, dict[tuple[int, str], int]] | None = {} if keep_keys else None
         self.tag: Any = None
         self.total = self.peak = self.live_bytes = 0
         self.by_tag: dict[Any, int] = {}
@@ -63,6 +65,8 @@ class SavedTensorMeter:
             self.total += nbytes
             self.by_tag[self.tag] = self.by_tag.get(self.tag, 0) + nbytes
             self.by_width[t.element_size()] = self.by_width.get(t.element_size(), 0) + nbytes
+            if self.keys is not None:
+                self.keys.setdefault(self.tag, {})[key] = nbytes
             self.live_bytes += nbytes
             self.peak = max(self.peak, self.live_bytes)
             weakref.finalize(t, self._release, key)

@@ -9,9 +9,11 @@ follows are in DESIGN.md ("Numbers the field publishes"):
   the data-parallel size (4Ψ + 12Ψ/N in the paper's 16-bit accounting), ZeRO-2 the gradients as well,
   ZeRO-3 the parameters as well (FSDP2: each rank keeps 1/N of every sharded tensor);
 - activations: the measured bytes per sample × the micro-batch × the micro-batches a stage holds at
-  once (GPipe all ``m``, 1F1B ``min(p − stage, m)``); tensor parallel scales the blocks' share by
-  Korthikanti et al.'s ``(10 + 24/t) / 34`` (``1/t`` with sequence parallel) — the ``5as/h`` score term
-  is left out because fused attention kernels save no ``s × s`` matrix; activation checkpointing keeps less
+  once (GPipe all ``m``, 1F1B ``min(p − stage, m)``); under tensor parallel a block keeps once what the
+  probe found whole (its norms and their outputs) and the rest ``/ t`` ([Note: what tensor parallelism leaves
+  whole] in :mod:`lightning_par.advisor.profile`), ``1/t`` of it all with sequence parallel; a profile without
+  that count takes Korthikanti et al.'s ``(10 + 24/t) / 34`` (the ``5as/h`` score term left out: fused
+  attention kernels save no ``s × s`` matrix); activation checkpointing keeps less
   and recomputes one block at a time in backward ([Note: activations under activation checkpointing]);
 - communication (bytes each rank sends per optimizer step): ring all-reduce ``2(N−1)/N × bytes``;
   ZeRO-1 adds ``(N−1)/N`` of the parameters (broadcast of the updated shards); ZeRO-2 / 3 (FSDP2)
@@ -154,6 +156,17 @@ def tp_activation_factor(t: int, sequence_parallel: bool) -> float:
     return (34 / t) / 34 if sequence_parallel else (10 + 24 / t) / 34
 
 
+def tp_block_bytes(profile: ModuleProfile, index: int, t: int = 1, sequence_parallel: bool = False) -> float:
+    """Bytes per sample block ``index`` saves on one tensor-parallel rank: without sequence parallelism what the
+    probe found whole once and the rest / t ([Note: what tensor parallelism leaves whole] in
+    :mod:`lightning_par.advisor.profile`), else (or for a profile without that count) Korthikanti et al.'s share."""
+    full = profile.block_activation_bytes[index]
+    if t > 1 and not sequence_parallel and profile.block_whole_bytes:
+        whole = min(profile.block_whole_bytes[index], full)
+        return whole + (full - whole) / t
+    return full * tp_activation_factor(t, sequence_parallel)
+
+
 # [Note: activations under activation checkpointing]
 # What a block keeps from its forward to its backward, per sample (A: what the probe measured it saving without
 # checkpointing, × the tensor-parallel share; I: its input, s·h elements, 1/t of it with sequence parallel):
@@ -180,7 +193,7 @@ def tp_activation_factor(t: int, sequence_parallel: bool) -> float:
 # the ops it does not keep (the probe's share of the blocks' forward time outside the matmuls and attention).
 def block_kept_bytes(profile: ModuleProfile, index: int, mode, t: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes per sample block ``index`` keeps for backward under checkpointing ``mode`` (see the Note above)."""
-    full = profile.block_activation_bytes[index] * tp_activation_factor(t, sequence_parallel)
+    full = tp_block_bytes(profile, index, t, sequence_parallel)
     if not checkpointed(mode, index):
         return full
     inp = (profile.block_input_bytes or profile.seq_len * profile.hidden_size * profile.dtype_bytes)
@@ -226,11 +239,11 @@ def recompute_peak(kept, whole, marked, beside: float = 0.0) -> float:
 # The second term's size is measured, not derived: the profiler's allocation events show the 4h hidden's whole
 # gradient (4 block inputs) alive at that moment, while the resident peaks that the recipes measure fit two (why
 # the pages hold less than the tensors is not pinned down). Checked against the resident peaks that the memory
-# recipe measures (single, DP2, PP2, TP2, CP2 × off / full / every 2nd / selective; recipes/memory/README.md): two
-# runs of GPT 4 × 128 at 256 tokens, within 0.93-1.08 but TP2 full and every 2nd (1.08-1.12), and a size not used
-# to choose the terms (GPT 4 × 192 at 384 tokens, 4 sequences, vocabulary 128), 0.92-1.05 in every cell; and the
-# capacity sweep's two-block one-device fits (0.99-1.01). Without checkpointing the forward's end is the peak and
-# neither term is added (measured within 3% without them).
+# recipe measures (single, DP2, PP2, TP2, CP2 × off / full / every 2nd / selective; recipes/memory/README.md): three
+# runs of GPT 4 × 128 at 256 tokens, within 0.91-1.07 on single, DP2, PP2 and TP2 (TP2 at 1.08-1.12 until its block
+# was split by what the probe finds whole), a size not used to choose the terms (GPT 4 × 192 at 384 tokens, 4
+# sequences, vocabulary 128), 0.96-1.08; and the capacity sweep's two-block one-device fits (0.99-1.01). Without
+# checkpointing the forward's end is the peak and neither term is added (measured within 3% without them).
 def backward_gradient_bytes(profile: ModuleProfile, t: int = 1, c: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes per sample of gradients alive beside a checkpointed block's recompute ([Note: a checkpointed
     backward's gradients]): its output's gradient and its MLP's hidden gradients, ``1 + 2/t`` block inputs
@@ -306,8 +319,7 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         copy = [output_copy_bytes(profile, i, c, t) for i in blocks]  # cp: the attention output's copy
         kept = [block_kept_bytes(profile, i, ac, t, layout.sequence_parallel) + (0 if checkpointed(ac, i) else x)
                 for i, x in zip(blocks, copy)]
-        whole = [profile.block_activation_bytes[i] * tp_activation_factor(t, layout.sequence_parallel) + x
-                 for i, x in zip(blocks, copy)]
+        whole = [tp_block_bytes(profile, i, t, layout.sequence_parallel) + x for i, x in zip(blocks, copy)]
         marked = [checkpointed(ac, i) for i in blocks]
         recomputes = any(marked)
         grads_beside = backward_gradient_bytes(profile, t, 1, layout.sequence_parallel) if recomputes else 0.0

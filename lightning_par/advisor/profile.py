@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_par.saved import SavedTensorMeter
+from lightning_par.saved import SavedTensorMeter, saved_storage
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class ModuleProfile:
     block_kv_bytes: tuple[int, ...] = ()  # bytes per sample of the K and V each block hands SDPA ([Note: what
     kv_dtype_bytes: int = 0               # the probe sees of attention]), and their element size (0: no SDPA)
     block_attention_bytes: tuple[int, ...] = ()  # bytes per sample of each block's SDPA outputs
+    block_whole_bytes: tuple[int, ...] = ()  # of block_activation_bytes, what a tensor-parallel rank holds whole
+    # without sequence parallelism ([Note: what tensor parallelism leaves whole]); () : not measured
 
     @property
     def n_blocks(self) -> int:
@@ -71,17 +73,37 @@ class ModuleProfile:
 # The probe counts those same ops' output bytes inside each block (a dispatch mode sees the aten ops below
 # autograd, where ``nn.Linear`` is an ``addmm`` / ``mm``), which is what the policy caches, whether or not
 # autograd would have saved them.
-def _op_ledger():
+#
+# [Note: what tensor parallelism leaves whole]
+# Without sequence parallelism a tensor-parallel rank holds some of a block's saved tensors whole and the rest
+# 1/t: Megatron's column-parallel layers read a whole input and write a shard, the row-parallel ones read a shard
+# and write (after their all-reduce) a whole output. The same dispatch mode follows that through each block: a
+# matmul with a weight (a parameter operand) whose activation operand is whole writes a shard, one whose operand
+# is a shard writes a whole tensor; any other op writes a shard if it reads one. The block's input is whole. So
+# the norms, their outputs (what the column-parallel layers save), residual dropout masks and adds are whole, and
+# q, k, v, attention, the MLP's hidden and its activation are shards, whatever the module calls them. The
+# advisor counts the whole bytes once and the rest / t (:func:`~lightning_par.advisor.memory.tp_block_bytes`),
+# where Korthikanti et al.'s (10 + 24/t) / 34 assumes their block's 16-bit mix (2 dropout masks, 5as/h scores):
+# the reference GPT in fp32 keeps 4 of its 16 s·h elements whole, (4 + 12/t) / 16 = 0.625 at t = 2 against 0.647.
+_WEIGHT_OPS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default")
+
+
+def _op_ledger(params: set):
     """A dispatch mode that adds up, per :attr:`tag`, the output bytes of the ops selective checkpointing keeps
-    and the seconds spent in them and in every other op."""
+    and the seconds spent in them and in every other op, and marks the storages a tensor-parallel rank would
+    hold a shard of (``sharded``, [Note: what tensor parallelism leaves whole]); ``params``: the parameters'
+    storage keys."""
     from lightning_par._compat import torch_dispatch_mode, tree_flatten
     from lightning_par.memory.checkpointing import SAVED_OPS
+
+    weight_ops = {op for op in SAVED_OPS if str(op) in _WEIGHT_OPS}
 
     class OpLedger(torch_dispatch_mode()):
         def __init__(self):
             super().__init__()
             self.tag = None
             self.saved: dict = {}
+            self.sharded: set = set()
             self.seconds = {"kept": 0.0, "other": 0.0}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -89,12 +111,25 @@ def _op_ledger():
             out = func(*args, **(kwargs or {}))
             kept = func in SAVED_OPS
             self.seconds["kept" if kept else "other"] += time.perf_counter() - t0
-            if kept and self.tag is not None:
-                seen = set()
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                        seen.add(t.untyped_storage().data_ptr())
-                        self.saved[self.tag] = self.saved.get(self.tag, 0) + t.untyped_storage().nbytes()
+            if self.tag is None:
+                return out
+            keys = [k[0] for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+                    and (k := saved_storage(a)) is not None]
+            shard = any(k in self.sharded for k in keys if k not in params)
+            if func in weight_ops and any(k in params for k in keys):
+                shard = not shard  # column-parallel writes a shard, row-parallel a whole tensor
+            seen = set()
+            for t in tree_flatten(out)[0]:
+                found = saved_storage(t) if isinstance(t, torch.Tensor) else None
+                if found is None or found[0] in seen:
+                    continue
+                seen.add(found[0])
+                if shard:
+                    self.sharded.add(found[0])
+                else:  # a freed shard's address may come back as a whole tensor's
+                    self.sharded.discard(found[0])
+                if kept:
+                    self.saved[self.tag] = self.saved.get(self.tag, 0) + found[1]
             return out
 
     return OpLedger()
@@ -158,13 +193,13 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
     """
     block_list = list(blocks)
     block_ids = {id(p) for b in block_list for p in b.parameters()}
-    meter = SavedTensorMeter(module.parameters())  # tagged: a block's index, or "before" / "after" the blocks
+    meter = SavedTensorMeter(module.parameters(), keep_keys=True)  # tagged: a block's index, or "before" / "after"
     meter.tag = "before"
     first_ids: set[int] = set()
     last_ids: set[int] = set()
     input_shape: list[torch.Size] = []
     input_bytes: list[int] = []
-    ledger = _op_ledger()
+    ledger = _op_ledger(meter.params)
     attention = _sdpa_ledger()
 
     def leaf_hook(mod, args):
@@ -175,6 +210,8 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
     def enter(i):
         def hook(mod, args):
             meter.tag = ledger.tag = attention.tag = i
+            if args and isinstance(args[0], torch.Tensor) and (found := saved_storage(args[0])) is not None:
+                ledger.sharded.discard(found[0])  # a block's input is whole
             if i == 0 and args and isinstance(args[0], torch.Tensor):
                 input_shape.append(args[0].shape)
                 input_bytes.append(args[0].numel() * args[0].element_size())
@@ -229,6 +266,8 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         block_kv_bytes=tuple(attention.kv.get(i, 0) // batch_size for i in range(len(block_list))),
         kv_dtype_bytes=attention.elem,
         block_attention_bytes=tuple(attention.out.get(i, 0) // batch_size for i in range(len(block_list))),
+        block_whole_bytes=tuple(sum(n for k, n in meter.keys.get(i, {}).items() if k not in ledger.sharded)
+                                // batch_size for i in range(len(block_list))),
     )
 
 

@@ -39,6 +39,7 @@ def scaled_profile(probe: ModuleProfile, probe_vocab: int, n_layer: int, n_embd:
         block_kv_bytes=(int(probe.block_kv_bytes[0] * width),) * n_layer if probe.block_kv_bytes else (),
         block_attention_bytes=((int(probe.block_attention_bytes[0] * width),) * n_layer
                                if probe.block_attention_bytes else ()),
+        block_whole_bytes=(int(probe.block_whole_bytes[0] * width),) * n_layer if probe.block_whole_bytes else (),
         first_activation_bytes=int(probe.first_activation_bytes * width),
         last_activation_bytes=int(probe.last_activation_bytes * vocab / probe_vocab),
         hidden_size=n_embd,

@@ -142,6 +142,9 @@ def test_measured_profile_of_the_reference_gpt():
     # dozen such tensors: the same order as Korthikanti's 34 bytes·sbh in 16-bit
     sh4 = 16 * 16 * 4
     assert 6 * sh4 <= prof.block_activation_bytes[0] <= 40 * sh4
+    # what tensor parallelism leaves whole: each layer norm's input and output (4 s·h) and its mean and rstd
+    # (s each); q, k, v, attention and the MLP's hidden are shards ([Note: what tensor parallelism leaves whole])
+    assert prof.block_whole_bytes == (4 * sh4 + 2 * 2 * 16 * 4,) * 2
     assert dataclasses.replace(prof).n_blocks == 2
 
 

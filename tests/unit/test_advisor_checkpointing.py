@@ -109,6 +109,15 @@ def test_estimate_under_pipeline_tensor_and_sequence_parallel_by_hand():
     tp = estimate(prof, Layout(tensor_parallel_size=2, activation_checkpointing="full"), 2)
     # the output's gradient whole (100 B), the hidden ones 1/2: 2 × 100 / 2
     assert tp.activation_bytes == int(4 * 100 * 2 + (tp_off - 100 + 100 + 100) * 2)
+    # a probe that found which saved bytes a tensor-parallel rank holds whole (its norms, their outputs, the
+    # residual): those once, the rest / t; sequence parallel keeps Korthikanti's 1/t
+    split = ac_profile(block_whole_bytes=(250,) * 4)
+    assert block_kept_bytes(split, 0, None, t=2) == 250 + 750 / 2
+    assert block_kept_bytes(split, 0, None, t=2, sequence_parallel=True) == 500
+    assert block_kept_bytes(split, 0, None, t=1) == 1000
+    assert block_kept_bytes(split, 0, "full", t=2) == 100
+    tp_split = estimate(split, Layout(tensor_parallel_size=2, activation_checkpointing="full"), 2)
+    assert tp_split.activation_bytes == int(4 * 100 * 2 + (625 - 100 + 100 + 100) * 2)
 
 
 def test_recompute_time_from_the_probe_and_the_pipeline_bubble():
