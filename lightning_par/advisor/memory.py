@@ -10,10 +10,11 @@ follows are in DESIGN.md ("Numbers the field publishes"):
   ZeRO-3 the parameters as well (FSDP2: each rank keeps 1/N of every sharded tensor);
 - activations: the measured bytes per sample × the micro-batch × the micro-batches a stage holds at
   once (GPipe all ``m``, 1F1B ``min(p − stage, m)``); under tensor parallel a block keeps once what the
-  probe found whole (its norms and their outputs) and the rest ``/ t`` ([Note: what tensor parallelism leaves
-  whole] in :mod:`lightning_par.advisor.profile`), ``1/t`` of it all with sequence parallel; a profile without
-  that count takes Korthikanti et al.'s ``(10 + 24/t) / 34`` (the ``5as/h`` score term left out: fused
-  attention kernels save no ``s × s`` matrix); activation checkpointing keeps less
+  probe found whole (its norms and their outputs; with sequence parallel only the column-parallel layers'
+  gathered inputs) and the rest ``/ t`` ([Note: what tensor parallelism leaves whole] in
+  :mod:`lightning_par.advisor.profile`); a profile without those counts takes Korthikanti et al.'s
+  ``(10 + 24/t) / 34`` (``1/t`` with sequence parallel; the ``5as/h`` score term left out: fused attention
+  kernels save no ``s × s`` matrix); activation checkpointing keeps less
   and recomputes one block at a time in backward ([Note: activations under activation checkpointing]);
 - communication (bytes each rank sends per optimizer step): ring all-reduce ``2(N−1)/N × bytes``;
   ZeRO-1 adds ``(N−1)/N`` of the parameters (broadcast of the updated shards); ZeRO-2 / 3 (FSDP2)
@@ -122,6 +123,9 @@ class Estimate:
     pipeline_bytes: int = 0  # a pipeline stage's runtime ([Note: what a pipeline stage holds beyond the model])
     context_bytes: int = 0  # the ring's working set beyond the peak of the saved activations ([Note: the advisor
     # under context parallelism])
+    backward_bytes: int = 0  # of activation_bytes, what backward holds beyond the tensors saved at the forward's
+    # end: the loss's gradient or a recompute's ([Note: a checkpointed backward's gradients]); a saved-tensor meter
+    # (ParallelMetrics) does not see it
 
     @property
     def total_bytes(self) -> int:
@@ -157,12 +161,15 @@ def tp_activation_factor(t: int, sequence_parallel: bool) -> float:
 
 
 def tp_block_bytes(profile: ModuleProfile, index: int, t: int = 1, sequence_parallel: bool = False) -> float:
-    """Bytes per sample block ``index`` saves on one tensor-parallel rank: without sequence parallelism what the
-    probe found whole once and the rest / t ([Note: what tensor parallelism leaves whole] in
-    :mod:`lightning_par.advisor.profile`), else (or for a profile without that count) Korthikanti et al.'s share."""
+    """Bytes per sample block ``index`` saves on one tensor-parallel rank: what the probe found whole once (with
+    sequence parallelism the column-parallel layers' gathered inputs and what is not from the block's input) and
+    the rest / t ([Note: what tensor
+    parallelism leaves whole] in :mod:`lightning_par.advisor.profile`); Korthikanti et al.'s share for a profile
+    without those counts."""
     full = profile.block_activation_bytes[index]
-    if t > 1 and not sequence_parallel and profile.block_whole_bytes:
-        whole = min(profile.block_whole_bytes[index], full)
+    counts = profile.block_whole_sp_bytes if sequence_parallel else profile.block_whole_bytes
+    if t > 1 and counts:
+        whole = min(counts[index], full)
         return whole + (full - whole) / t
     return full * tp_activation_factor(t, sequence_parallel)
 
@@ -228,22 +235,25 @@ def recompute_peak(kept, whole, marked, beside: float = 0.0) -> float:
 
 
 # [Note: a checkpointed backward's gradients]
-# Under checkpointing the step's peak moves from the forward's end into backward, and what backward allocates
-# beside the saved tensors decides it. Two moments, per micro-batch of the stage that recomputes:
-# - the loss's backward: the head's saved tensors (the probe's ``last_activation_bytes``: the final norm's input,
-#   the head's, the logits and log-softmax) and as many bytes of their gradients, beside every block's kept bytes;
+# What backward allocates beside the saved tensors decides the step's peak. Two moments, per micro-batch of the
+# stage that holds them:
+# - the loss's backward, with or without checkpointing: every block's kept bytes, the head's saved tensors (the
+#   probe's ``last_activation_bytes``) and one more tensor the size of the largest of them (``head_largest_bytes``:
+#   a language model's log-softmax of the logits, whose gradient the loss's backward makes beside it; the logits
+#   themselves, which nothing saves, are gone by then);
 # - a block's recompute: the blocks' kept bytes up to it, its whole activations (:func:`recompute_peak`) and the
 #   gradients its backward is handed and makes: the block output's gradient (one block input, 1/t with sequence
 #   parallel) and the MLP's hidden gradients, counted as two block inputs / t. The loss's and the head's tensors are
 #   freed by then (their backward ran first), so the two moments are not summed: the larger is the peak.
-# The second term's size is measured, not derived: the profiler's allocation events show the 4h hidden's whole
-# gradient (4 block inputs) alive at that moment, while the resident peaks that the recipes measure fit two (why
-# the pages hold less than the tensors is not pinned down). Checked against the resident peaks that the memory
-# recipe measures (single, DP2, PP2, TP2, CP2 × off / full / every 2nd / selective; recipes/memory/README.md): three
-# runs of GPT 4 × 128 at 256 tokens, within 0.91-1.07 on single, DP2, PP2 and TP2 (TP2 at 1.08-1.12 until its block
-# was split by what the probe finds whole), a size not used to choose the terms (GPT 4 × 192 at 384 tokens, 4
-# sequences, vocabulary 128), 0.96-1.08; and the capacity sweep's two-block one-device fits (0.99-1.01). Without
-# checkpointing the forward's end is the peak and neither term is added (measured within 3% without them).
+# Traced op by op (step 1 of GPT 4 × 128 at 256 tokens, 16 sequences, fp32; every allocation of 64 KiB or more,
+# any thread, counted by a malloc interposer): off, every 2nd and selective peak at ``_log_softmax_backward_data``,
+# 4.4 MiB above the saved tensors where one V-wide tensor is 4 MiB; full at the last block's recompute, at its
+# MLP's first matmul. The advisor's activations are 0.96-1.00 of what the step allocated from its start to its
+# peak, one device and TP2's rank 0, every mode. The recompute's gradients term is a measured size, not derived:
+# the profiler's allocation events show the 4h hidden's whole gradient (4 block inputs) alive at that moment, the
+# resident peaks fit two. Checked against the resident peaks that the memory recipe measures (single, DP2, PP2,
+# TP2, TP2 with sequence parallel, CP2 × off / full / every 2nd / selective; recipes/memory/README.md) and at a size
+# not used to choose the terms (GPT 4 × 192 at 384 tokens, 4 sequences, vocabulary 128).
 def backward_gradient_bytes(profile: ModuleProfile, t: int = 1, c: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes per sample of gradients alive beside a checkpointed block's recompute ([Note: a checkpointed
     backward's gradients]): its output's gradient and its MLP's hidden gradients, ``1 + 2/t`` block inputs
@@ -286,7 +296,14 @@ def recompute_share(profile: ModuleProfile, mode, blocks=None) -> float:
 # checkpointing mode] in lightning_par/recipes/memory.py).
 def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision: str = "32-true",
              optimizer: str = "adamw") -> Estimate:
-    """Per-device memory and per-rank communication of ``layout`` for a global batch of ``batch_size``."""
+    """Per-device memory and per-rank communication of ``layout`` for a global batch of ``batch_size``: its busiest
+    pipeline stage's (:func:`stage_estimates`)."""
+    return max(stage_estimates(profile, layout, batch_size, precision, optimizer), key=lambda e: e.total_bytes)
+
+
+def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, precision: str = "32-true",
+                    optimizer: str = "adamw") -> list[Estimate]:
+    """:func:`estimate` of each pipeline stage, in stage order (one without a pipeline)."""
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision={precision!r} is not one of {sorted(PRECISION_BYTES)}.")
     if optimizer not in OPTIMIZER_STATES:
@@ -306,7 +323,7 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
     elem = profile.dtype_bytes
     boundary = micro * profile.seq_len * profile.hidden_size * elem  # one activation message
 
-    worst: Estimate | None = None
+    stages: list[Estimate] = []
     for s, blocks in enumerate(stage_blocks(profile.n_blocks, p, costs=profile.block_params)):
         block_params = sum(profile.block_params[i] for i in blocks)
         params = block_params * (shard_share / t + (1 - shard_share))
@@ -327,8 +344,10 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         acts = sum(kept) / c  # [Note: the advisor under context parallelism]: the blocks hold 1/c of the rows
         last = profile.last_activation_bytes if s == p - 1 else 0
         acts += (profile.first_activation_bytes if s == 0 else 0) + last
-        if recomputes:  # [Note: a checkpointed backward's gradients]: the loss's moment or the recompute's
-            recompute = max(last, recompute - last)
+        # [Note: a checkpointed backward's gradients]: the loss's moment (with or without checkpointing) or a
+        # recompute's, whichever is larger
+        loss = (profile.head_largest_bytes or last) if s == p - 1 else 0
+        recompute = max(loss, recompute - last) if recomputes else loss
         ends = (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)  # root unit
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
         # kept for the step; ZeRO-3 one block at a time, beside the root unit (embeddings, head, final norm)
@@ -371,10 +390,9 @@ def estimate(profile: ModuleProfile, layout: Layout, batch_size: int, precision:
         gathers = 0 if zero < 2 or dp == 1 else (units if zero == 2 or p > 1 else 2 * len(blocks) + 1)
         est = Estimate(int(held_params * p_bytes), int(grads * g_bytes), int(opt),
                        int(acts * micro * held + recompute * micro + gathered * p_bytes), int(comm), gathers,
-                       int(runtime), int(ring))
-        if worst is None or est.total_bytes > worst.total_bytes:
-            worst = est
-    return worst  # type: ignore[return-value]
+                       int(runtime), int(ring), int(recompute * micro))
+        stages.append(est)
+    return stages
 
 
 def korthikanti_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, t: int = 1,

@@ -51,6 +51,10 @@ class ModuleProfile:
     block_attention_bytes: tuple[int, ...] = ()  # bytes per sample of each block's SDPA outputs
     block_whole_bytes: tuple[int, ...] = ()  # of block_activation_bytes, what a tensor-parallel rank holds whole
     # without sequence parallelism ([Note: what tensor parallelism leaves whole]); () : not measured
+    block_whole_sp_bytes: tuple[int, ...] = ()  # what a rank holds whole with sequence parallelism: the
+    # column-parallel layers' gathered inputs, and what does not come from the block's input
+    head_largest_bytes: int = 0  # the largest single tensor saved after the blocks, per sample (a language model's
+    # log-softmax of the logits): what the loss's backward makes once more beside them; 0: take all of last
 
     @property
     def n_blocks(self) -> int:
@@ -85,14 +89,22 @@ class ModuleProfile:
 # advisor counts the whole bytes once and the rest / t (:func:`~lightning_par.advisor.memory.tp_block_bytes`),
 # where Korthikanti et al.'s (10 + 24/t) / 34 assumes their block's 16-bit mix (2 dropout masks, 5as/h scores):
 # the reference GPT in fp32 keeps 4 of its 16 s·h elements whole, (4 + 12/t) / 16 = 0.625 at t = 2 against 0.647.
+# With sequence parallelism the whole tensors run on sequence shards, 1/t, except what a column-parallel layer
+# reads: its input is all-gathered first, and the layer saves the gathered, whole tensor (DTensor keeps no shard
+# to gather again in backward, as Megatron does; Korthikanti et al.'s 34/t assumes it), and what does not come
+# from the block's input (a rotary table, a mask handed in: replicated). The probe marks those inputs
+# (``gathered``) and what comes from the block's input (``stream``): a rank keeps the gathered inputs and what is
+# neither whole, the rest / t. The GPT in fp32 keeps its two norms' outputs whole, (2 + 14/t) / 16 = 0.5625 at
+# t = 2 where 34/t gives 0.5 (measured on a rank: equal, byte for byte).
 _WEIGHT_OPS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default")
 
 
 def _op_ledger(params: set):
     """A dispatch mode that adds up, per :attr:`tag`, the output bytes of the ops selective checkpointing keeps
     and the seconds spent in them and in every other op, and marks the storages a tensor-parallel rank would
-    hold a shard of (``sharded``, [Note: what tensor parallelism leaves whole]); ``params``: the parameters'
-    storage keys."""
+    hold a shard of (``sharded``, [Note: what tensor parallelism leaves whole]), the whole inputs of column-
+    parallel layers (``gathered``) and what comes from the block's input (``stream``); ``params``: the
+    parameters' storage keys."""
     from lightning_par._compat import torch_dispatch_mode, tree_flatten
     from lightning_par.memory.checkpointing import SAVED_OPS
 
@@ -104,6 +116,8 @@ def _op_ledger(params: set):
             self.tag = None
             self.saved: dict = {}
             self.sharded: set = set()
+            self.gathered: set = set()
+            self.stream: set = set()
             self.seconds = {"kept": 0.0, "other": 0.0}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -116,7 +130,10 @@ def _op_ledger(params: set):
             keys = [k[0] for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
                     and (k := saved_storage(a)) is not None]
             shard = any(k in self.sharded for k in keys if k not in params)
+            stream = any(k in self.stream for k in keys if k not in params)
             if func in weight_ops and any(k in params for k in keys):
+                if not shard:  # column-parallel: reads a whole (under sequence parallel, gathered) input
+                    self.gathered.update(k for k in keys if k not in params)
                 shard = not shard  # column-parallel writes a shard, row-parallel a whole tensor
             seen = set()
             for t in tree_flatten(out)[0]:
@@ -126,8 +143,14 @@ def _op_ledger(params: set):
                 seen.add(found[0])
                 if shard:
                     self.sharded.add(found[0])
-                else:  # a freed shard's address may come back as a whole tensor's
+                elif found[0] not in keys:  # new storage: a freed shard's address may come back as a whole one
                     self.sharded.discard(found[0])
+                if stream:
+                    self.stream.add(found[0])
+                if found[0] not in keys:
+                    self.gathered.discard(found[0])
+                    if not stream:
+                        self.stream.discard(found[0])
                 if kept:
                     self.saved[self.tag] = self.saved.get(self.tag, 0) + found[1]
             return out
@@ -211,7 +234,8 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         def hook(mod, args):
             meter.tag = ledger.tag = attention.tag = i
             if args and isinstance(args[0], torch.Tensor) and (found := saved_storage(args[0])) is not None:
-                ledger.sharded.discard(found[0])  # a block's input is whole
+                ledger.sharded.discard(found[0])  # a block's input is whole (a sequence shard under SP)
+                ledger.stream.add(found[0])
             if i == 0 and args and isinstance(args[0], torch.Tensor):
                 input_shape.append(args[0].shape)
                 input_bytes.append(args[0].numel() * args[0].element_size())
@@ -268,6 +292,10 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         block_attention_bytes=tuple(attention.out.get(i, 0) // batch_size for i in range(len(block_list))),
         block_whole_bytes=tuple(sum(n for k, n in meter.keys.get(i, {}).items() if k not in ledger.sharded)
                                 // batch_size for i in range(len(block_list))),
+        head_largest_bytes=max(meter.keys.get("after", {}).values(), default=0) // batch_size,
+        block_whole_sp_bytes=tuple(sum(n for k, n in meter.keys.get(i, {}).items() if k not in ledger.sharded
+                                       and (k in ledger.gathered or k not in ledger.stream))
+                                   // batch_size for i in range(len(block_list))),
     )
 
 

@@ -40,8 +40,11 @@ def scaled_profile(probe: ModuleProfile, probe_vocab: int, n_layer: int, n_embd:
         block_attention_bytes=((int(probe.block_attention_bytes[0] * width),) * n_layer
                                if probe.block_attention_bytes else ()),
         block_whole_bytes=(int(probe.block_whole_bytes[0] * width),) * n_layer if probe.block_whole_bytes else (),
+        block_whole_sp_bytes=((int(probe.block_whole_sp_bytes[0] * width),) * n_layer
+                              if probe.block_whole_sp_bytes else ()),
         first_activation_bytes=int(probe.first_activation_bytes * width),
         last_activation_bytes=int(probe.last_activation_bytes * vocab / probe_vocab),
+        head_largest_bytes=int(probe.head_largest_bytes * vocab / probe_vocab),
         hidden_size=n_embd,
         num_heads=n_head,
     )

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_par.advisor import estimate, korthikanti_bytes_per_layer, profile_lightning_module
+from lightning_par.advisor import korthikanti_bytes_per_layer, profile_lightning_module
+from lightning_par.advisor.memory import stage_estimates
 from lightning_par.models import GPT
 from lightning_par.recipes.common import figure, Report, savefig
 from lightning_par.recipes.layouts import layout_for, measure_layouts
@@ -27,9 +28,10 @@ def run(cfg, out_dir: Path, command: str) -> Report:
         total = max(sum(r.get(k, 0) for k, _ in FIELDS) for r in m.rows)
         pred = m.predicted
         predicted = dict(zip([k for k, _ in FIELDS], (pred.param_bytes, pred.grad_bytes, pred.optimizer_bytes,
-                                                      pred.activation_bytes)))
+                                                      saved_activations(pred))))
+        counted = sum(predicted.values())  # the same four terms as measured (no stage runtime, no backward's own)
         rows.append([m.name, *(f"{measured[k] / KiB:.0f} / {predicted[k] / KiB:.0f}" for k, _ in FIELDS),
-                     f"{total / KiB:.0f}", f"{pred.total_bytes / KiB:.0f}", f"{pred.total_bytes / total:.3f}"])
+                     f"{total / KiB:.0f}", f"{counted / KiB:.0f}", f"{counted / total:.3f}"])
         share = measured["param_bytes"] / full_params
         seeds.append([m.name, "每张GPU保存完整模型 (full model on every device)" if share > 0.99 else
                       "每张GPU保存部分分片 (a shard on every device)", f"{share:.0%}",
@@ -71,6 +73,12 @@ def run(cfg, out_dir: Path, command: str) -> Report:
     return report
 
 
+def saved_activations(pred) -> int:
+    """The advisor's activations at the forward's end, what ``ParallelMetrics`` measures (the tensors saved for
+    backward): without what backward adds beside them."""
+    return pred.activation_bytes - pred.backward_bytes
+
+
 def mode_name(mode) -> str:
     return "off" if mode is None else (mode if isinstance(mode, str) else f"every {mode}")
 
@@ -106,8 +114,11 @@ def checkpointing_predictions(cfg) -> dict[str, dict[str, dict]]:
         out[name] = {}
         for mode in entry.get("modes", ac.modes):  # a layout may measure fewer modes
             layout = layout_for(entry.kind, {**args, "activation_checkpointing": mode}, entry.devices)
-            est = estimate(profile, layout, batch, cfg.precision, "adamw")
-            base = estimate(tiny, layout, batch, cfg.precision, "adamw")  # the tiny fit under the same mode
+            # each rank's fit less its own tiny fit under the same mode, as measured: a pipeline stage less the same
+            # stage (the tiny GPT's busiest stage is the one with the logits, the model's may be another)
+            stages = zip(stage_estimates(profile, layout, batch, cfg.precision, "adamw"),
+                         stage_estimates(tiny, layout, batch, cfg.precision, "adamw"))
+            est, base = max(stages, key=lambda pair: pair[0].total_bytes - pair[1].total_bytes)
             states = est.total_bytes - est.activation_bytes - (base.total_bytes - base.activation_bytes)
             out[name][mode_name(mode)] = {"total": est.total_bytes - base.total_bytes, "states": states,
                                           "activations": est.activation_bytes - base.activation_bytes,
@@ -184,7 +195,7 @@ def _plot(results):
     colors = ["#4a7fb5", "#9fc5e8", "#e0a03a", "#c0504d"]
     for i, m in enumerate(results):
         pred = m.predicted
-        predicted = (pred.param_bytes, pred.grad_bytes, pred.optimizer_bytes, pred.activation_bytes)
+        predicted = (pred.param_bytes, pred.grad_bytes, pred.optimizer_bytes, saved_activations(pred))
         for j, values in enumerate(([m.busiest(k) for k, _ in FIELDS], predicted)):
             bottom = 0.0
             for c, (v, (_, title)) in enumerate(zip(values, FIELDS)):

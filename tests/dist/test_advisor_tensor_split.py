@@ -1,7 +1,9 @@
 """What a tensor-parallel rank saves of each block, measured on rank 0 of a TP2 fit, against what the advisor
 predicts from its one-device probe ([Note: what tensor parallelism leaves whole] in lightning_par/advisor/profile.py):
-the blocks' whole tensors once, the rest halved. The reference GPT (with and without dropout, whose residual masks
-stay whole), Hugging Face Llama (RMSNorm, rotary, grouped-query heads, a gated MLP) and GPT-2 (Conv1D)."""
+the blocks' whole tensors once, the rest halved; with sequence parallelism only the column-parallel layers'
+gathered inputs (and what does not come from the block's input) whole. The reference GPT (with and without
+dropout, whose residual masks stay whole), Hugging Face Llama (RMSNorm, rotary tables handed in, grouped-query
+heads, a gated MLP) and GPT-2 (Conv1D)."""
 import json
 
 import lightning.pytorch as pl
@@ -59,8 +61,9 @@ CASES = {
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_tensor_parallel_rank_saves_what_the_probe_predicts(tmp_path, case):
+def test_a_tensor_parallel_rank_saves_what_the_probe_predicts(tmp_path, case, sp):
     data = SyntheticCorpus(vocab_size=64, seq_len=SEQ, train_sequences=2 * BATCH, val_sequences=1)
     probe = seeded(CASES[case])
     # the probe on the fit's batch: a tensor that does not grow with the batch (Llama's rotary cos and sin,
@@ -69,17 +72,19 @@ def test_a_tensor_parallel_rank_saves_what_the_probe_predicts(tmp_path, case):
     profile = profile_lightning_module(probe, tokens)
     path = str(tmp_path / "saved.json")
     fit_and_record(seeded(CASES[case]), DataLoader(data.train_set, batch_size=BATCH), str(tmp_path),
-                   strategy=TensorParallelStrategy(tensor_parallel_size=2, start_method="fork", timeout=120),
+                   strategy=TensorParallelStrategy(tensor_parallel_size=2, sequence_parallel=sp, start_method="fork",
+                                                   timeout=120),
                    devices=2, max_steps=1, callbacks=[BlockSaves(path)])
     with open(path) as f:
         saved = {int(k): v for k, v in json.load(f).items()}
     assert sorted(saved) == list(range(profile.n_blocks)), saved
     for i, got in saved.items():
-        whole, everything = profile.block_whole_bytes[i], profile.block_activation_bytes[i]
+        whole = (profile.block_whole_sp_bytes if sp else profile.block_whole_bytes)[i]
+        everything = profile.block_activation_bytes[i]
         assert 0 < whole < everything, (case, i, whole, everything)
-        predicted = tp_block_bytes(profile, i, t=2) * BATCH
+        predicted = tp_block_bytes(profile, i, t=2, sequence_parallel=sp) * BATCH
         # the same tensors counted on both sides: exact up to the probe's per-sample rounding (< 1 B a sample)
         assert abs(got - predicted) <= BATCH, (case, i, got, predicted, whole, everything)
-        korthikanti = everything * tp_activation_factor(2, False) * BATCH
+        korthikanti = everything * tp_activation_factor(2, sp) * BATCH
         print(f"{case} block {i}: rank 0 saved {got} B, predicted {predicted:.0f}, Korthikanti's share "
               f"{korthikanti:.0f} ({korthikanti / got:.3f})")

@@ -109,11 +109,12 @@ def test_estimate_under_pipeline_tensor_and_sequence_parallel_by_hand():
     tp = estimate(prof, Layout(tensor_parallel_size=2, activation_checkpointing="full"), 2)
     # the output's gradient whole (100 B), the hidden ones 1/2: 2 × 100 / 2
     assert tp.activation_bytes == int(4 * 100 * 2 + (tp_off - 100 + 100 + 100) * 2)
-    # a probe that found which saved bytes a tensor-parallel rank holds whole (its norms, their outputs, the
-    # residual): those once, the rest / t; sequence parallel keeps Korthikanti's 1/t
-    split = ac_profile(block_whole_bytes=(250,) * 4)
+    # a probe that found which saved bytes a tensor-parallel rank holds whole: those once, the rest / t; with
+    # sequence parallelism only the gathered inputs of the column-parallel layers (and what is not from the input)
+    split = ac_profile(block_whole_bytes=(250,) * 4, block_whole_sp_bytes=(120,) * 4)
     assert block_kept_bytes(split, 0, None, t=2) == 250 + 750 / 2
-    assert block_kept_bytes(split, 0, None, t=2, sequence_parallel=True) == 500
+    assert block_kept_bytes(split, 0, None, t=2, sequence_parallel=True) == 120 + 880 / 2
+    assert block_kept_bytes(ac_profile(), 0, None, t=2, sequence_parallel=True) == 500  # without: Korthikanti's 1/t
     assert block_kept_bytes(split, 0, None, t=1) == 1000
     assert block_kept_bytes(split, 0, "full", t=2) == 100
     tp_split = estimate(split, Layout(tensor_parallel_size=2, activation_checkpointing="full"), 2)
@@ -218,16 +219,21 @@ def test_a_pipeline_stage_counts_the_previous_steps_gradients_and_its_sends():
 
 
 def test_a_checkpointed_backward_peaks_at_the_loss_or_at_a_recompute_with_its_gradients():
-    # [Note: a checkpointed backward's gradients]: the head's saved tensors (500 B a sample) and their gradients
-    # beside the kept inputs, or block 3's recompute with its gradients (1000 + 300 B beside blocks 0-2's inputs)
-    # after the loss's and the head's backward freed theirs: the larger of the two, not their sum
-    prof = ac_profile(last_activation_bytes=500)
+    # [Note: a checkpointed backward's gradients]: the head's saved tensors (500 B a sample, its largest 200 B)
+    # and the gradient the loss's backward makes of that largest one beside the kept inputs, or block 3's
+    # recompute with its gradients (1000 + 300 B beside blocks 0-2's inputs) after the loss's and the head's
+    # backward freed theirs: the larger of the two, not their sum
+    prof = ac_profile(last_activation_bytes=500, head_largest_bytes=200)
     full = estimate(prof, Layout(activation_checkpointing="full"), batch_size=2).activation_bytes
     assert full == (3 * 100 + 1000 + 300) * 2  # the recompute is the larger
-    big = estimate(ac_profile(last_activation_bytes=1200), Layout(activation_checkpointing="full"), 2)
-    assert big.activation_bytes == (4 * 100 + 2 * 1200) * 2  # the loss's moment is the larger
-    # without checkpointing the forward's end is the peak: nothing is added
-    assert estimate(prof, Layout(), 2).activation_bytes == (4 * 1000 + 500) * 2
+    big = estimate(ac_profile(last_activation_bytes=1200, head_largest_bytes=600),
+                   Layout(activation_checkpointing="full"), 2)
+    assert big.activation_bytes == (4 * 100 + 1200 + 600) * 2  # the loss's moment is the larger
+    # a profile that does not say which of the head's tensors is largest: all of them, once more
+    assert estimate(ac_profile(last_activation_bytes=1200), Layout(activation_checkpointing="full"),
+                    2).activation_bytes == (4 * 100 + 2 * 1200) * 2
+    # without checkpointing the loss's moment is the peak too: every block's activations beside it
+    assert estimate(prof, Layout(), 2).activation_bytes == (4 * 1000 + 500 + 200) * 2
     # GPipe's last stage: 4 micro-batches of 2 in flight; the one that recomputes has freed its head's tensors,
     # the other three keep theirs
     lay = Layout(pipeline_parallel_size=2, microbatches=4, schedule="gpipe", activation_checkpointing="full")
