@@ -3,8 +3,9 @@ DP ZeRO-3, PP2, TP2 and PP2×TP2, measured on the ranks beside the advisor's pre
 
 1. The advisor: one activation probe of a 2-block GPT of the ladder's width, scaled to every rung
    (:func:`~lightning_par.recipes.decision.scaled_profile`: exact parameter counts, the blocks' activations
-   repeated), and :func:`~lightning_par.advisor.estimate` of each layout's busiest rank per rung; its largest rung
-   within the budget is where the measured search starts.
+   repeated), and :func:`~lightning_par.advisor.estimate` of each layout's busiest rank per rung, net of its
+   estimate of the tiny GPT's fit that the measurement subtracts ([Note: a prediction net of the baseline fit] in
+   :mod:`lightning_par.recipes.layouts`); its largest rung within the budget is where the measured search starts.
 2. The measurement (:mod:`lightning_par.recipes._capacity_job`, one fresh interpreter, every fit a forked child): per
    layout a tiny GPT's fit (what the layout's machinery costs whatever the model), then fits of ladder rungs,
    meta-built (``trainer.init_module(empty_init=True)``: no rank builds the whole model), each a few AdamW steps on
@@ -21,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from lightning_par.advisor import estimate, profile_lightning_module
+from lightning_par.advisor import profile_lightning_module
 from lightning_par.models import GPT
 from lightning_par.recipes.common import Report, figure, savefig
 from lightning_par.recipes.decision import scaled_profile
-from lightning_par.recipes.layouts import layout_for
+from lightning_par.recipes.layouts import gpt_profile, layout_for, net_bytes
 
 GiB, MiB = 1024**3, 1024**2
 
@@ -49,12 +50,12 @@ def predictions(cfg, n_layers: list[int]) -> tuple[dict[int, int], dict[str, lis
     probe = profile_lightning_module(probe_model, (tokens[:, :-1], tokens[:, 1:]), precision=cfg.precision)
     profiles = {n: scaled_profile(probe, m.vocab_size, n, m.n_embd, m.n_head, m.vocab_size, m.block_size)
                 for n in n_layers}
+    tiny = gpt_profile(dict(m), cfg.precision, **cfg.tiny)  # the baseline fit the measurement subtracts
     predicted = {}
     for name, entry in cfg.layouts.items():
         layout = layout_for(entry.kind, dict(entry.get("args", {})), entry.devices)
         global_batch = cfg.batch_size * layout.data_parallel_size
-        predicted[name] = [estimate(profiles[n], layout, global_batch, cfg.precision, "adamw").total_bytes
-                           for n in n_layers]
+        predicted[name] = [net_bytes(profiles[n], tiny, layout, global_batch, cfg.precision) for n in n_layers]
     return {n: p.total_params for n, p in profiles.items()}, predicted
 
 

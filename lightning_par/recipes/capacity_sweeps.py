@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from lightning_par.advisor import estimate, profile_lightning_module
+from lightning_par.advisor import profile_lightning_module
 from lightning_par.models import GPT
 from lightning_par.recipes.common import Report, figure, savefig
 from lightning_par.recipes.decision import scaled_profile
-from lightning_par.recipes.layouts import layout_for
+from lightning_par.recipes.layouts import gpt_profile, layout_for, net_bytes
 
 MiB = 1024**2
 
@@ -74,6 +74,9 @@ def sweep_predictions(cfg, sweep) -> tuple[dict[int, object], dict[str, dict[str
                                       m["block_size"]) for n in rungs}
     else:
         raise ValueError(f"`sweeps.*.axis={sweep.axis}` must be block_size (the sequence) or n_layer.")
+    # the baseline fit the measurement subtracts, as run_sweeps builds it ([Note: a prediction net of the baseline
+    # fit] in lightning_par/recipes/layouts.py)
+    tiny = gpt_profile(m, cfg.precision, **sweep_tiny(cfg, sweep))
     predicted = {}
     for name, entry, modes in sweep_layouts(cfg, sweep):
         for mode in modes:
@@ -81,8 +84,17 @@ def sweep_predictions(cfg, sweep) -> tuple[dict[int, object], dict[str, dict[str
                                 entry.devices)
             batch = sweep_batch(cfg, sweep) * layout.data_parallel_size
             predicted.setdefault(name, {})[mode_name(mode)] = [
-                estimate(profiles[r], layout, batch, cfg.precision, "adamw").total_bytes for r in rungs]
+                net_bytes(profiles[r], tiny, layout, batch, cfg.precision) for r in rungs]
     return profiles, predicted
+
+
+def sweep_tiny(cfg, sweep) -> dict:
+    """The sizes of a sweep's baseline fit over its model: the recipe's tiny GPT, at the sweep's shortest
+    sequence when the sequence is the axis (the machinery's cost at the shortest sequence)."""
+    tiny = dict(cfg.tiny)
+    if sweep.axis == "block_size":
+        tiny["block_size"] = list(sweep.ladder)[0]
+    return tiny
 
 
 def run_sweeps(cfg, out_dir: Path, budget: int) -> dict:
@@ -97,9 +109,7 @@ def run_sweeps(cfg, out_dir: Path, budget: int) -> dict:
         budget = int(sweep.budget_gb * GiB) if sweep.get("budget_gb") else recipe_budget
         profiles, predicted = sweep_predictions(cfg, sweep)
         rungs = list(sweep.ladder)
-        tiny = dict(cfg.tiny)
-        if sweep.axis == "block_size":
-            tiny["block_size"] = rungs[0]  # the machinery's cost at the shortest sequence
+        tiny = sweep_tiny(cfg, sweep)
         jobs, meta = [], {}
         for name, entry, modes in sweep_layouts(cfg, sweep):
             for mode in modes:

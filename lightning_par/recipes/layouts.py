@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from lightning_par.advisor import Layout, estimate, profile_lightning_module
-from lightning_par.advisor.memory import Estimate
+from lightning_par.advisor.memory import Estimate, stage_estimates
 from lightning_par.advisor.profile import ModuleProfile
 from lightning_par.recipes.common import accelerator, gpt_workload, measured_fit, start_method
 
@@ -93,3 +93,37 @@ def measure_layouts(cfg, out_dir: Path) -> list[Measured]:
                             precision=cfg.precision)
         results.append(Measured(name, layout, rows, predicted, profile))
     return results
+
+
+# [Note: a prediction net of the baseline fit]
+# The capacity and memory recipes measure each rank's peak net of the same rank's fit of a tiny GPT (the layout's
+# machinery, whatever the model: [Note: one fit, one clean process] in lightning_par/recipes/_capacity_job.py). That
+# tiny fit holds tensors too, the logits of the same vocabulary and sequence above all (a few MiB at 1024 tokens),
+# so the advisor's figure set beside the measurement is its estimate of the model net of its estimate of that tiny
+# fit, rank by rank: a pipeline stage less the same stage (the tiny GPT's busiest stage is the one with the logits,
+# the model's may be another).
+def gpt_profile(model: dict, precision: str, **overrides) -> ModuleProfile:
+    """The advisor's probe (two sequences) of the recipes' GPT of ``model`` with ``overrides`` (the tiny
+    baseline's sizes, say), built as the fits build it."""
+    from lightning_par.models import GPT
+
+    kw = {**model, **overrides}
+    torch.manual_seed(0)
+    gpt = GPT(**kw, warmup_steps=1)
+    tokens = torch.randint(0, kw["vocab_size"], (2, kw["block_size"] + 1))
+    return profile_lightning_module(gpt, (tokens[:, :-1], tokens[:, 1:]), precision=precision)
+
+
+def net_estimates(profile: ModuleProfile, base: ModuleProfile, layout: Layout, batch_size: int,
+                  precision: str) -> tuple[Estimate, Estimate]:
+    """``(model, baseline)``: the advisor's estimates of the stage whose model exceeds the baseline's same stage the
+    most ([Note: a prediction net of the baseline fit])."""
+    pairs = zip(stage_estimates(profile, layout, batch_size, precision, "adamw"),
+                stage_estimates(base, layout, batch_size, precision, "adamw"))
+    return max(pairs, key=lambda pair: pair[0].total_bytes - pair[1].total_bytes)
+
+
+def net_bytes(profile: ModuleProfile, base: ModuleProfile, layout: Layout, batch_size: int, precision: str) -> int:
+    """The advisor's busiest rank net of the baseline fit on the same rank, in bytes."""
+    est, tiny = net_estimates(profile, base, layout, batch_size, precision)
+    return est.total_bytes - tiny.total_bytes

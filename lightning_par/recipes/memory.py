@@ -5,13 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from lightning_par.advisor import korthikanti_bytes_per_layer, profile_lightning_module
-from lightning_par.advisor.memory import stage_estimates
-from lightning_par.models import GPT
+from lightning_par.advisor import korthikanti_bytes_per_layer
 from lightning_par.recipes.common import figure, Report, savefig
-from lightning_par.recipes.layouts import layout_for, measure_layouts
+from lightning_par.recipes.layouts import gpt_profile, layout_for, measure_layouts, net_estimates
 
 FIELDS = (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optim"),
           ("activation_bytes", "activ"))
@@ -98,14 +94,7 @@ def checkpointing_predictions(cfg) -> dict[str, dict[str, dict]]:
     layout's tiny-model fit under the same mode (what the measurement subtracts, [Note: a baseline per
     checkpointing mode]): one probe of each model."""
     ac = cfg.checkpointing
-
-    def probe(model_kw):
-        torch.manual_seed(0)
-        module = GPT(**model_kw, warmup_steps=1)
-        tokens = torch.randint(0, model_kw["vocab_size"], (2, model_kw["block_size"] + 1))
-        return profile_lightning_module(module, (tokens[:, :-1], tokens[:, 1:]), precision=cfg.precision)
-
-    profile, tiny = probe(dict(ac.model)), probe({**ac.model, **ac.tiny})
+    profile, tiny = gpt_profile(dict(ac.model), cfg.precision), gpt_profile(dict(ac.model), cfg.precision, **ac.tiny)
     out = {}
     for name, entry in ac.layouts.items():
         args = dict(entry.get("args", {}))
@@ -114,11 +103,8 @@ def checkpointing_predictions(cfg) -> dict[str, dict[str, dict]]:
         out[name] = {}
         for mode in entry.get("modes", ac.modes):  # a layout may measure fewer modes
             layout = layout_for(entry.kind, {**args, "activation_checkpointing": mode}, entry.devices)
-            # each rank's fit less its own tiny fit under the same mode, as measured: a pipeline stage less the same
-            # stage (the tiny GPT's busiest stage is the one with the logits, the model's may be another)
-            stages = zip(stage_estimates(profile, layout, batch, cfg.precision, "adamw"),
-                         stage_estimates(tiny, layout, batch, cfg.precision, "adamw"))
-            est, base = max(stages, key=lambda pair: pair[0].total_bytes - pair[1].total_bytes)
+            # the tiny fit under the same mode, rank by rank ([Note: a prediction net of the baseline fit])
+            est, base = net_estimates(profile, tiny, layout, batch, cfg.precision)
             states = est.total_bytes - est.activation_bytes - (base.total_bytes - base.activation_bytes)
             out[name][mode_name(mode)] = {"total": est.total_bytes - base.total_bytes, "states": states,
                                           "activations": est.activation_bytes - base.activation_bytes,
