@@ -163,9 +163,8 @@ def tp_activation_factor(t: int, sequence_parallel: bool) -> float:
 def tp_block_bytes(profile: ModuleProfile, index: int, t: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes per sample block ``index`` saves on one tensor-parallel rank: what the probe found whole once (with
     sequence parallelism the column-parallel layers' gathered inputs and what is not from the block's input) and
-    the rest / t ([Note: what tensor
-    parallelism leaves whole] in :mod:`lightning_par.advisor.profile`); Korthikanti et al.'s share for a profile
-    without those counts."""
+    the rest / t ([Note: what tensor parallelism leaves whole] in :mod:`lightning_par.advisor.profile`);
+    Korthikanti et al.'s share for a profile without those counts."""
     full = profile.block_activation_bytes[index]
     counts = profile.block_whole_sp_bytes if sequence_parallel else profile.block_whole_bytes
     if t > 1 and counts:

@@ -141,16 +141,13 @@ def _op_ledger(params: set):
                 if found is None or found[0] in seen:
                     continue
                 seen.add(found[0])
+                if found[0] not in keys:  # a new storage: a freed tensor's address may come back as another's
+                    for marks in (self.sharded, self.gathered, self.stream):
+                        marks.discard(found[0])
                 if shard:
                     self.sharded.add(found[0])
-                elif found[0] not in keys:  # new storage: a freed shard's address may come back as a whole one
-                    self.sharded.discard(found[0])
                 if stream:
                     self.stream.add(found[0])
-                if found[0] not in keys:
-                    self.gathered.discard(found[0])
-                    if not stream:
-                        self.stream.discard(found[0])
                 if kept:
                     self.saved[self.tag] = self.saved.get(self.tag, 0) + found[1]
             return out
@@ -268,6 +265,11 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
     tied = first_ids & last_ids
     shape = input_shape[0] if input_shape else torch.Size([batch_size, 1, 1])
     linear = {id(p): p for b in block_list for m in b.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+
+    def saved_per_block(counted) -> tuple[int, ...]:  # bytes per sample each block saved in storages ``counted``
+        return tuple(sum(n for k, n in meter.keys.get(i, {}).items() if counted(k)) // batch_size
+                     for i in range(len(block_list)))
+
     return ModuleProfile(
         total_params=sum(p.numel() for p in unique.values()),
         block_params=tuple(sum(p.numel() for p in b.parameters()) for b in block_list),
@@ -290,12 +292,10 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         block_kv_bytes=tuple(attention.kv.get(i, 0) // batch_size for i in range(len(block_list))),
         kv_dtype_bytes=attention.elem,
         block_attention_bytes=tuple(attention.out.get(i, 0) // batch_size for i in range(len(block_list))),
-        block_whole_bytes=tuple(sum(n for k, n in meter.keys.get(i, {}).items() if k not in ledger.sharded)
-                                // batch_size for i in range(len(block_list))),
+        block_whole_bytes=saved_per_block(lambda k: k not in ledger.sharded),
+        block_whole_sp_bytes=saved_per_block(lambda k: k not in ledger.sharded
+                                             and (k in ledger.gathered or k not in ledger.stream)),
         head_largest_bytes=max(meter.keys.get("after", {}).values(), default=0) // batch_size,
-        block_whole_sp_bytes=tuple(sum(n for k, n in meter.keys.get(i, {}).items() if k not in ledger.sharded
-                                       and (k in ledger.gathered or k not in ledger.stream))
-                                   // batch_size for i in range(len(block_list))),
     )
 
 

@@ -20,10 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from lightning_par.advisor import profile_lightning_module
-from lightning_par.models import GPT
 from lightning_par.recipes.common import Report, figure, savefig
 from lightning_par.recipes.decision import scaled_profile
 from lightning_par.recipes.layouts import gpt_profile, layout_for, net_bytes
@@ -44,10 +40,7 @@ def ladder(cfg) -> list[int]:
 def predictions(cfg, n_layers: list[int]) -> tuple[dict[int, int], dict[str, list[int]]]:
     """Parameters per rung, and per layout the advisor's bytes on its busiest rank per rung."""
     m = cfg.model
-    torch.manual_seed(0)
-    probe_model = GPT(vocab_size=m.vocab_size, block_size=m.block_size, n_layer=2, n_head=m.n_head, n_embd=m.n_embd)
-    tokens = torch.randint(0, m.vocab_size, (1, m.block_size + 1))
-    probe = profile_lightning_module(probe_model, (tokens[:, :-1], tokens[:, 1:]), precision=cfg.precision)
+    probe = gpt_profile(dict(m), cfg.precision, sequences=1, n_layer=2)
     profiles = {n: scaled_profile(probe, m.vocab_size, n, m.n_embd, m.n_head, m.vocab_size, m.block_size)
                 for n in n_layers}
     tiny = gpt_profile(dict(m), cfg.precision, **cfg.tiny)  # the baseline fit the measurement subtracts

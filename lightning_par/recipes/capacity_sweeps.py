@@ -20,10 +20,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from lightning_par.advisor import profile_lightning_module
-from lightning_par.models import GPT
 from lightning_par.recipes.common import Report, figure, savefig
 from lightning_par.recipes.decision import scaled_profile
 from lightning_par.recipes.layouts import gpt_profile, layout_for, net_bytes
@@ -33,14 +29,6 @@ MiB = 1024**2
 
 def mode_name(mode) -> str:
     return "off" if mode is None else (mode if isinstance(mode, str) else f"every {mode}")
-
-
-def _probe(model: dict, block_size: int, precision: str):
-    torch.manual_seed(0)
-    gpt = GPT(vocab_size=model["vocab_size"], block_size=block_size, n_layer=2, n_head=model["n_head"],
-              n_embd=model["n_embd"])
-    tokens = torch.randint(0, model["vocab_size"], (1, block_size + 1))
-    return profile_lightning_module(gpt, (tokens[:, :-1], tokens[:, 1:]), precision=precision)
 
 
 def sweep_layouts(cfg, sweep) -> list[tuple[str, object, list]]:
@@ -66,10 +54,11 @@ def sweep_predictions(cfg, sweep) -> tuple[dict[int, object], dict[str, dict[str
     """The profile of every rung of ``sweep`` and, per layout and mode, the advisor's busiest rank per rung."""
     m, rungs = dict(sweep.model), list(sweep.ladder)
     if sweep.axis == "block_size":
-        profiles = {s: scaled_profile(_probe(m, s, cfg.precision), m["vocab_size"], m["n_layer"], m["n_embd"],
-                                      m["n_head"], m["vocab_size"], s) for s in rungs}
+        probes = {s: gpt_profile(m, cfg.precision, 1, n_layer=2, block_size=s) for s in rungs}  # 2 blocks a length
+        profiles = {s: scaled_profile(probes[s], m["vocab_size"], m["n_layer"], m["n_embd"], m["n_head"],
+                                      m["vocab_size"], s) for s in rungs}
     elif sweep.axis == "n_layer":
-        probe = _probe(m, m["block_size"], cfg.precision)
+        probe = gpt_profile(m, cfg.precision, 1, n_layer=2)
         profiles = {n: scaled_profile(probe, m["vocab_size"], n, m["n_embd"], m["n_head"], m["vocab_size"],
                                       m["block_size"]) for n in rungs}
     else:

@@ -95,6 +95,18 @@ def measure_layouts(cfg, out_dir: Path) -> list[Measured]:
     return results
 
 
+def gpt_profile(model: dict, precision: str, sequences: int = 2, **overrides) -> ModuleProfile:
+    """The advisor's probe, on ``sequences`` random sequences, of the recipes' GPT of ``model`` with ``overrides``
+    (the tiny baseline's sizes, a sweep's rung), built as the fits build it."""
+    from lightning_par.models import GPT
+
+    kw = {**model, **overrides}
+    torch.manual_seed(0)
+    gpt = GPT(**kw, warmup_steps=1)
+    tokens = torch.randint(0, kw["vocab_size"], (sequences, kw["block_size"] + 1))
+    return profile_lightning_module(gpt, (tokens[:, :-1], tokens[:, 1:]), precision=precision)
+
+
 # [Note: a prediction net of the baseline fit]
 # The capacity and memory recipes measure each rank's peak net of the same rank's fit of a tiny GPT (the layout's
 # machinery, whatever the model: [Note: one fit, one clean process] in lightning_par/recipes/_capacity_job.py). That
@@ -102,18 +114,6 @@ def measure_layouts(cfg, out_dir: Path) -> list[Measured]:
 # so the advisor's figure set beside the measurement is its estimate of the model net of its estimate of that tiny
 # fit, rank by rank: a pipeline stage less the same stage (the tiny GPT's busiest stage is the one with the logits,
 # the model's may be another).
-def gpt_profile(model: dict, precision: str, **overrides) -> ModuleProfile:
-    """The advisor's probe (two sequences) of the recipes' GPT of ``model`` with ``overrides`` (the tiny
-    baseline's sizes, say), built as the fits build it."""
-    from lightning_par.models import GPT
-
-    kw = {**model, **overrides}
-    torch.manual_seed(0)
-    gpt = GPT(**kw, warmup_steps=1)
-    tokens = torch.randint(0, kw["vocab_size"], (2, kw["block_size"] + 1))
-    return profile_lightning_module(gpt, (tokens[:, :-1], tokens[:, 1:]), precision=precision)
-
-
 def net_estimates(profile: ModuleProfile, base: ModuleProfile, layout: Layout, batch_size: int,
                   precision: str) -> tuple[Estimate, Estimate]:
     """``(model, baseline)``: the advisor's estimates of the stage whose model exceeds the baseline's same stage the
