@@ -49,10 +49,16 @@ def _failing_once(out):
     import time
 
     rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    (out / f"r{rank}-{restart}").write_text(f"{os.environ['WORLD_SIZE']} {os.environ['TORCHELASTIC_RUN_ID']} "
-                                            f"{os.environ['GIVEN']}")
+    record = out / f"r{rank}-{restart}"
+    # written whole, then renamed: the agent's SIGTERM may stop rank 0 at any point after it
+    record.with_suffix(".tmp").write_text(f"{os.environ['WORLD_SIZE']} {os.environ['TORCHELASTIC_RUN_ID']} "
+                                          f"{os.environ['GIVEN']}")
+    os.replace(record.with_suffix(".tmp"), record)
     if restart == 0:
         if rank == 1:
+            deadline = time.monotonic() + TIMEOUT_S
+            while not (out / "r0-0").exists() and time.monotonic() < deadline:  # rank 0 has recorded its attempt
+                time.sleep(0.01)
             raise RuntimeError("rank 1 fails")
         time.sleep(TIMEOUT_S)  # until its agent stops it
 
