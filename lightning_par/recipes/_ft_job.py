@@ -141,7 +141,8 @@ class StepRecord(pl.Callback):
         self.path, self.sleep_s = path, sleep_s
 
     def _replica(self, trainer):
-        return getattr(trainer.strategy, "_replica", None)
+        ft = getattr(trainer.strategy, "_ft", None)  # the strategy's fault tolerance (its replica once joined)
+        return ft.replica if ft is not None else None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._before = state_digest(pl_module, trainer.optimizers[0])

@@ -1,30 +1,20 @@
-"""What the strategies share (the checks of their arguments are the option groups', in :mod:`lightning_par.options`),
-and for the strategies that lay ranks out on a :class:`~lightning_par.topology.Topology` (pipeline, tensor) the
-layout, one process group per mesh axis and the checkpoint hooks (:mod:`lightning_par.strategies._checkpoint`).
-"""
+"""The strategies' layout (sizes resolved and checked, the process groups) and their checks beside the option
+groups' (:mod:`lightning_par.options`)."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Optional
 
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_par.strategies._checkpoint import CheckpointMixin
-from lightning_par.strategies._checkpoint_io import AtomicSaves
-from lightning_par.strategies._materialize import MaterializingStrategy
-from lightning_par.strategies._nonfinite import NonFiniteChecks
-from lightning_par.strategies._optimizer_step import OptimizerStep
-from lightning_par.strategies._registry import RegisteredByName
-from lightning_par.strategies._waits import NamedWaits
+from lightning_par.context.layout import check_context_layout
+from lightning_par.parallelize import Groups
 from lightning_par.topology import Topology
-
 
 def size_names(cls: type) -> tuple[str, ...]:
     """The parallel sizes the constructor of strategy ``cls`` takes (a preset fixes the others): what a size
     error names."""
     return tuple(n for n in inspect.signature(cls.__init__).parameters if n.endswith("_parallel_size"))
-
 
 def check_accumulation(trainer) -> None:
     """``Trainer(accumulate_grad_batches=...)`` is a positive integer (Lightning itself would divide by it)."""
@@ -34,56 +24,47 @@ def check_accumulation(trainer) -> None:
                          f"accumulation, k: one optimizer step every k batches).")
 
 
-class LayoutStrategy(OptimizerStep, CheckpointMixin, AtomicSaves, NonFiniteChecks, NamedWaits, RegisteredByName,
-                     MaterializingStrategy, DDPStrategy):
-    """Base of the strategies whose ranks sit on a :class:`Topology`: its :attr:`topology` (resolved by the
-    subclass's ``setup_environment``), the data-parallel sampler, process groups per mesh axis, the
-    checkpoint hooks of :class:`~lightning_par.strategies._checkpoint.CheckpointMixin` (one file, or with
-    ``save_distributed_checkpoint=True`` a DCP directory; ``async_save=True`` writes in the background; both
-    atomic), meta builds and ``weights=`` (:class:`MaterializingStrategy`), ``nonfinite`` and named waits."""
+def resolve_topology(options, world: int, *, model_axis: Optional[str], order, named) -> Topology:
+    """The layout of ``world`` ranks from the core's option groups, checked (the same error on every rank)."""
+    topo = Topology.resolve(world, model_axis=model_axis, order=order, named=named, **options.layout.sizes)
+    o = options
+    check_context_layout(topo.context_parallel_size, pipeline_parallel_size=topo.pipeline_parallel_size,
+                         zero_stage=o.sharding.zero_stage, fault_tolerance=o.fault_tolerance.fault_tolerance,
+                         sequence_parallel=o.tensor.sequence_parallel, loss_parallel=o.tensor.loss_parallel,
+                         schedule=o.pipeline.schedule, stages_per_rank=o.pipeline.stages_per_rank)
+    return topo
 
-    def __init__(self, options, *, accelerator=None, parallel_devices=None, cluster_environment=None,
-                 checkpoint_io=None, precision_plugin=None) -> None:
-        """``options``: the strategy's frozen groups, checked ([Note: flat keywords, grouped options] in
-        :mod:`lightning_par.options`); this base reads ``checkpointing``, ``weights``, ``steps`` and ``launch``."""
-        self._init_checkpointing(save_distributed_checkpoint=options.checkpointing.save_distributed_checkpoint,
-                                 async_save=options.checkpointing.async_save)
-        self._set_nonfinite(options.steps.nonfinite)
-        launch = options.launch
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=launch.process_group_backend,
-                         start_method=launch.start_method, timeout=launch.collective_timeout)
-        self._set_weights(options.weights.weights, options.weights.weights_prefix)
-        self._topology: Optional[Topology] = None
 
-    @property
-    def topology(self) -> Topology:
-        if self._topology is None:
-            raise RuntimeError(f"The layout of {type(self).__name__} exists once its processes are set up "
-                               f"(`setup_environment`, in Trainer.fit / validate / test / predict).")
-        return self._topology
+def new_groups(topology: Topology, axis: str, rank: int, timeout):
+    """A process group for every group of ranks along ``axis`` (none of one rank); ``rank``'s, or None."""
+    mine = None
+    for ranks in topology.all_groups(axis):  # same order on every rank, as new_group requires
+        if len(ranks) == 1:
+            continue
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.topology.sampler_kwargs(self.global_rank)  # only data-parallel replicas split the data
 
-    def _consolidates_weights(self) -> bool:
-        return True  # stages and shards: the caller's module receives them assembled (ConsolidatingLauncher)
-
-    def _new_groups(self, axis: str):
-        """A process group for every group of ranks along ``axis`` (none of one rank); this rank's, or None."""
-        mine = None
-        for ranks in self.topology.all_groups(axis):  # same order on every rank, as new_group requires
-            if len(ranks) == 1:
-                continue
-            group = dist.new_group(ranks, timeout=self._timeout)
-            if self.global_rank in ranks:
-                mine = group
-        return mine
-
-    def _checkpoint_layout(self) -> dict[str, Any]:
-        topo = self.topology
-        return {**super()._checkpoint_layout(), "data_parallel_size": topo.data_parallel_size,
-                "pipeline_parallel_size": topo.pipeline_parallel_size,
-                "tensor_parallel_size": topo.tensor_parallel_size}
+def build_groups(topo: Topology, rank: int, device_type: str, *, timeout, pipelined: bool, stages_per_rank: int,
+                 sharded_replicas: bool) -> Groups:
+    """One group per replica set, and with a pipeline per pipeline, point-to-point direction and result
+    mailbox; the ``DeviceMesh`` with one stage, several tensor-parallel ranks or FSDP replicas."""
+    dp = new_groups(topo, "dp", rank, timeout)
+    cp = new_groups(topo, "cp", rank, timeout)  # the ranks sharing every sequence (lightning_par.context)
+    pp = result = None
+    p2p: tuple = (None, None, None, None)
+    if pipelined:
+        pp = new_groups(topo, "pp", rank, timeout)
+        # activations up, gradients down, and with several chunks per rank the same to a lower / higher
+        # rank (the ring wraps around): [Note: one direction per group] in pipeline/p2p.py
+        chunks = stages_per_rank if topo.pipeline_parallel_size > 1 else 1
+        p2p = tuple(new_groups(topo, "pp", rank, timeout) for _ in range(2 if chunks == 1 else 4))
+        result = new_groups(topo, "pp", rank, timeout)  # the last stage's step results: [Note: result mailbox]
+    mesh = tp = None
+    if topo.tensor_parallel_size > 1 or not pipelined or sharded_replicas:
+        mesh = topo.build_mesh(device_type, timeout=timeout)
+        tp = mesh["tp"].get_group() if topo.tensor_parallel_size > 1 else None
+    return Groups(dp=dp, pp=pp, tp=tp, cp=cp, mesh=mesh, p2p=p2p, result=result, timeout=timeout,
+                  sharded_replicas=sharded_replicas)

@@ -1,22 +1,20 @@
 """The checkpoint hooks every lightning_par strategy shares: one format for every layout.
 
-A strategy mixes in :class:`CheckpointMixin` (before Lightning's base in the MRO), calls
-:meth:`CheckpointMixin._init_checkpointing` in its constructor and, where its layout needs it, overrides
-the small interface below; everything else (what Lightning calls: ``lightning_module_state_dict``,
-``optimizer_state``, ``save_checkpoint``, ``load_checkpoint``, ``load_model_state_dict``,
-``load_optimizer_state_dict``, ``remove_checkpoint``) is here and the work is in :mod:`lightning_par.checkpoint`.
+The strategy owns a :class:`Checkpointer` and calls it from each of Lightning's checkpoint hooks
+(``lightning_module_state_dict``, ``optimizer_state``, ``save_checkpoint``, ``load_checkpoint``,
+``load_model_state_dict``, ``load_optimizer_state_dict``, ``remove_checkpoint``); the work is in
+:mod:`lightning_par.checkpoint`. The strategy answers the layout's questions (its engine's answers):
 
-The interface (defaults: a module whose parameters are whole or DTensors on every rank):
-
-- ``_checkpoint_model_share()``: the module state-dict entries this rank writes (default: all it holds;
-  identical replicas are written once). A pipeline stage leaves out the copies it never trains.
-- ``_checkpoint_writes_param(param, name)``: whether this rank writes ``name``'s optimizer state (default True).
-- ``_checkpoint_expected_keys()``: the whole unchanged module's state-dict keys (default: the module's own).
-- ``_record_one_device_order()``: call at setup, *before* splitting the module, where this rank's optimizer
-  will not hold the whole module's parameters (a pipeline stage); otherwise the live optimizer's groups are
-  one device's order already (tensor parallel, FSDP and ZeRO keep every parameter and its name).
+- ``_checkpoint_model_share()``: the module state-dict entries this rank writes (all it holds; identical replicas
+  are written once). A pipeline stage leaves out the copies it never trains.
+- ``_checkpoint_writes_param(param, name)``: whether this rank writes ``name``'s optimizer state.
+- ``_checkpoint_expected_keys()``: the whole unchanged module's state-dict keys.
 - ``_checkpoint_layout()``: a dict describing the layout (``lightning-par-checkpoint inspect`` prints it).
 - ``_checkpoint_prepare()``: bring the module to its at-rest layout before reading or writing it (FSDP: reshard).
+
+:meth:`Checkpointer.record_one_device_order` is called at setup, *before* splitting the module, where this rank's
+optimizer will not hold the whole module's parameters (a pipeline stage); otherwise the live optimizer's groups are
+one device's order already (tensor parallel, FSDP and ZeRO keep every parameter and its name).
 
 [Note: two forms of one checkpoint]
 ``save_distributed_checkpoint=False``: one file in plain Lightning's one-device format (the module's full
@@ -31,7 +29,7 @@ from __future__ import annotations
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -86,50 +84,32 @@ def check_fit(where: str, module_name: str, expected, targets: Mapping[str, torc
                          "and unexpected keys.)")
 
 
-class CheckpointMixin:
-    """Checkpoint hooks for a Lightning ``Strategy`` (see the module docstring for the interface)."""
+class Checkpointer:
+    """The checkpoint hooks' work for ``strategy`` (which calls it from each Lightning hook and implements the
+    interface of the module docstring): owned by the strategy, one per strategy."""
 
-    def _init_checkpointing(self, *, save_distributed_checkpoint: bool, async_save: bool) -> None:
-        self._save_distributed_checkpoint, self._async_save = save_distributed_checkpoint, async_save
-        self._ckpt_source: Optional[str] = None  # a DCP directory being restored
-        self._ckpt_where = "the checkpoint"
+    def __init__(self, strategy, *, save_distributed_checkpoint: bool, async_save: bool) -> None:
+        self.s = strategy
+        self.distributed, self.async_save = save_distributed_checkpoint, async_save
+        self.source: Optional[str] = None  # a DCP directory being restored
+        self.where = "the checkpoint"
         self._one_device_orders: Optional[list] = None
         self._pending_save = None  # (future, done event) of a background save
         self._save_group = None
         self._writer: Optional[ThreadPoolExecutor] = None
 
-    # -- the interface (override where the layout needs it) -------------------------------------------
-    @property
-    def _checkpoint_module(self) -> torch.nn.Module:
-        return self.lightning_module
-
-    def _checkpoint_model_share(self) -> dict[str, Any]:
-        return self._checkpoint_module.state_dict()
-
-    def _checkpoint_writes_param(self, param: torch.Tensor, name: str) -> bool:
-        return True
-
-    def _checkpoint_expected_keys(self) -> list[str]:
-        return list(self._checkpoint_module.state_dict())
-
-    def _checkpoint_layout(self) -> dict[str, Any]:
-        return {"strategy": getattr(self, "strategy_name", type(self).__name__), "world_size": self.world_size}
-
-    def _checkpoint_prepare(self) -> None:
-        pass
-
-    def _record_one_device_order(self) -> None:
+    def record_one_device_order(self) -> None:
         """Record which parameter names each group of ``configure_optimizers`` holds on the whole module, before
         the module is split. [Note: recording one device's order] ``configure_optimizers`` is called once more
         for this (its optimizers and schedulers are dropped): only the user's own code knows which parameters
         go to which group, in which order, and a stage's optimizer holds only its own."""
-        module = self._checkpoint_module
+        module = self.s.lightning_module
         names = {id(p): n for n, p in module.named_parameters()}
         self._one_device_orders = [live_order(_unwrap(o), names) for o in lightning_optimizers(module)]
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _param_names(self) -> dict[int, str]:
-        return {id(p): n for n, p in self._checkpoint_module.named_parameters()}
+        return {id(p): n for n, p in self.s.lightning_module.named_parameters()}
 
     def _one_device_order(self, index: int, optimizer) -> list[list[str]]:
         if self._one_device_orders is not None:
@@ -140,7 +120,7 @@ class CheckpointMixin:
         return live_order(optimizer, self._param_names())
 
     def _optimizer_index(self, optimizer) -> int:
-        ids = [id(_unwrap(o)) for o in self.optimizers]
+        ids = [id(_unwrap(o)) for o in self.s.optimizers]
         if id(optimizer) not in ids:
             raise RuntimeError(f"{type(optimizer).__name__} is not one of the strategy's optimizers.")
         return ids.index(id(optimizer))
@@ -149,8 +129,8 @@ class CheckpointMixin:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        orders = [self._one_device_order(i, _unwrap(o)) for i, o in enumerate(self.optimizers)]
-        return {"format": FORMAT_VERSION, "layout": self._checkpoint_layout(), "param_names": orders, "rng": rng}
+        orders = [self._one_device_order(i, _unwrap(o)) for i, o in enumerate(self.s.optimizers)]
+        return {"format": FORMAT_VERSION, "layout": self.s._checkpoint_layout(), "param_names": orders, "rng": rng}
 
     @staticmethod
     def _restore_rng(info: Any) -> None:
@@ -164,34 +144,34 @@ class CheckpointMixin:
 
     # -- writing ----------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._save_distributed_checkpoint:
-            self._checkpoint_prepare()
-            return self._checkpoint_model_share()  # each rank writes its part: [Note: one sharded format]
+        if self.distributed:
+            self.s._checkpoint_prepare()
+            return self.s._checkpoint_model_share()  # each rank writes its part: [Note: one sharded format]
         return self.consolidated_state()
 
     def consolidated_state(self) -> dict[str, Any]:
         """The whole unchanged module's state dict on global rank 0 (``{}`` elsewhere; every rank calls it):
         the consolidated file's, and what a fork / spawn launch hands back to the calling process."""
-        self._checkpoint_prepare()
-        merged = gather_share(self._checkpoint_model_share())  # [Note: who sends what when consolidating]
-        if not self.is_global_zero:
+        self.s._checkpoint_prepare()
+        merged = gather_share(self.s._checkpoint_model_share())  # [Note: who sends what when consolidating]
+        if not self.s.is_global_zero:
             return {}
-        keys = self._checkpoint_expected_keys()
+        keys = self.s._checkpoint_expected_keys()
         lost = [k for k in keys if k not in merged]
         if lost:
-            raise RuntimeError(f"Consolidating the state dict of {type(self._checkpoint_module).__name__} lost "
+            raise RuntimeError(f"Consolidating the state dict of {type(self.s.lightning_module).__name__} lost "
                                f"{lost[:5]}: no rank wrote them.")
         known = set(keys)
         return {**{k: merged[k] for k in keys}, **{k: v for k, v in merged.items() if k not in known}}
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
-        state = named_state(local_optimizer(optimizer), self._param_names(), self._checkpoint_writes_param)
+        state = named_state(local_optimizer(optimizer), self._param_names(), self.s._checkpoint_writes_param)
         groups = named_groups(optimizer, self._one_device_order(self._optimizer_index(optimizer), optimizer))
-        if self._save_distributed_checkpoint:
+        if self.distributed:
             return {"state": state, "param_groups": groups}
         merged = gather_share({(n, k): v for n, entry in state.items() for k, v in entry.items()})
-        if not self.is_global_zero:
+        if not self.s.is_global_zero:
             return {}
         nested: dict[str, dict[str, Any]] = {}
         for (name, key), value in merged.items():
@@ -199,27 +179,27 @@ class CheckpointMixin:
         return to_positional(nested, groups)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        self._finish_save()
-        path = self.broadcast(str(filepath))
+        self.finish_save()
+        path = self.s.broadcast(str(filepath))
         info = self._checkpoint_info()
-        if not self._save_distributed_checkpoint:
-            if not self.is_global_zero:
+        if not self.distributed:
+            if not self.s.is_global_zero:
                 return
             checkpoint = {**checkpoint, INFO_KEY: info}
-            if not self._async_save:
-                return self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            if not self.async_save:
+                return self.s.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             self._save_in_background(_cloned(checkpoint), path, storage_options)
             return
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         flat = sharded.flatten(checkpoint.get("state_dict", {}), checkpoint.get("optimizer_states", []),
-                               {**meta, INFO_KEY: info} if self.is_global_zero else None)
-        if self._async_save:
+                               {**meta, INFO_KEY: info} if self.s.is_global_zero else None)
+        if self.async_save:
             if self._save_group is None and dist.is_initialized():
                 # a group of its own: the background save's collectives must not interleave with training's
                 self._save_group = dist.new_group(backend="gloo")
             future = sharded.start_save(path, flat, async_save=True, process_group=self._save_group)
             done = threading.Event()
-            rank_zero = self.is_global_zero
+            rank_zero = self.s.is_global_zero
 
             def finish(f):
                 try:
@@ -231,9 +211,9 @@ class CheckpointMixin:
             self._pending_save = (future, done)
             return
         sharded.start_save(path, flat)
-        if self.is_global_zero:
+        if self.s.is_global_zero:
             sharded.publish(sharded.incomplete(path), path)  # dcp.save returned on every rank: all is written
-        self.barrier("save_distributed_checkpoint")
+        self.s.barrier("save_distributed_checkpoint")
 
     def _save_in_background(self, checkpoint: dict, path: str, storage_options) -> None:
         """Rank 0 writes the consolidated file from a thread, under a temporary name renamed when complete."""
@@ -243,53 +223,46 @@ class CheckpointMixin:
 
         def write():
             try:  # under a hidden temporary, renamed when complete ([Note: atomic checkpoints])
-                write_file(path, lambda tmp: self.checkpoint_io.save_checkpoint(checkpoint, tmp,
+                write_file(path, lambda tmp: self.s.checkpoint_io.save_checkpoint(checkpoint, tmp,
                                                                                 storage_options=storage_options))
             finally:
                 done.set()
         self._pending_save = (self._writer.submit(write), done)
 
-    def _finish_save(self) -> None:
+    def finish_save(self) -> None:
         """Wait for a background save to complete (its errors raised here)."""
-        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        pending, self._pending_save = self._pending_save, None
         if pending is not None:
             future, done = pending
             future.result()
             done.wait()
 
-    def remove_checkpoint(self, filepath) -> None:
-        self._finish_save()
-        super().remove_checkpoint(filepath)
-
-    def _close_checkpointing(self) -> None:
+    def close(self) -> None:
         """At teardown: finish a background save, release its thread and group."""
-        self._finish_save()
-        if getattr(self, "_writer", None) is not None:
+        self.finish_save()
+        if self._writer is not None:
             self._writer.shutdown()
             self._writer = None
-        if getattr(self, "_save_group", None) is not None and dist.is_initialized():
+        if self._save_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._save_group)
         self._save_group = None
 
-    def teardown(self) -> None:
-        self._close_checkpointing()
-        super().teardown()
-
     # -- reading ----------------------------------------------------------------------------------------
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        self._finish_save()
-        path = self.broadcast(str(checkpoint_path))
-        self._ckpt_where = path
+    def load_checkpoint(self, checkpoint_path, read: Callable[[str], Any]) -> dict[str, Any]:
+        """``read``: Lightning's own reading of a file (the strategy's ``checkpoint_io``)."""
+        self.finish_save()
+        path = self.s.broadcast(str(checkpoint_path))
+        self.where = path
         if sharded.is_sharded(path):
-            self._ckpt_source = path
+            self.source = path
             checkpoint = {**sharded.read_meta(path), "state_dict": {}}
             count = sharded.optimizer_count(path)
             if count:  # none (save_weights_only): Lightning's own message if a fit needs them
                 checkpoint["optimizer_states"] = [None] * count
         else:
-            self._ckpt_source = None
+            self.source = None
             try:
-                checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+                checkpoint = read(path)
             except FileNotFoundError:
                 raise
             except Exception as err:
@@ -301,18 +274,18 @@ class CheckpointMixin:
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._checkpoint_prepare()
-        module = self._checkpoint_module
+        self.s._checkpoint_prepare()
+        module = self.s.lightning_module
         targets = module.state_dict()
-        if self._ckpt_source is not None:
-            saved_shapes = sharded.model_names(self._ckpt_source)
+        if self.source is not None:
+            saved_shapes = sharded.model_names(self.source)
         else:
             saved = checkpoint["state_dict"]
             saved_shapes = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)}
-        check_fit(self._ckpt_where, type(module).__name__, self._checkpoint_expected_keys(), targets, saved_shapes,
+        check_fit(self.where, type(module).__name__, self.s._checkpoint_expected_keys(), targets, saved_shapes,
                   strict)
-        if self._ckpt_source is not None:
-            loaded = sharded.load_model(self._ckpt_source, {k: v for k, v in targets.items() if k in saved_shapes})
+        if self.source is not None:
+            loaded = sharded.load_model(self.source, {k: v for k, v in targets.items() if k in saved_shapes})
         else:
             loaded = {k: (local_shard_like(saved[k], targets[k]) if isinstance(saved[k], torch.Tensor) else saved[k])
                       for k in targets if k in saved}
@@ -320,19 +293,19 @@ class CheckpointMixin:
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         saved = checkpoint["optimizer_states"]
-        if len(saved) != len(self.optimizers):
-            raise ValueError(f"The checkpoint {self._ckpt_where} holds the state of {len(saved)} optimizers; "
-                             f"`configure_optimizers` returns {len(self.optimizers)}.")
+        if len(saved) != len(self.s.optimizers):
+            raise ValueError(f"The checkpoint {self.where} holds the state of {len(saved)} optimizers; "
+                             f"`configure_optimizers` returns {len(self.s.optimizers)}.")
         names = self._param_names()
-        for i, wrapped in enumerate(self.optimizers):
+        for i, wrapped in enumerate(self.s.optimizers):
             optimizer = _unwrap(wrapped)
-            if self._ckpt_source is not None:  # only the state this rank keeps (ZeRO-1: its partition)
+            if self.source is not None:  # only the state this rank keeps (ZeRO-1: its partition)
                 params = {names[id(p)]: p for p in flat_params(local_optimizer(optimizer))}
-                state, groups = sharded.load_optimizer(self._ckpt_source, i, params)
+                state, groups = sharded.load_optimizer(self.source, i, params)
             else:
-                state, groups = from_positional(saved[i], self._one_device_order(i, optimizer), where=self._ckpt_where)
-            load_named(optimizer, state, groups, names, where=self._ckpt_where)
-            optimizer_to_device(wrapped, self.root_device)
+                state, groups = from_positional(saved[i], self._one_device_order(i, optimizer), where=self.where)
+            load_named(optimizer, state, groups, names, where=self.where)
+            optimizer_to_device(wrapped, self.s.root_device)
 
 
-__all__ = ["CheckpointMixin", "INFO_KEY", "check_fit"]
+__all__ = ["Checkpointer", "INFO_KEY", "check_fit"]

@@ -31,70 +31,17 @@ changing from step to step, so each group reports the mean over its own batch (t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import torch
 
+from lightning_par.dp import zero
 from lightning_par.dp.comm_hooks import HookAverage
 from lightning_par.memory.checkpointing import Checkpointed, apply_activation_checkpointing
+from lightning_par.strategies._checkpoint import _unwrap
 from lightning_par.strategies._periodic_sync import PeriodicSyncHooks
-from lightning_par.options import (BlockOptions, CommHookOptions, MemoryOptions, PipelineOptions, ShardingOptions,
-                                   SyncOptions, TensorOptions)
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """The strategy's frozen option groups an engine reads (:mod:`lightning_par.options`), with what the layout
-    resolves in them: ``microbatches`` a number (2 x stages when not given), ``stages_per_rank`` 1 with one stage
-    (nothing to interleave)."""
-
-    pipeline: PipelineOptions = PipelineOptions()
-    tensor: TensorOptions = TensorOptions()
-    sharding: ShardingOptions = ShardingOptions()
-    stack: BlockOptions = BlockOptions()
-    memory: MemoryOptions = MemoryOptions()  # lightning_par.memory.checkpointing
-    stages: int = 1  # the layout's pipeline_parallel_size
-    sync: SyncOptions = SyncOptions()  # the replica engine's sync="local_sgd" | "diloco" (lightning_par.dp.local_sgd)
-    comm: CommHookOptions = CommHookOptions()  # the pipeline / SPMD engines' (the replica engine's DDP has its own)
-
-    @property
-    def microbatches(self) -> int:
-        return self.pipeline.microbatches or 2 * self.stages
-
-    @property
-    def given_microbatches(self) -> Optional[int]:  # as the user gave it (None: 2 x stages), checked against the batch
-        return self.pipeline.microbatches
-
-    @property
-    def stages_per_rank(self) -> int:
-        return self.pipeline.stages_per_rank if self.stages > 1 else 1
-
-    schedule = property(lambda self: self.pipeline.schedule)
-    blocks = property(lambda self: self.stack.blocks)
-    balance = property(lambda self: self.pipeline.balance)
-    strict_batch_semantics = property(lambda self: self.pipeline.strict_batch_semantics)
-    plan = property(lambda self: self.tensor.plan)
-    sequence_parallel = property(lambda self: self.tensor.sequence_parallel)
-    loss_parallel = property(lambda self: self.tensor.loss_parallel)
-    zero_stage = property(lambda self: self.sharding.zero_stage)
-    activation_checkpointing = property(lambda self: self.memory.activation_checkpointing)
-    offload = property(lambda self: self.memory.offload)
-
-
-@dataclass(frozen=True)
-class Groups:
-    """This rank's process groups (None: a group of one rank) and the ``DeviceMesh`` (None without one)."""
-
-    dp: Any = None
-    pp: Any = None
-    tp: Any = None
-    cp: Any = None  # the ranks sharing every sequence (lightning_par.context)
-    mesh: Any = None
-    p2p: tuple = (None, None, None, None)
-    result: Any = None
-    timeout: Optional[timedelta] = None
-    sharded_replicas: bool = False  # zero_stage 2 / 3 with several replicas: FSDP2 over the ``dp`` axis
+from lightning_par.tensor.mixed import split_step_by_kind
+from lightning_par.parallelize import EngineOptions, Groups, Rank  # noqa: F401  - the engines' values
 
 
 @dataclass(frozen=True)
@@ -142,6 +89,12 @@ class Engine(PeriodicSyncHooks):
 
     def install(self) -> None:
         """``configure_ddp`` (DDPStrategy.setup, before the optimizers): what must exist before them."""
+
+    def rank_values(self) -> Rank:
+        """Where this rank stands, as the parallelize order reads it (:class:`lightning_par.parallelize.Rank`)."""
+        s = self.strategy
+        return Rank(device=s.root_device, rank=s.global_rank, world_size=s.world_size, topology=s.topology,
+                    precision=s.precision_plugin.precision, owner=type(s).__name__)
 
     def checkpoint_blocks(self, module: torch.nn.Module, blocks: Optional[str]) -> None:
         """``activation_checkpointing`` on ``module``'s block stacks (``blocks``: the main one's name), taken out at
@@ -199,7 +152,21 @@ class Engine(PeriodicSyncHooks):
         return None
 
     def layout(self) -> dict[str, Any]:
-        return {}
+        """The layout a checkpoint records (``lightning-par-checkpoint inspect`` prints it)."""
+        topo = self.strategy.topology
+        return {"data_parallel_size": topo.data_parallel_size, "pipeline_parallel_size": topo.pipeline_parallel_size,
+                "tensor_parallel_size": topo.tensor_parallel_size, "mesh_order": "_".join(topo.order)}
+
+    def wrap_optimizers(self, optimizers: list, schedulers: list) -> tuple[list, list]:
+        """``setup_optimizers``: ZeRO-1 over the ``dp`` group ([Note: ZeRO on the core's data axis]) and, with a
+        mesh, DTensor and plain parameters stepped apart ([Note: mixed DTensor ...]): the optimizers and the step
+        hooks (taken out at teardown)."""
+        topo = self.strategy.topology
+        if self.options.zero_stage == 1 and topo.data_parallel_size > 1:
+            optimizers = zero.shard_optimizers(optimizers, schedulers, self.groups.dp)
+        if self.groups.mesh is None:
+            return optimizers, []
+        return optimizers, [split_step_by_kind(zero.local_optimizer(_unwrap(opt))) for opt in optimizers]
 
     def reshard(self) -> None:
         """After forward-only passes and before checkpoints: the module at rest."""

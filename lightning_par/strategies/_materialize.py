@@ -9,7 +9,7 @@ import contextlib
 import gc
 import os
 import tempfile
-from typing import Any, Generator, Mapping, Optional
+from typing import Generator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,66 +22,52 @@ from lightning_par.materialize import (assign_state, free_parameters, has_meta, 
 from lightning_par.weights import WeightsReader
 
 
-class MaterializingStrategy:
-    """Mixin of our strategies (before Lightning's base in the bases): ``tensor_init_context`` builds parameters
-    on the meta device when ``_meta_build()`` says so, and :meth:`_place_share` gives this rank's share
-    storage, initializes it and reads ``weights=`` into it."""
+class Weights:
+    """The strategy's weights reader: ``weights=`` / ``weights_prefix=`` opened and checked against the whole module
+    before anything is placed, then read into this rank's share by :meth:`place`, which first gives the share
+    storage and initializes it. Owned by the strategy; ``strategy``: its ``root_device``, its name in refusals."""
 
-    _weights: Optional[str] = None
-    _weights_prefix: str = ""
-    _weights_reader: Optional[WeightsReader] = None
-    _weights_read = False
-    _restore_decision: Optional[bool] = None
-
-    def _set_weights(self, weights, weights_prefix: str) -> None:  # checked by WeightsOptions
-        self._weights = None if weights is None else os.fspath(weights)
-        self._weights_prefix = weights_prefix
-
-    def _meta_build(self) -> bool:
-        return True
-
-    @contextlib.contextmanager
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """Parameters on the meta device unless ``empty_init=False`` (``configure_model`` asks with ``None``);
-        each rank materializes its share in setup. Buffers are built for real (see the Note)."""
-        if empty_init is False or not self._meta_build():
-            with super().tensor_init_context(empty_init):
-                yield
-            return
-        with meta_parameters(), self.root_device, self.precision_plugin.tensor_init_context():
-            yield
+    def __init__(self, strategy, weights, weights_prefix: str) -> None:  # checked by WeightsOptions
+        self.s = strategy
+        self.path = None if weights is None else os.fspath(weights)
+        self.prefix = weights_prefix
+        self.reader: Optional[WeightsReader] = None  # the last reader, once read
+        self.read = False
+        self._restore_decision: Optional[bool] = None
 
     @property
-    def weights_bytes_read(self) -> int:
-        """Bytes of tensor data this rank read from ``weights=`` (0 before setup or without weights)."""
-        return self._weights_reader.bytes_read if self._weights_reader is not None else 0
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read if self.reader is not None else 0
 
-    def _open_weights(self, module: nn.Module, expected: Optional[Mapping] = None) -> Optional[WeightsReader]:
+    def open(self, module: nn.Module, expected: Optional[Mapping] = None) -> Optional[WeightsReader]:
         """The reader of ``weights=``, checked against the whole module (or ``expected``) before anything is
         placed; None without weights or once they were read (a later fit / test keeps the trained weights)."""
-        if self._weights is None or self._weights_read:
+        if self.path is None or self.read:
             return None
-        return open_module_weights(self._weights, module, prefix=self._weights_prefix, expected=expected)
+        return open_module_weights(self.path, module, prefix=self.prefix, expected=expected)
 
-    def _restore_after_setup(self) -> bool:
+    def restore_after_setup(self, module: Optional[nn.Module]) -> bool:
         """A checkpoint must be restored after setup (into the materialized share, after ``weights=``): loaded
         before, it would land in meta tensors, or be overwritten by the weights."""
         if self._restore_decision is None:  # asked before setup and again after it: the answer of before
-            module = self.lightning_module
-            self._restore_decision = self._weights is not None or (module is not None and has_meta(module))
+            self._restore_decision = self.path is not None or (module is not None and has_meta(module))
         return self._restore_decision
 
-    def _place_share(self, module: nn.Module, reader: Optional[WeightsReader], owned=None) -> None:
+    def forget_restore_decision(self) -> None:  # at teardown
+        self._restore_decision = None
+
+    def place(self, module: nn.Module, reader: Optional[WeightsReader], owned=None) -> None:
         """The parameters ``owned`` rejects freed (meta), then storage on this rank's device for the meta
         tensors it accepts (all when None), initialized as
         the module's own code would, then ``weights=`` read into every tensor this rank holds
         ([Note: initializing a materialized share] in :mod:`lightning_par.materialize.init`). Every rank
         calls it: what no init wrote and no file holds is refused on every rank, by name."""
+        device = self.s.root_device
         if owned is not None:  # a plainly built module: what this rank does not own goes first
             free_parameters(module, [n for n, _ in module.named_parameters() if not owned(n)])
-        made = materialize(module, self.root_device, owned)
+        made = materialize(module, device, owned)
         covered = set(reader.tensors) if reader is not None else set()
-        left = initialize(module, made, seed=self._init_seed(), skip=covered)
+        left = initialize(module, made, seed=init_seed(), skip=covered)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, left)
@@ -91,7 +77,7 @@ class MaterializingStrategy:
                 reader.close()
             shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
             raise ValueError(
-                f"{type(self).__name__}: {type(module).__name__} was built on the meta device, and no init wrote "
+                f"{type(self.s).__name__}: {type(module).__name__} was built on the meta device, and no init wrote "
                 f"{shown}: their modules have no `reset_parameters()` (nor an `_init_weights` of a parent), "
                 f"{'the weights file lacks them' if reader is not None else 'and no `weights=` was given'}. Give "
                 f"those modules a `reset_parameters()`, pass `weights=` holding them, or build the module with "
@@ -100,39 +86,46 @@ class MaterializingStrategy:
         if reader is not None:
             read_weights(module, reader)
             reader.close()
-            self._weights_reader, self._weights_read = reader, True
-        move_real(module, self.root_device)
+            self.reader, self.read = reader, True
+        move_real(module, device)
 
-    def _consolidates_weights(self) -> bool:
-        """Whether a fork / spawn launch hands the caller the whole module gathered from every rank
-        (:class:`ConsolidatingLauncher`) rather than rank 0's tensors (:class:`HeldTensorsLauncher`)."""
+
+@contextlib.contextmanager
+def meta_init_context(strategy) -> Generator[None, None, None]:
+    """Parameters on the meta device (each rank materializes its share in setup); buffers are built for real
+    ([Note: meta parameters, real buffers] in :mod:`lightning_par.materialize.meta`)."""
+    with meta_parameters(), strategy.root_device, strategy.precision_plugin.tensor_init_context():
+        yield
+
+
+def swap_launcher(strategy, launcher, start_method: str, consolidates: bool):
+    """The one launcher swap of every strategy: Lightning's fork / spawn ``launcher`` replaced by ours
+    (``consolidates``: the caller receives the whole module gathered from every rank, else rank 0's tensors)."""
+    if type(launcher) is _Launcher:
+        launcher = (ConsolidatingLauncher if consolidates else HeldTensorsLauncher)(strategy, start_method=start_method)
+    return launcher
+
+
+def teardown_meta(strategy) -> bool:
+    """Lightning's teardown ends with ``lightning_module.cpu()``, which cannot copy the meta tensors of what other
+    ranks own: the same steps, moving only the tensors that hold storage (False: nothing meta, Lightning's own)."""
+    module = strategy.lightning_module
+    if module is None or not has_meta(module):
         return False
+    optimizers_to_device(strategy.optimizers, torch.device("cpu"))
+    move_real(module, torch.device("cpu"))
+    teardown_in_place(strategy)
+    return True
 
-    def _configure_launcher(self) -> None:  # the one launcher swap of every strategy
-        super()._configure_launcher()
-        if type(self._launcher) is _Launcher:
-            launcher = ConsolidatingLauncher if self._consolidates_weights() else HeldTensorsLauncher
-            self._launcher = launcher(self, start_method=self._start_method)
 
-    def teardown(self) -> None:
-        """Lightning's teardown ends with ``lightning_module.cpu()``, which cannot copy the meta tensors of what
-        other ranks own: the same steps, moving only the tensors that hold storage."""
-        self._restore_decision = None
-        module = self.lightning_module
-        if module is None or not has_meta(module):
-            return super().teardown()
-        optimizers_to_device(self.optimizers, torch.device("cpu"))
-        move_real(module, torch.device("cpu"))
-        teardown_in_place(self)
-
-    def _init_seed(self) -> int:
-        """One seed for every rank's init: global rank 0's ``torch.initial_seed()``."""
-        seed = torch.initial_seed() % (1 << 62)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            box = [seed]
-            dist.broadcast_object_list(box, src=0)
-            seed = box[0]
-        return seed
+def init_seed() -> int:
+    """One seed for every rank's init: global rank 0's ``torch.initial_seed()``."""
+    seed = torch.initial_seed() % (1 << 62)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [seed]
+        dist.broadcast_object_list(box, src=0)
+        seed = box[0]
+    return seed
 
 
 def teardown_in_place(strategy) -> None:

@@ -26,28 +26,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par._compat import ddp_ignore, optimizers_to_device
-from lightning_par.context.apply import apply_context_parallel
-from lightning_par.dp import fsdp
+from lightning_par.materialize import move_real
+from lightning_par.parallelize import apply_context, parallelize_pipeline
 from lightning_par.pipeline.consolidate import owned_state
-from lightning_par.materialize import free_parameters, has_meta, move_real
-from lightning_par.pipeline.discovery import find_blocks
-from lightning_par.pipeline.ends import first_owner, stage_needs
-from lightning_par.pipeline.flow import trace_flow
-from lightning_par.pipeline.mailbox import ResultMailbox
 from lightning_par.pipeline.microbatch import check_microbatches
-from lightning_par.pipeline.partition import partition_blocks, stage_bounds, stage_table
-from lightning_par.pipeline.routing import ResultRouter, confine_metrics
-from lightning_par.pipeline.runner import ScheduleRunner, base_seed, rng_fork
+from lightning_par.pipeline.runner import ScheduleRunner
 from lightning_par.pipeline.shared import SharedParameters, sync_found_inf
-from lightning_par.pipeline.stand_ins import StandIns
 from lightning_par.pipeline.stage import Ghost, StageRuntime
+from lightning_par.pipeline.stand_ins import StandIns
 from lightning_par.strategies._engine import Engine, optimizer_params as _params
 from lightning_par.strategies._pipeline_sample import check_batch_semantics, profile_blocks, sample_step
 from lightning_par.strategies._precision import PrecisionHooks
-from lightning_par.tensor.boundary import StageBoundary, check_sequence_stack
 from lightning_par.tensor.mixed import clip_grad_value_, settle_grads
-from lightning_par.tensor.parallelize import backward_context, broadcast_state, parallelize, register_rules, to_plain
-from lightning_par.tensor.plan import build_plan
+from lightning_par.tensor.parallelize import backward_context, register_rules, to_plain
 
 
 class PipelineEngine(Engine):
@@ -124,93 +115,20 @@ class PipelineEngine(Engine):
                 f"process; its other stages' blocks are gone. Reuse that Trainer, or load the consolidated "
                 f"checkpoint into a fresh module (`{type(lm).__name__}.load_from_checkpoint(path)`)."
             )
-        # 1. the block stack, what flows between its blocks ([Note: block flow] in pipeline/flow.py) and where the
-        #    step uses what lies outside them ([Note: the ends a stage needs] in pipeline/ends.py), traced with
-        #    stand-ins for a meta-built module's parameters ([Note: tracing a meta-built module] in
-        #    pipeline/stand_ins.py); a weights file is checked against the whole module first
-        reader = self.host.open_weights(lm)
-        path, container = find_blocks(lm, o.blocks)
-        self.stand_ins = StandIns(s.root_device) if has_meta(lm) else None
-        with rng_fork(s.root_device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
-            step = sample_step(s, lm, o.microbatches, record=container)
-            flow = trace_flow(lm, path, container, step, self.stand_ins) if step is not None else None
-        uses = getattr(step, "uses", {})
-        for warning in flow.warnings if flow is not None else ():
-            rank_zero_warn(warning)
-        # [Note: losses that couple samples] in pipeline/coupling.py
-        check_batch_semantics(s, lm, step, o.microbatches, o.strict_batch_semantics)
-        # 2. blocks per stage: balanced by parameters, or by profiled time (balance="time")
-        params = [sum(p.numel() for p in b.parameters()) for b in container]
-        balance = o.balance if isinstance(o.balance, str) else list(o.balance)
-        times = profile_blocks(s, lm, container, o.microbatches) if balance == "time" else None
-        pp, v = topo.pipeline_parallel_size, o.stages_per_rank
-        counts = partition_blocks(len(container), pp * v, balance=balance,
-                                  costs=times[1] if times else [float(n) for n in params],
-                                  first_extra=times[0] if times else 0.0, last_extra=times[2] if times else 0.0)
-        bounds = stage_bounds(counts)
-        if flow is not None:
-            flow.check_stages(path, bounds)
-        # 3. the tensor plan, found on the whole module (pure: the same ValueError on every rank)
-        tp = topo.tensor_parallel_size
-        plan = build_plan(lm, tp, o.plan, sequence_parallel=o.sequence_parallel,
-                          loss_parallel=o.loss_parallel) if tp > 1 else None
-        if plan is not None and o.sequence_parallel:  # [Note: sequence-sharded stage boundaries]
-            check_sequence_stack(plan, path, len(container), tp, flow.hidden_shape if flow is not None else None)
-        self.full_keys = list(lm.state_dict().keys())
-        self.block_prefix, self.stack_path = f"{path}.", path  # its other stages' blocks become ghosts below
-        if lm.trainer.state.fn == TrainerFn.FITTING:
-            self.host.record_one_device_order()  # before the split: [Note: recording one device's order]
-        total = sum(p.numel() for p in lm.parameters())
-        rank_zero_info(stage_table(counts, params, times, path=path, total_params=total,
-                                   replicas=topo.data_parallel_size, schedule=o.schedule, balance=balance))
-        # 4. this rank's stage: its chunks' blocks stay, the others become ghosts; the rest is parallelized
-        ring = topo.group_ranks("pp", s.global_rank)
-        virtual = [c * pp + self.stage for c in range(v)]  # virtual stage c·p + s is this rank's chunk c
-        self.runtime = rt = StageRuntime(
-            container=container, chunks=[(k, *bounds[k]) for k in virtual], ranks=[ring[k % pp] for k in range(pp * v)],
-            device=s.root_device, seed=base_seed(), groups=g.p2p, flow=flow,
-            boundary=StageBoundary(g.mesh["tp"], sequence_parallel=o.sequence_parallel) if plan is not None else None,
-        )
-        if s.world_size > 1:  # after every check that can refuse: every rank starts from rank 0's weights
-            broadcast_state(lm, src=0)
-        rt.install()
-        self.checkpoint_blocks(lm, path)  # after the stage's hooks (a block's RNG is saved reseeded), before TP / FSDP
-        if plan is not None:  # a meta-built stage is parallelized as meta tensors: each rank then makes its shards
-            ghosts = [f"{path}.{i}" for i, block in enumerate(container) if isinstance(block, Ghost)]
-            self.plan = plan.without(ghosts)
-            parallelize(lm, self.plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
-            rank_zero_info(f"{topo}\n{self.plan.describe(lm)}")
-        needs = stage_needs(uses, rt.chunks, pp * v)  # this stage's blocks and the ends it needs: placed, weights=
-        owned = lambda n: n.startswith(self.block_prefix) or needs(n)  # noqa: E731
-        shards = None
-        if g.sharded_replicas:  # zero_stage 2 / 3: [Note: FSDP under pipeline parallelism] in dp/fsdp.py
-            free_parameters(lm, [n for n, p in lm.named_parameters() if id(p) in _not_held(lm, owned)])
-            fsdp.shard_module(lm, g.mesh["dp"], zero_stage=o.zero_stage, precision=s.precision_plugin.precision,
-                              broadcast=False, ignored=[p for p in lm.parameters() if id(p) in _not_held(lm, owned)],
-                              blocks=[(f"{path}.{i}", b) for i, b in enumerate(container) if not isinstance(b, Ghost)],
-                              offload=o.offload)
-        self.host.place_share(lm, reader, owned=owned)
-        if g.sharded_replicas:
-            shards = fsdp.StageShards(lm)
-        rt.weights = [p for p in lm.parameters() if p.requires_grad and not p.is_meta]
-        self._apply_context()
-        # 5. the schedule, the routing of results, the gradients that span ranks
-        mailbox = (ResultMailbox(ranks=ring, me=s.global_rank, group=g.result, device=s.root_device)
-                   if g.result is not None else None)
-        router = ResultRouter(mailbox=mailbox, is_last=rt.is_last, device=s.root_device, dp_group=g.dp,
-                              dp_size=topo.data_parallel_size, pp_group=g.pp, last_rank=ring[-1])
-        self.runner = ScheduleRunner(rt, router, schedule=o.schedule, stage=self.stage, num_stages=pp,
-                                     microbatches=o.microbatches, shards=shards)
-        self.shared = SharedParameters(lm, [p for p in lm.parameters() if p.requires_grad],
-                                       {id(p) for b in container for p in b.parameters()}, topology=topo,
-                                       rank=s.global_rank, timeout=g.timeout,
-                                       dp_group=None if shards is not None or self.syncs_periodically else g.dp,
-                                       cp_group=g.cp,
-                                       default_owner=first_owner(uses, bounds, v))
-        self.shared.replica_average = self.replica_average  # a communication hook's (torchft's: use_replica_average)
+        made = parallelize_pipeline(
+            lm, o, g, self.rank_values(), sample=lambda blocks: sample_step(s, lm, o.microbatches, record=blocks),
+            check_step=self._check_step, profile=lambda blocks: profile_blocks(s, lm, blocks, o.microbatches),
+            place=self.host.place_share, reader=self.host.open_weights(lm),  # checked against the whole module
+            before_split=(self.host.record_one_device_order  # [Note: recording one device's order]
+                          if lm.trainer.state.fn == TrainerFn.FITTING else None),
+            syncs_periodically=self.syncs_periodically, replica_average=self.replica_average)
+        rank_zero_info(made.summary)
+        self.full_keys, self.stand_ins, self.plan = made.full_keys, made.stack.stand_ins, made.plan
+        self.block_prefix, self.stack_path = f"{made.stack.path}.", made.stack.path
+        self.runtime, self.checkpointed, self.context = made.runtime, made.checkpointed, made.context
+        self.runner, self.shared = made.schedule.runner, made.schedule.shared
         s.model = lm
-        confine_metrics(lm, is_last=rt.is_last, dp_group=g.dp)
-        # 6. Lightning's clipping and loss scaling see the whole model ([Note: precision subclasses])
+        # Lightning's clipping and loss scaling see the whole model ([Note: precision subclasses])
         tensor = g.mesh is not None
         self.precision_hooks = PrecisionHooks(
             clip_by_norm=self.clip_grad_norm,  # global norm over stages and shards
@@ -219,14 +137,19 @@ class PipelineEngine(Engine):
             split_unscale=tensor)
         self.host.install_precision(self.precision_hooks)
 
+    def _check_step(self, stack) -> None:
+        """The trace's warnings, then whether micro-batching changes the loss ([Note: losses that couple samples])."""
+        for warning in stack.flow.warnings if stack.flow is not None else ():
+            rank_zero_warn(warning)
+        check_batch_semantics(self.s, self.s.lightning_module, stack.step, self.options.microbatches,
+                              self.options.strict_batch_semantics)
+
     def _apply_context(self) -> None:
         """cp hooks on this stage's blocks, after the stage's and the checkpointing's own ([Note: context
         parallelism inside pipeline stages])."""
-        if self.groups.cp is not None and self.context is None:
-            self.context = apply_context_parallel(self.s.lightning_module, self.groups.cp,
-                                                  blocks=self.block_prefix[:-1],
-                                                  ranges=[(lo, hi) for _, lo, hi in self.runtime.chunks])
-            self.runtime.send_last()  # after cp's gather
+        if self.context is None:
+            self.context = apply_context(self.s.lightning_module, self.groups, blocks=self.stack_path,
+                                         runtime=self.runtime)
 
     def teardown(self) -> None:
         if self.context is not None:
@@ -322,7 +245,7 @@ class PipelineEngine(Engine):
 
     def layout(self) -> dict[str, Any]:
         o = self.options
-        return {"schedule": o.schedule, "stages_per_rank": o.stages_per_rank,
+        return {**super().layout(), "schedule": o.schedule, "stages_per_rank": o.stages_per_rank,
                 "balance": o.balance if isinstance(o.balance, str) else list(o.balance)}
 
     def _first_replica(self) -> bool:  # (and the first of its cp group: they hold the same parameters)
@@ -337,9 +260,3 @@ def _guarded(step, context):
     return run
 
 
-def _not_held(module: torch.nn.Module, owned) -> set[int]:
-    """Ids of the parameters none of whose names ``owned`` accepts (a tied parameter is held under any name)."""
-    names: dict[int, list[str]] = {}
-    for n, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-    return {i for i, ns in names.items() if not any(owned(n) for n in ns)}

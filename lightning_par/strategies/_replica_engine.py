@@ -39,9 +39,9 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par._compat import optimizers_to_device
-from lightning_par.dp import fsdp
+from lightning_par.dp import fsdp, zero
 from lightning_par.materialize import move_real
-from lightning_par.pipeline.discovery import find_blocks
+from lightning_par.parallelize import parallelize_replicas
 from lightning_par.strategies._engine import Engine
 from lightning_par.strategies._materialize import teardown_in_place
 from lightning_par.tensor.parallelize import broadcast_state
@@ -58,8 +58,10 @@ class ReplicaEngine(Engine):
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
-        self.checkpoint_blocks(self.s.lightning_module, self.options.blocks)  # before DDP / FSDP wrap the blocks
-        if self.options.zero_stage < 2:
+        if self.options.zero_stage < 2:  # the order's step 4 (and its slots), then DDPStrategy.setup
+            self.uncheckpoint_blocks()
+            self.checkpointed = parallelize_replicas(self.s.lightning_module, self.options, self.groups,
+                                                     self.rank_values()).checkpointed
             self.host.lightning_setup(trainer)  # DDPStrategy.setup: place, wrap in DDP, optimizers
             self.start_periodic_sync(trainer)  # sync="local_sgd" | "diloco" while fitting
             return
@@ -72,10 +74,10 @@ class ReplicaEngine(Engine):
         if not sharded:
             s.precision_plugin.convert_module(module)
             move_real(module, s.root_device)  # a meta-built module gets its shards' storage below
-        self.units = fsdp.shard_module(module, self.groups.mesh["dp"], zero_stage=self.options.zero_stage,
-                                       precision=s.precision_plugin.precision, **self._shard_options(module))
-        if not sharded:
-            self.host.place_share(module, reader)  # each rank's FSDP shards: storage, init, weights=
+        self.uncheckpoint_blocks()
+        made = parallelize_replicas(module, self.options, self.groups, self.rank_values(), place=self.host.place_share,
+                                    reader=reader, fresh=not sharded)  # each rank's FSDP shards: storage, init, weights=
+        self.checkpointed, self.units = made.checkpointed, made.units
         self.steps = fsdp.StepRunner(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -83,14 +85,6 @@ class ReplicaEngine(Engine):
         s.setup_precision_plugin()
         if fitting:
             optimizers_to_device(s.optimizers, s.root_device)
-
-    def _shard_options(self, module) -> dict[str, Any]:
-        """FSDP's options: the units of the ``blocks=`` stack, the offload policy."""
-        options: dict[str, Any] = {"offload": self.options.offload}
-        if self.options.blocks is not None:
-            path, stack = find_blocks(module, self.options.blocks)
-            options["blocks"] = [(f"{path}.{name}", block) for name, block in stack.named_children()]
-        return options
 
     def place(self, run) -> None:
         """DDPStrategy.setup's ``model_to_device``: a meta-built module's storage, ``weights=``."""
@@ -119,6 +113,15 @@ class ReplicaEngine(Engine):
 
     def clip_grad_norm(self, optimizer, clip_val) -> None:
         self.s.precision_plugin.clip_grad_by_norm(optimizer, clip_val)  # Lightning's clipping, as DDP's
+
+    def wrap_optimizers(self, optimizers: list, schedulers: list) -> tuple[list, list]:
+        """ZeRO-1 over every rank ([Note: wrapping the user's optimizer] in lightning_par.dp.zero); no step hooks."""
+        if self.options.zero_stage == 1:
+            optimizers = zero.shard_optimizers(optimizers, schedulers)
+        return optimizers, []
+
+    def layout(self) -> dict[str, Any]:  # the replicas' layout, without the core's pp / tp axes
+        return {"data_parallel_size": self.s.world_size, "zero_stage": self.options.zero_stage}
 
     # -- checkpoints and teardown -------------------------------------------------------------------
     def reshard(self) -> None:

@@ -37,17 +37,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par._compat import optimizers_to_device
-from lightning_par.context.apply import apply_context_parallel
 from lightning_par.dp import fsdp
 from lightning_par.materialize import move_real
+from lightning_par.parallelize import parallelize_spmd
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._engine import Engine, optimizer_params as _params
 from lightning_par.strategies._materialize import teardown_in_place
 from lightning_par.strategies._precision import PrecisionHooks
 from lightning_par.tensor.mixed import average_grads, clip_grad_norm_, clip_grad_value_, reduce_partial_grads
-from lightning_par.tensor.parallelize import (backward_context, broadcast_state, parallelize, parallelized_size,
-                                             register_rules, to_plain)
-from lightning_par.tensor.plan import build_plan
+from lightning_par.tensor.parallelize import backward_context, parallelized_size, register_rules, to_plain
 
 
 class SpmdEngine(Engine):
@@ -67,10 +65,17 @@ class SpmdEngine(Engine):
         s.accelerator.setup(trainer)
         s.precision_plugin.convert_module(s.model)
         move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
-        self.checkpoint_blocks(s.lightning_module, self.options.blocks)  # inside the blocks TP and FSDP shard next
-        self._parallelize()
-        if self.groups.cp is not None and self.context is None:  # context_parallel_size > 1
-            self.context = apply_context_parallel(s.lightning_module, self.groups.cp, blocks=self.options.blocks)
+        module = s.lightning_module
+        register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
+        fresh = not self._parallelized_before(module)
+        self.uncheckpoint_blocks()
+        made = parallelize_spmd(module, self.options, self.groups, self.rank_values(), place=self.host.place_share,
+                                open_weights=self.host.open_weights, fresh=fresh)
+        self.checkpointed, self.context = made.checkpointed, made.context
+        if fresh:
+            self.plan, self.planned = made.plan, module
+            if s.is_global_zero:
+                rank_zero_info(made.summary)
         if trainer.state.fn == TrainerFn.FITTING:
             s.setup_optimizers(trainer)
         self.start_periodic_sync(trainer)  # sync="local_sgd" | "diloco": [Note: periodic sync on the data axis]
@@ -101,28 +106,6 @@ class SpmdEngine(Engine):
             self.steps = None
         teardown_in_place(self.s)  # the sharded module stays where it is
 
-    def _parallelize(self) -> None:
-        s, o, g = self.s, self.options, self.groups
-        module = s.lightning_module
-        register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
-        if self._parallelized_before(module):
-            return
-        # Pure: raises the same ValueError on every rank before any collective.
-        plan = build_plan(module, s.topology.tensor_parallel_size, o.plan,
-                          sequence_parallel=o.sequence_parallel, loss_parallel=o.loss_parallel)
-        reader = self.host.open_weights(module)  # checked against the whole module before anything is sharded
-        if s.world_size > 1:
-            broadcast_state(module, src=0)  # every rank starts from rank 0's weights
-            self._sync_rng()
-        parallelize(module, plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
-        if g.sharded_replicas:  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis] (meta shards too)
-            fsdp.shard_module(module, g.mesh["dp"], zero_stage=o.zero_stage, broadcast=False,
-                              precision=s.precision_plugin.precision, offload=o.offload)
-        self.host.place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
-        self.plan, self.planned = plan, module
-        if s.is_global_zero:
-            rank_zero_info(f"{s.topology}\n{plan.describe(module)}")
-
     def _parallelized_before(self, module) -> bool:
         """Whether an earlier setup parallelized ``module``: this engine's (a later fit / test of the same
         Trainer) or another Trainer's (the module stays sharded after teardown), read from the module itself.
@@ -142,18 +125,6 @@ class SpmdEngine(Engine):
             if self.s.is_global_zero:
                 rank_zero_info(f"{self.s.topology}\n{type(module).__name__} was parallelized by an earlier Trainer")
         return True
-
-    def _sync_rng(self) -> None:
-        """Every rank continues rank 0's random stream: tensor-parallel peers hold the same replicated
-        activations and must draw the same dropout masks on them (different masks would silently train a
-        different model)."""
-        s = self.s
-        cuda = s.root_device.type == "cuda"
-        state = [torch.get_rng_state(), torch.cuda.get_rng_state(s.root_device) if cuda else None]
-        torch.distributed.broadcast_object_list(state, src=0, device=s.root_device)
-        torch.set_rng_state(state[0])
-        if cuda:
-            torch.cuda.set_rng_state(state[1], s.root_device)
 
     # -- steps ([Note: the replicas' mean of a step], [Note: loss parallel]) -------------------------
     def training_step(self, run, args: tuple, kwargs: dict) -> Any:

@@ -18,16 +18,13 @@ Loss reporting is DDP's: rank-local ([Note: loss reporting, one rule] in :mod:`l
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par.dp import comm_hooks, zero
+from lightning_par.dp import comm_hooks
 from lightning_par.dp import lr_scaling as scaling
 from lightning_par.options import DataParallelOptions, SyncOptions, takes_options
-from lightning_par.strategies._checkpoint import CheckpointMixin
 from lightning_par.strategies._engine import Groups
 from lightning_par.strategies._replica_engine import ReplicaEngine
 from lightning_par.strategies.hybrid_parallel import HybridParallelStrategy
@@ -84,14 +81,13 @@ class DataParallelStrategy(HybridParallelStrategy):
     __init__ = takes_options(DataParallelOptions, plumbing=False)  # [Note: flat keywords, grouped options]
 
     def _init_options(self, options: DataParallelOptions) -> None:
-        # the core with pp = tp = 1 (its fault-tolerance checks are the core's layouts'; ours are DataParallelOptions')
-        super()._init_options(options.core())
-        self._dp_options = options  # frozen and checked, every group and across them
+        self._dp_options = options  # frozen and checked, every group and across them (read by _sync_options)
+        # the core with pp = tp = 1 and our fault tolerance (the core's checks are its layouts'; ours are
+        # DataParallelOptions')
+        super()._init_options(options.core(), ft_options=options.fault_tolerance)
         self._ddp_kwargs = options.replicas.ddp_kwargs(  # DistributedDataParallel's (DDPStrategy keeps them here)
             fault_tolerant=options.fault_tolerance.fault_tolerance is not None)
         self._lr_scale_factor: float | None = None
-        f = options.fault_tolerance
-        self._init_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout)
 
     # -- public state -------------------------------------------------------------------------------
 
@@ -124,7 +120,7 @@ class DataParallelStrategy(HybridParallelStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return self.zero_stage >= 2 or self._restore_after_setup()  # whole tensors are loaded into the shards
+        return self.zero_stage >= 2 or self._weights.restore_after_setup(self.lightning_module)  # into the shards
 
     def _meta_build(self) -> bool:
         return self.zero_stage >= 2  # DDP replicas hold the whole module anyway
@@ -160,25 +156,10 @@ class DataParallelStrategy(HybridParallelStrategy):
         mesh = self.topology.build_mesh(self.root_device.type, timeout=self._timeout) if sharded else None
         return Groups(mesh=mesh, timeout=self._timeout, sharded_replicas=sharded)
 
-    def setup_optimizers(self, trainer) -> None:
-        super(HybridParallelStrategy, self).setup_optimizers(trainer)  # Lightning's: the replicas' plain parameters
-        if self.zero_stage == 1:  # [Note: wrapping the user's optimizer] in lightning_par.dp.zero
-            self.optimizers = zero.shard_optimizers(self.optimizers, self.lr_scheduler_configs)
-
-    def on_predict_end(self) -> None:
-        super().on_predict_end()
-        self._checkpoint_prepare()  # FSDP's forward-only passes leave units gathered
-
-    # -- checkpoints: the hooks of lightning_par.strategies._checkpoint, every parameter under its own name --
-
-    def _checkpoint_layout(self) -> dict[str, Any]:  # the replicas' layout, without the core's pp / tp axes
-        return {**CheckpointMixin._checkpoint_layout(self), "data_parallel_size": self.world_size,
-                "zero_stage": self.zero_stage}
-
     def _register_ddp_hooks(self) -> None:
         """Register the chosen communication hook on every device type (Lightning: CUDA only; for bf16 on
         a CPU build see [Note: bf16 hook on CPU] in :mod:`lightning_par.dp.comm_hooks`); or torchft's."""
-        if self._start_replica(self.lightning_module.trainer):
+        if self._ft.start(self.lightning_module.trainer, self._engine):  # torchft's average is the hook
             return
         comm = self._dp_options.comm
         selected = comm_hooks.select_comm_hook(comm.comm_hook, powersgd_rank=comm.powersgd_rank,

@@ -117,7 +117,7 @@ class _ShareRoundTrip(pl.Callback):
 
         strategy, optimizer = trainer.strategy, trainer.optimizers[0]
         buffer = io.BytesIO()
-        torch.save(strategy._own_state(trainer), buffer)
+        torch.save(strategy._ft.own_state(trainer, strategy._engine), buffer)
         sent = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
         want = {k: v.clone() for k, v in ft.local_module_state(module).items()}
         want_opt = copy.deepcopy(ft.local_optimizer_state(optimizer))

@@ -191,7 +191,7 @@ def test_the_command_line_setting_reaches_the_strategy(strategy, override, value
                       "strategy.start_method=fork")
     schemas.check_keys(cfg)
     assert cfg.strategy.activation_checkpointing == value
-    assert instantiate(cfg.strategy)._ac == value
+    assert instantiate(cfg.strategy)._options.memory.activation_checkpointing == value
     bad = compose_app(f"strategy={strategy}", "strategy.activation_checkpointing=0")
     with pytest.raises(Exception, match="`activation_checkpointing=0` is not a setting"):
         instantiate(bad.strategy)

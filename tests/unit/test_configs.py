@@ -261,7 +261,7 @@ def test_validate_at_last_step_validates_the_final_weights_once(accumulate):
 
 def test_fault_tolerance_from_the_command_line():
     strategy = train.build_strategy(compose_app("strategy.fault_tolerance=torchft", "strategy.min_replicas=2").strategy)
-    assert strategy.fault_tolerance == "torchft" and strategy._min_replicas == 2
+    assert strategy.fault_tolerance == "torchft" and strategy._ft.min_replicas == 2
     from hydra.errors import InstantiationException
 
     with pytest.raises(InstantiationException, match="`fault_tolerance='torchft'` does not support `zero_stage=1`"):
@@ -269,7 +269,7 @@ def test_fault_tolerance_from_the_command_line():
     for group in ("hybrid", "pipeline", "tensor"):  # the replica axis of the core (one whole model per torchrun job)
         strategy = train.build_strategy(compose_app(f"strategy={group}", "strategy.fault_tolerance=torchft",
                                                  "strategy.ft_timeout=5").strategy)
-        assert strategy.fault_tolerance == "torchft" and strategy._ft_timeout == 5
+        assert strategy.fault_tolerance == "torchft" and strategy._ft.ft_timeout == 5
 
 
 # ------------------------------------------------------------------------------ Trainer pass-through

@@ -44,8 +44,8 @@ def test_refused_at_construction_by_name(kwargs, match):
 
 def test_fault_tolerance_takes_the_sync():
     s = DataParallelStrategy(sync="diloco", sync_every=8, fault_tolerance="torchft")
-    assert s.fault_tolerance == "torchft" and not s._per_step_commit()
-    assert DataParallelStrategy(fault_tolerance="torchft")._per_step_commit()
+    assert s.fault_tolerance == "torchft" and not s._ft.per_step_commit()
+    assert DataParallelStrategy(fault_tolerance="torchft")._ft.per_step_commit()
 
 
 def test_the_hybrid_core_takes_the_sync_options():
@@ -70,8 +70,8 @@ def test_the_hybrid_core_refuses_what_does_notcompose_app(kwargs, match):
 def test_the_hybrid_core_takes_the_sync_under_torchft(cls, sizes, sync):
     """The groups meet on torchft's quorum at syncs only, as DataParallelStrategy's (one wiring, in the core)."""
     s = cls(sync=sync, sync_every=4, fault_tolerance="torchft", **sizes)
-    assert s.fault_tolerance == "torchft" and s._options.sync.sync == sync and not s._per_step_commit()
-    assert cls(fault_tolerance="torchft", **sizes)._per_step_commit()
+    assert s.fault_tolerance == "torchft" and s._options.sync.sync == sync and not s._ft.per_step_commit()
+    assert cls(fault_tolerance="torchft", **sizes)._ft.per_step_commit()
 
 
 def test_the_command_line_sets_the_sync():

@@ -41,7 +41,7 @@ def test_one_process_agrees_with_itself():
 def test_nonfinite_must_be_error_or_skip(cls):
     with pytest.raises(ValueError, match=r"`nonfinite='ignore'` must be 'error' .* or 'skip'"):
         cls(nonfinite="ignore")
-    assert cls(nonfinite="skip")._nonfinite == "skip"
+    assert cls(nonfinite="skip")._guard.nonfinite == "skip"
 
 
 def test_waits_name_the_operation_and_leave_other_errors_alone():

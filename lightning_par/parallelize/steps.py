@@ -1,0 +1,241 @@
+"""The steps of the parallelize order (:mod:`lightning_par.parallelize`), each an ``apply_*`` function of the
+module, the option group it needs and the process groups, returning what it made. Lightning-free."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_par.context.apply import apply_context_parallel
+from lightning_par.dp import fsdp
+from lightning_par.materialize import has_meta
+from lightning_par.options import BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, TensorOptions
+from lightning_par.parallelize.values import EngineOptions, Groups, Parallelized, Rank
+from lightning_par.pipeline.discovery import find_blocks
+from lightning_par.pipeline.ends import first_owner
+from lightning_par.pipeline.flow import trace_flow
+from lightning_par.pipeline.mailbox import ResultMailbox
+from lightning_par.pipeline.partition import partition_blocks, stage_bounds
+from lightning_par.pipeline.routing import ResultRouter, confine_metrics
+from lightning_par.pipeline.runner import ScheduleRunner, base_seed, rng_fork
+from lightning_par.pipeline.shared import SharedParameters
+from lightning_par.pipeline.stage import StageRuntime
+from lightning_par.pipeline.stand_ins import StandIns
+from lightning_par.tensor.boundary import StageBoundary, check_sequence_stack
+from lightning_par.tensor.parallelize import broadcast_state, parallelize
+from lightning_par.tensor.plan import TensorPlan, build_plan
+from lightning_par.topology import Topology
+
+
+# -- 1. block stack and trace ---------------------------------------------------------------------------------
+@dataclass
+class BlockStack:
+    path: str
+    container: nn.Module
+    flow: Any = None  # pipeline.flow.BlockFlow, or None without a batch to trace
+    uses: dict = field(default_factory=dict)  # where the step uses what lies outside the blocks
+    step: Any = None  # the traced sample step (its micro-batch), or None
+    stand_ins: Optional[StandIns] = None  # a meta-built module's, for the trace
+
+
+def apply_block_stack(module: nn.Module, stack: BlockOptions, rank: Rank, *,
+                      sample: Callable[[nn.Module], Any]) -> BlockStack:
+    """The block stack, what flows between its blocks ([Note: block flow] in pipeline/flow.py) and where the step
+    uses what lies outside them ([Note: the ends a stage needs] in pipeline/ends.py), traced with stand-ins for a
+    meta-built module's parameters ([Note: tracing a meta-built module] in pipeline/stand_ins.py). ``sample``: the
+    user's step on one micro-batch, recording the uses of the blocks it is given (None without a batch)."""
+    path, container = find_blocks(module, stack.blocks)
+    stand_ins = StandIns(rank.device) if has_meta(module) else None
+    with rng_fork(rank.device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
+        step = sample(container)
+        flow = trace_flow(module, path, container, step, stand_ins) if step is not None else None
+    return BlockStack(path=path, container=container, flow=flow, uses=getattr(step, "uses", {}), step=step,
+                      stand_ins=stand_ins)
+
+
+# -- 2. stage split -------------------------------------------------------------------------------------------
+@dataclass
+class StageSplit:
+    counts: list[int]  # blocks per virtual stage
+    bounds: list[tuple[int, int]]
+    params: list[int]  # per block
+    times: Any = None  # balance="time"'s profile (first, blocks, last)
+    balance: Any = "params"
+
+
+def apply_stage_split(stack: BlockStack, pipeline: PipelineOptions, topology: Topology, *,
+                      profile: Callable[[nn.Module], Any]) -> StageSplit:
+    """Blocks per stage: balanced by parameters, a list, or by profiled time (``balance="time"``: ``profile``)."""
+    container = stack.container
+    params = [sum(p.numel() for p in b.parameters()) for b in container]
+    balance = pipeline.balance if isinstance(pipeline.balance, str) else list(pipeline.balance)
+    times = profile(container) if balance == "time" else None
+    stages = topology.pipeline_parallel_size * (pipeline.stages_per_rank if topology.pipeline_parallel_size > 1 else 1)
+    counts = partition_blocks(len(container), stages, balance=balance,
+                              costs=times[1] if times else [float(n) for n in params],
+                              first_extra=times[0] if times else 0.0, last_extra=times[2] if times else 0.0)
+    bounds = stage_bounds(counts)
+    if stack.flow is not None:
+        stack.flow.check_stages(stack.path, bounds)
+    return StageSplit(counts=counts, bounds=bounds, params=params, times=times, balance=balance)
+
+
+# -- 3. tensor plan, found ------------------------------------------------------------------------------------
+def find_tensor_plan(module: nn.Module, tensor: TensorOptions, topology: Topology,
+                     stack: Optional[BlockStack] = None) -> Optional[TensorPlan]:
+    """The tensor plan found on the whole module (pure: the same ValueError on every rank); None at tp = 1. Under
+    ``sequence_parallel`` a pipeline's stack is checked for sequence-sharded boundaries."""
+    tp = topology.tensor_parallel_size
+    if tp == 1:
+        return None
+    plan = build_plan(module, tp, tensor.plan, sequence_parallel=tensor.sequence_parallel,
+                      loss_parallel=tensor.loss_parallel)
+    if stack is not None and tensor.sequence_parallel:  # [Note: sequence-sharded stage boundaries]
+        check_sequence_stack(plan, stack.path, len(stack.container), tp,
+                             stack.flow.hidden_shape if stack.flow is not None else None)
+    return plan
+
+
+# -- the stage: after every refusal ---------------------------------------------------------------------------
+def apply_stage(module: nn.Module, stack: BlockStack, split: StageSplit, rank: Rank, groups: Groups,
+                pipeline: PipelineOptions, tensor: TensorOptions, plan: Optional[TensorPlan]) -> StageRuntime:
+    """This rank's stage: its chunks' blocks stay, the other stages' become ghosts (every rank first takes rank 0's
+    weights: this is after every check that can refuse)."""
+    topo = rank.topology
+    pp = topo.pipeline_parallel_size
+    v = pipeline.stages_per_rank if pp > 1 else 1
+    ring = topo.group_ranks("pp", rank.rank)
+    stage = topo.coordinates(rank.rank)["pp"]
+    virtual = [c * pp + stage for c in range(v)]  # virtual stage c·p + s is this rank's chunk c
+    runtime = StageRuntime(
+        container=stack.container, chunks=[(k, *split.bounds[k]) for k in virtual],
+        ranks=[ring[k % pp] for k in range(pp * v)], device=rank.device, seed=base_seed(), groups=groups.p2p,
+        flow=stack.flow,
+        boundary=(StageBoundary(groups.mesh["tp"], sequence_parallel=tensor.sequence_parallel)
+                  if plan is not None else None),
+    )
+    if rank.world_size > 1:
+        broadcast_state(module, src=0)
+    runtime.install()
+    return runtime
+
+
+# -- 4. activation checkpointing: lightning_par.memory.checkpointing.apply_activation_checkpointing -----------------
+
+# -- 5. tensor plan, applied ----------------------------------------------------------------------------------
+def apply_tensor_parallel(module: nn.Module, plan: Optional[TensorPlan], tensor: TensorOptions, groups: Groups,
+                          *, ghosts: tuple[str, ...] = ()) -> Optional[TensorPlan]:
+    """``plan`` (without the ``ghosts``, another stage's blocks) applied over the ``tp`` mesh axis; a meta-built
+    module is parallelized as meta tensors (each rank makes its shards at placement). Returns the plan applied."""
+    if plan is None:
+        return None
+    plan = plan.without(list(ghosts)) if ghosts else plan
+    parallelize(module, plan, groups.mesh["tp"], sequence_parallel=tensor.sequence_parallel)
+    return plan
+
+
+# -- 6. expert parallel (a slot) ------------------------------------------------------------------------------
+def apply_expert_parallel(module: nn.Module, options: EngineOptions, groups: Groups) -> Any:
+    """The slot of expert parallelism (the MoE experts over their own axis): nothing yet."""
+    return None
+
+
+# -- 7. setup check (a slot) ----------------------------------------------------------------------------------
+def apply_setup_check(module: nn.Module, options: EngineOptions, groups: Groups) -> Any:
+    """The slot of the setup check (the parallelized eager blocks checked before compile): nothing yet."""
+    return None
+
+
+# -- 8. compile (a slot) --------------------------------------------------------------------------------------
+def apply_compile(module: nn.Module, options: EngineOptions, groups: Groups) -> Any:
+    """The slot of compile (per block, before FSDP wraps the blocks): nothing yet."""
+    return None
+
+
+# -- 9. FSDP --------------------------------------------------------------------------------------------------
+def apply_fsdp(module: nn.Module, sharding: ShardingOptions, memory: MemoryOptions, groups: Groups, rank: Rank, *,
+               blocks: Optional[list] = None, ignored: Optional[list] = None) -> Optional[list[str]]:
+    """FSDP2 over the ``dp`` mesh axis under ``zero_stage`` 2 / 3 (``groups.sharded_replicas``), without the
+    broadcast (every rank holds rank 0's weights already, or meta tensors): the units' names, or None."""
+    if not groups.sharded_replicas:
+        return None
+    extra = {} if ignored is None else {"ignored": ignored}
+    if blocks is not None:
+        extra["blocks"] = blocks
+    return fsdp.shard_module(module, groups.mesh["dp"], zero_stage=sharding.zero_stage, precision=rank.precision,
+                             broadcast=False, offload=memory.offload, **extra)
+
+
+# -- 10. placement and weights --------------------------------------------------------------------------------
+def apply_placement(module: nn.Module, place: Callable, reader: Any, owned: Optional[Callable] = None) -> None:
+    """This rank's share: storage for its meta tensors, initialized as the module's own code would, then
+    ``weights=`` read into it (``place``: :meth:`lightning_par.materialize.share.ShareLoader.place`)."""
+    place(module, reader, owned=owned)
+
+
+# -- 11. context parallel -------------------------------------------------------------------------------------
+def apply_context(module: nn.Module, groups: Groups, *, blocks: Optional[str],
+                  runtime: Optional[StageRuntime] = None) -> Any:
+    """``context_parallel_size > 1``: the stack's blocks run on this rank's piece of every sequence
+    (:mod:`lightning_par.context`; a pipeline stage's chunks only, its last send after cp's gather)."""
+    if groups.cp is None:
+        return None
+    ranges = [(lo, hi) for _, lo, hi in runtime.chunks] if runtime is not None else None
+    context = apply_context_parallel(module, groups.cp, blocks=blocks, ranges=ranges)
+    if runtime is not None:
+        runtime.send_last()  # after cp's gather
+    return context
+
+
+# -- 12. schedule ---------------------------------------------------------------------------------------------
+@dataclass
+class Schedule:
+    runner: ScheduleRunner
+    shared: SharedParameters
+
+
+def apply_schedule(module: nn.Module, made: Parallelized, options: EngineOptions, groups: Groups, rank: Rank, *,
+                   dp_reduces: bool, replica_average: Optional[Callable] = None) -> Schedule:
+    """The schedule runner, the routing of the last stage's results, the gradients that span ranks (the shared
+    parameters; ``dp_reduces``: whether their reduction averages over the ``dp`` group too)."""
+    topo, rt, stack, split = rank.topology, made.runtime, made.stack, made.split
+    pp, stage = topo.pipeline_parallel_size, topo.coordinates(rank.rank)["pp"]
+    ring = topo.group_ranks("pp", rank.rank)
+    mailbox = (ResultMailbox(ranks=ring, me=rank.rank, group=groups.result, device=rank.device)
+               if groups.result is not None else None)
+    router = ResultRouter(mailbox=mailbox, is_last=rt.is_last, device=rank.device, dp_group=groups.dp,
+                          dp_size=topo.data_parallel_size, pp_group=groups.pp, last_rank=ring[-1])
+    runner = ScheduleRunner(rt, router, schedule=options.schedule, stage=stage, num_stages=pp,
+                            microbatches=options.microbatches, shards=made.shards)
+    shared = SharedParameters(module, [p for p in module.parameters() if p.requires_grad],
+                              {id(p) for b in stack.container for p in b.parameters()}, topology=topo,
+                              rank=rank.rank, timeout=groups.timeout, dp_group=groups.dp if dp_reduces else None,
+                              cp_group=groups.cp, default_owner=first_owner(stack.uses, split.bounds,
+                                                                            options.stages_per_rank))
+    shared.replica_average = replica_average  # a communication hook's (torchft's: use_replica_average)
+    confine_metrics(module, is_last=rt.is_last, dp_group=groups.dp)
+    return Schedule(runner=runner, shared=shared)
+
+
+# -- helpers --------------------------------------------------------------------------------------------------
+def not_held(module: nn.Module, owned: Callable[[str], bool]) -> set[int]:
+    """Ids of the parameters none of whose names ``owned`` accepts (a tied parameter is held under any name)."""
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {i for i, ns in names.items() if not any(owned(n) for n in ns)}
+
+
+def sync_rng(device: torch.device) -> None:
+    """Every rank continues rank 0's random stream: tensor-parallel peers hold the same replicated activations and
+    must draw the same dropout masks on them (different masks would silently train a different model)."""
+    cuda = device.type == "cuda"
+    state = [torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None]
+    torch.distributed.broadcast_object_list(state, src=0, device=device)
+    torch.set_rng_state(state[0])
+    if cuda:
+        torch.cuda.set_rng_state(state[1], device)
+
+
