@@ -19,7 +19,6 @@ import hashlib
 import os
 import re
 import signal
-import sys
 import tempfile
 from typing import Callable
 
@@ -30,6 +29,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sequential
 # the port of a rendezvous of ranks a test starts itself, picked as the recipes' launcher picks its own
 # ([Note: a free port below the ephemeral range])
 from lightning_par.recipes.ports import free_port  # noqa: F401  (the tests import it from here)
+from lightning_par.strategies import HybridParallelStrategy
+from models import corpus, warm_gpt
+from ranks import _as_torchrun_rank, fork_as_torchrun, output_to, start_ranks  # noqa: F401  (re-exported)
 
 # What a launch leaves in this process's environment (Lightning's launchers and `_init_dist_connection` set
 # MASTER_ADDR / MASTER_PORT, a cluster environment may set NODE_RANK / LOCAL_RANK): a later test's subprocess
@@ -362,55 +364,33 @@ def union_of_grad_names(records: list[dict]) -> set[str]:
     return {n for rec in records for step in rec["grads"] for n in step}
 
 
-def start_ranks(fn, args, nprocs: int):
-    """``torch.multiprocessing.start_processes`` by fork, after collecting this process's garbage: a process
-    group an earlier test destroyed may still be held by a reference cycle, and its destructor hangs a forked
-    child ([Note: collect before fork] in lightning_par/strategies/_materialize.py), and freezing what survives
-    until the ranks are back ([Note: freeze before fork] there)."""
-    import gc
-
-    import torch.multiprocessing as mp
-
-    gc.collect()
-    ours = gc.get_freeze_count() == 0
-    if ours:
-        gc.freeze()
-    try:
-        return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork")
-    finally:
-        if ours:
-            gc.unfreeze()
+def hybrid(**kw) -> HybridParallelStrategy:
+    """The core as the distributed tests run it: forked ranks, a 120 s collective timeout."""
+    return HybridParallelStrategy(start_method="fork", timeout=120, **kw)
 
 
-# [Note: a reference run by fork, as torchrun's ranks]
-# A reference run that a test compares a torchrun job against (an uninterrupted run, a plain-DDP job) needs no
-# torchrun of its own: its result depends on what each rank computes, not on which launcher started it. Forked
-# from the pytest process with torchrun's environment (TORCHELASTIC_RUN_ID makes Lightning take the ranks as
-# launched), it runs the same entry point in-process and skips the interpreters a torchrun costs: its agent and
-# one per rank (~5 CPU-s each here, importing Lightning), most of such a test's cost.
-def _as_torchrun_rank(rank: int, target: Callable[[], object], nprocs: int, port: int, log_path: str) -> None:
-    os.environ.update(TORCHELASTIC_RUN_ID="fork", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
-                      ROLE_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                      ROLE_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1
-    output_to(log_path)  # the rank's output in a log, as a torchrun's (pytest's capture aside)
-    target()
+def assert_matches(ref: dict, got: list[dict], *, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """Every rank returns the true losses; each rank's gradients and its stage's parameters equal the reference;
+    together the ranks hold a gradient for every parameter."""
+    for r, rec in enumerate(got):
+        try:
+            assert_close_records(ref, {**rec, "params": {n: rec["params"][n] for n in rec["grads"][-1]}},
+                                 atol=atol, rtol=rtol, require_all_grads=False)
+        except AssertionError as err:
+            raise AssertionError(f"rank {r}: {err}") from None
+    assert union_of_grad_names(got) == union_of_grad_names([ref])
 
 
-def output_to(log_path: str, mode: str = "a") -> None:
-    """This (forked) process's stdout and stderr, Python's and the file descriptors, into ``log_path``."""
-    log = open(log_path, mode, buffering=1)
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    sys.stdout = sys.stderr = log
-
-
-def fork_as_torchrun(target: Callable[[], object], nprocs: int, log_path: str) -> None:
-    """Run ``target()`` on ``nprocs`` ranks forked from this process, each with the environment torchrun gives
-    its workers, their output appended to ``log_path``; raises if a rank fails ([Note: a reference run by fork,
-    as torchrun's ranks])."""
-    start_ranks(_as_torchrun_rank, (target, nprocs, free_port(), log_path), nprocs)
+def fit_two_ranks(tmp, name: str, strategy, *, max_steps: int, model=warm_gpt, module=None, data=None,
+                  per_rank: int = 4, validate: bool = True, **overrides) -> list[dict]:
+    """A 2-rank fit of ``module`` (or ``seeded(model)``); with ``validate`` it also runs 2 validation batches every
+    3 steps (``val_loss`` is logged with ``sync_dist=True``)."""
+    data = data or corpus()
+    if validate:
+        overrides = dict(val_loader=DataLoader(data.val_set, batch_size=per_rank), val_check_interval=3,
+                         limit_val_batches=2, **overrides)
+    return fit_and_record(module or seeded(model), DataLoader(data.train_set, batch_size=per_rank), str(tmp / name),
+                          strategy=strategy, devices=2, max_steps=max_steps, **overrides)
 
 
 def seeded(factory: Callable[[], pl.LightningModule], seed: int = 0) -> pl.LightningModule:

@@ -1,8 +1,8 @@
 """The models and corpora of the tests, each defined once: the tiny reference GPT, tiny Hugging Face models by
 family with the wrapper a user writes around a causal LM, and the synthetic corpus at the tests' sizes.
 
-A file states only what it changes: ``tiny_gpt = gpt_factory(n_layer=4)`` is that file's GPT (four layers, two
-per pipeline stage), still called as ``seeded(tiny_gpt)`` or ``tiny_gpt(dropout=0.2)``.
+Each GPT variant has its own name here (``deep_gpt``: four layers, two per pipeline stage), called as
+``seeded(deep_gpt)`` or ``deep_gpt(dropout=0.2)``; a one-off stays ``gpt_factory(...)`` at its use.
 """
 from __future__ import annotations
 
@@ -32,6 +32,25 @@ class SgdGPT(GPT):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class ManualGPT(GPT):
+    """The reference GPT stepping its optimizer by hand (manual optimization), clipping by norm at ``clip``."""
+
+    def __init__(self, clip: float = 0.05, **kw):
+        super().__init__(**kw)
+        self.clip = clip
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        self.lr_schedulers().step()
+        return loss
+
+
 def sgd_gpt() -> SgdGPT:
     return SgdGPT(**GPT_SIZES)
 
@@ -39,6 +58,13 @@ def sgd_gpt() -> SgdGPT:
 def gpt_factory(**overrides) -> Callable[..., GPT]:
     """:func:`tiny_gpt` with ``overrides`` bound: a factory for ``seeded`` that still takes further overrides."""
     return functools.partial(tiny_gpt, **overrides)
+
+
+deep_gpt = gpt_factory(n_layer=4)  # four layers: two blocks per pipeline stage
+warm_gpt = gpt_factory(warmup_steps=2)  # two warm-up steps: the learning rate changes over a short fit
+deep_warm_gpt = gpt_factory(n_layer=4, warmup_steps=2)
+four_head_gpt = gpt_factory(n_head=4)  # two heads per rank at tp = 2
+deep_dropout_gpt = gpt_factory(n_layer=4, dropout=0.1)  # dropout: the recomputation must draw the same masks
 
 
 def corpus(train_sequences: int = 64, val_sequences: int = 8, **overrides) -> SyntheticCorpus:

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, seeded
-from models import CausalLM, corpus, gpt_factory, hf_model
+from models import CausalLM, corpus, deep_dropout_gpt, gpt_factory, hf_model
 from lightning_par import (DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy,
                            TensorParallelStrategy)
 from lightning_par.pipeline.ghost import Ghost
@@ -22,7 +22,6 @@ DATA = corpus(train_sequences=32)
 STEPS = 2
 EXACT = dict(atol=1e-6, rtol=0.0)  # the same ops on the same values (recompute replays the forward): 0 or rounding
 
-gpt = gpt_factory(n_layer=4, dropout=0.1)
 
 
 class LitT5(pl.LightningModule):
@@ -46,7 +45,7 @@ def llama():
     return CausalLM(hf_model("llama", num_hidden_layers=4), call={"use_cache": False})
 
 
-MODELS = {"gpt": gpt, "llama": llama, "t5": LitT5}
+MODELS = {"gpt": deep_dropout_gpt, "llama": llama, "t5": LitT5}
 LAYOUTS = {  # name: (strategy class, its keywords, devices)
     "one_device": (DataParallelStrategy, {}, 1),
     "dp2": (DataParallelStrategy, {}, 2),
@@ -158,14 +157,14 @@ def test_checkpoints_keep_the_names_and_resume_across_the_setting(tmp_path):
     def run(ac, out, **kw):
         strategy = PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=4, activation_checkpointing=ac,
                                             start_method="fork", timeout=120)
-        return fit_and_record(seeded(gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / out),
+        return fit_and_record(seeded(deep_dropout_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / out),
                               strategy=strategy, devices=2, **kw)
 
     saved = {ac: str(tmp_path / f"{ac}.ckpt") for ac in (None, "full")}
     for ac, path in saved.items():
         run(ac, f"fit-{ac}", max_steps=2, callbacks=[SaveAtEnd(path)])
     plain, checkpointed = (torch.load(saved[ac], weights_only=True)["state_dict"] for ac in (None, "full"))
-    assert list(checkpointed) == list(plain) == list(seeded(gpt).state_dict())
+    assert list(checkpointed) == list(plain) == list(seeded(deep_dropout_gpt).state_dict())
     for name in plain:
         assert torch.equal(checkpointed[name], plain[name]), name
     from lightning_par.models import GPT
@@ -182,7 +181,7 @@ def test_meta_build_with_weights_trains_checkpointed(tmp_path):
     from safetensors.torch import save_file
 
     path = str(tmp_path / "w.safetensors")
-    source = seeded(gpt)
+    source = seeded(deep_dropout_gpt)
     save_file({k: v.contiguous() for k, v in source.state_dict().items() if k != "lm_head.weight"}, path)  # tied
 
     def run(ac):
@@ -193,7 +192,7 @@ def test_meta_build_with_weights_trains_checkpointed(tmp_path):
         out = str(tmp_path / f"meta-{ac}")
         trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS, callbacks=[Recorder(out)]))
         with trainer.init_module(empty_init=True):
-            model = gpt()
+            model = deep_dropout_gpt()
         assert all(p.is_meta for p in model.parameters())
         trainer.fit(model, DataLoader(DATA.train_set, batch_size=8))
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded, trainer_kwargs
-from models import corpus, gpt_factory
+from models import corpus, deep_warm_gpt
 from lightning_par import DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_par.checkpoint import cli as checkpoint_cli
 from lightning_par.models import GPT
@@ -30,7 +30,6 @@ DATA = corpus(train_sequences=16)
 BATCH = 8  # global batch: 2 steps per epoch
 
 
-tiny_gpt = gpt_factory(n_layer=4, warmup_steps=2)
 
 
 class LlamaLM(pl.LightningModule):
@@ -69,7 +68,7 @@ class LlamaLM(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-MODELS = {"gpt": (tiny_gpt, GPT), "llama": (LlamaLM, LlamaLM)}
+MODELS = {"gpt": (deep_warm_gpt, GPT), "llama": (LlamaLM, LlamaLM)}
 
 # name: (strategy factory taking save_distributed_checkpoint and keywords, devices, per-rank batch)
 LAYOUTS = {

@@ -17,32 +17,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from harness import (TIMEOUT_S, SharesSequences, assert_close_records, fit_and_record, one_process_fit,
-                     reference_loader, seeded, union_of_grad_names)
-from models import causal_lm, corpus, gpt_factory
-from lightning_par import HybridParallelStrategy
+from harness import (TIMEOUT_S, SharesSequences, assert_close_records, assert_matches, fit_and_record, hybrid,
+                     one_process_fit, reference_loader, seeded)
+from models import causal_lm, corpus, deep_gpt
 from lightning_par.checkpoint import cli as checkpoint_cli
 from lightning_par.models import GPT
 
 DATA = corpus(train_sequences=32)
 
-gpt4 = gpt_factory(n_layer=4)  # two blocks per pipeline stage
-
-
-def hybrid(**kw):
-    return HybridParallelStrategy(start_method="fork", timeout=120, **kw)
-
-
-def assert_matches(ref: dict, got: list[dict]) -> None:
-    """Every rank returns the true losses; each rank's gradients and its stage's parameters equal the reference;
-    together the ranks hold a gradient for every parameter."""
-    for r, rec in enumerate(got):
-        try:
-            assert_close_records(ref, {**rec, "params": {n: rec["params"][n] for n in rec["grads"][-1]}},
-                                 require_all_grads=False)
-        except AssertionError as err:
-            raise AssertionError(f"rank {r}: {err}") from None
-    assert union_of_grad_names(got) == union_of_grad_names([ref])
 
 
 class CountsForwards(SharesSequences):
@@ -82,8 +64,8 @@ def test_pp2_cp2_tp2_gpt_matches_one_process(tmp_path, checkpointing):
     the blocks' weights while the cp pairs split every sequence; 2 micro-batches of 2. Full activation
     checkpointing recomputes each stage's blocks in backward, the attention across the cp group and the tp
     collectives included."""
-    ref = one_process_fit(gpt4, DATA.train_set, 4, max_steps=2)
-    got = fit_and_record(seeded(gpt4), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "h"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 4, max_steps=2)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "h"),
                          strategy=hybrid(pipeline_parallel_size=2, context_parallel_size=2, tensor_parallel_size=2,
                                          microbatches=2, activation_checkpointing=checkpointing),
                          devices=8, max_steps=2, callbacks=[forwards(2, checkpointing)])
@@ -100,8 +82,8 @@ def test_pp2_dp2_cp2_gpt_matches_one_process(tmp_path, mesh_order, checkpointing
     """8 ranks, 2 replicas of a pp 2 × cp 2 pipeline, each replica half of the global batch of 8. Mesh (pp, dp, cp):
     rank = (pp·2 + dp)·2 + cp, or with "dp_pp_tp" (dp, pp, cp): rank = (dp·2 + pp)·2 + cp. Selective activation
     checkpointing saves the attention across the group (one op) and recomputes the rest of each block."""
-    ref = one_process_fit(gpt4, DATA.train_set, 8, max_steps=2)
-    got = fit_and_record(seeded(gpt4), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "h"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 8, max_steps=2)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "h"),
                          strategy=hybrid(pipeline_parallel_size=2, data_parallel_size=2, context_parallel_size=2,
                                          microbatches=2, mesh_order=mesh_order,
                                          activation_checkpointing=checkpointing),
@@ -136,7 +118,7 @@ def test_pp2_cp2_hugging_face_llama_matches_one_process(tmp_path, schedule, chec
 
 
 PIPELINED = {"llama-pp2-cp2-tp2": (LLAMA, dict(context_parallel_size=2, tensor_parallel_size=2)),
-             "gpt-pp2-cp4": (gpt4, dict(context_parallel_size=4)),
+             "gpt-pp2-cp4": (deep_gpt, dict(context_parallel_size=4)),
              "qwen2-pp2-cp2": (QWEN2, dict(context_parallel_size=2)),
              "bert-pp2-cp2": (BERT, dict(context_parallel_size=2))}
 
@@ -192,7 +174,7 @@ def pp2_cp2(dcp: bool = False) -> dict:
 
 def ckpt_run(tmp, name, *, epochs, ckpt_path=None, save=False, **layout):
     callbacks = [ModelCheckpoint(dirpath=str(tmp / name / "ckpt"), save_top_k=-1, every_n_epochs=1)] if save else []
-    recs = fit_and_record(seeded(gpt4), reference_loader(CKPT_DATA.train_set, CKPT_BATCH), str(tmp / name),
+    recs = fit_and_record(seeded(deep_gpt), reference_loader(CKPT_DATA.train_set, CKPT_BATCH), str(tmp / name),
                           max_steps=-1, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=save,
                           ckpt_path=None if ckpt_path is None else str(ckpt_path), **layout)
     return recs, tmp / name / "ckpt" / "epoch=0-step=2.ckpt"

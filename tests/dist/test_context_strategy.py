@@ -11,19 +11,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import (TIMEOUT_S, SavePredictions, SharesSequences, assert_params_close, fit_and_record,
+from harness import (TIMEOUT_S, SavePredictions, SharesSequences, assert_params_close, fit_and_record, hybrid,
                      one_process_fit, seeded, trainer_kwargs)
-from models import causal_lm, corpus, gpt_factory, tiny_gpt
-from lightning_par import HybridParallelStrategy
+from models import causal_lm, corpus, deep_gpt, tiny_gpt
 
 DATA = corpus(val_sequences=8)
 
 
-def hybrid(**kw):
-    return HybridParallelStrategy(start_method="fork", timeout=120, **kw)
-
-
-def assert_matches(ref: dict, got: list[dict], steps: int):
+def assert_steps_match(ref: dict, got: list[dict], steps: int):
     for rec in got:
         torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), atol=2e-4, rtol=0)
         for step in range(2):
@@ -43,7 +38,7 @@ def test_dp_cp_gpt_matches_one_process(tmp_path, dp, cp, tp):
                          strategy=hybrid(data_parallel_size=dp, context_parallel_size=cp, tensor_parallel_size=tp),
                          devices=dp * cp * tp, max_steps=8, callbacks=[SharesSequences()])
     assert len(got) == dp * cp * tp
-    assert_matches(ref, got, 8)
+    assert_steps_match(ref, got, 8)
     for rec in got:  # every rank returns and logs one device's loss of the global batch
         assert rec["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=2e-4)
 
@@ -58,7 +53,7 @@ def test_dp2_cp2_zero_stages_2_and_3_match_one_process(tmp_path, zero):
                          strategy=hybrid(data_parallel_size=2, context_parallel_size=2, zero_stage=zero), devices=4,
                          max_steps=8, callbacks=[SharesSequences()])
     assert len(got) == 4
-    assert_matches(ref, got, 8)
+    assert_steps_match(ref, got, 8)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -68,9 +63,8 @@ def test_pp2_cp2_gpt_matches_one_process(tmp_path, checkpointing, schedule):
     rank's losses, and every gradient a rank holds (its stage's) for the first two steps; together the ranks hold
     every gradient. Full activation checkpointing recomputes the stage's blocks (attention across the group
     included) in backward, which zero bubble splits into input and weight gradients."""
-    gpt4 = gpt_factory(n_layer=4)
-    ref = one_process_fit(gpt4, DATA.train_set, 4, max_steps=8)
-    got = fit_and_record(seeded(gpt4), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "p"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 4, max_steps=8)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "p"),
                          strategy=hybrid(pipeline_parallel_size=2, context_parallel_size=2, microbatches=2,
                                          schedule=schedule, activation_checkpointing=checkpointing),
                          devices=4, max_steps=8, callbacks=[SharesSequences()])
@@ -101,7 +95,7 @@ def test_cp2_hugging_face_matches_one_process(tmp_path, family, tp):
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "l"),
                          strategy=hybrid(context_parallel_size=2, tensor_parallel_size=tp), devices=2 * tp,
                          max_steps=2)
-    assert_matches(ref, got, 2)
+    assert_steps_match(ref, got, 2)
     for rec in got:
         for name, p in rec["params"].items():
             torch.testing.assert_close(p, ref["params"][name], atol=1e-5, rtol=1e-5)
@@ -115,7 +109,7 @@ def test_cp2_validation_predict_and_activation_checkpointing(tmp_path, checkpoin
     got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "v"),
                          strategy=hybrid(context_parallel_size=2, activation_checkpointing=checkpointing), devices=2,
                          max_steps=2, **val)
-    assert_matches(ref, got, 2)
+    assert_steps_match(ref, got, 2)
     for rec in got:
         assert rec["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], abs=1e-5)
     idx = DATA.val_set.windows[:, :-1]

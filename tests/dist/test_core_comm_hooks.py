@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, free_port, one_process_fit, seeded, start_ranks
-from models import corpus, gpt_factory
+from models import corpus, tiny_gpt
 from lightning_par import HybridParallelStrategy
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.dp.comm_hooks import HookAverage, select_comm_hook
@@ -110,7 +110,6 @@ def test_powersgd_on_the_core_buckets_is_plain_before_its_start_and_low_rank_aft
 
 # -- the strategies ------------------------------------------------------------------------------------------------
 DATA = corpus()
-tiny_gpt = gpt_factory(n_layer=2)
 U = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}  # unit roundoff of the hook's format
 FLOOR = {"fp16": 2.0 ** -24, "bf16": 0.0}  # fp16's spacing below its normal range; bf16 has fp32's range
 # A gradient that is 0 in exact arithmetic (attention's key bias: softmax ignores a shift of all of a query's scores)

@@ -11,7 +11,7 @@ import pytest
 from lightning.pytorch import Callback
 
 from harness import TIMEOUT_S, one_process_fit
-from test_core_zero import DATA, LAYOUTS, STEPS, assert_as_one_process, fit, tiny_gpt
+from test_core_zero import DATA, LAYOUTS, STEPS, assert_as_one_process, deep_gpt, fit
 from lightning_par.dp import fsdp
 
 
@@ -29,7 +29,7 @@ class Offloaded(Callback):
 
 @pytest.fixture(scope="module")
 def one_process():
-    return one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=STEPS)
+    return one_process_fit(deep_gpt, DATA.train_set, 16, max_steps=STEPS)
 
 
 @pytest.mark.timeout(TIMEOUT_S)

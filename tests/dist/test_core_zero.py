@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from harness import (TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, reference_loader, seeded,
                      union_of_grad_names)
-from models import corpus, gpt_factory
+from models import corpus, deep_gpt
 from lightning_par import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_par.dp.fsdp import local_training_bytes
 from lightning_par.models import GPT
@@ -33,7 +33,6 @@ STEPS = 3
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
-tiny_gpt = gpt_factory(n_layer=4)
 
 
 class Bytes(Callback):
@@ -58,7 +57,7 @@ LAYOUTS = {  # name: (strategy factory, devices)
 }
 
 
-def fit(tmp, name, strategy, devices, *, steps=STEPS, module=tiny_gpt, callbacks=(), **overrides):
+def fit(tmp, name, strategy, devices, *, steps=STEPS, module=deep_gpt, callbacks=(), **overrides):
     out = str(tmp / name)
     os.makedirs(out, exist_ok=True)
     recs = fit_and_record(seeded(module), DataLoader(DATA.train_set, batch_size=8), out, strategy=strategy,
@@ -69,7 +68,7 @@ def fit(tmp, name, strategy, devices, *, steps=STEPS, module=tiny_gpt, callbacks
 
 @pytest.fixture(scope="module")
 def one_process():
-    return one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=STEPS)
+    return one_process_fit(deep_gpt, DATA.train_set, 16, max_steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +161,7 @@ def test_consolidated_checkpoint_loads_on_one_device_and_resumes(tmp_path, layou
         torch.testing.assert_close(p.detach(), held[0], atol=0.0, rtol=0.0, msg=lambda m: f"{name}: {m}")
     # 2 more steps: the sharded run resumed from its own file vs one device resumed from the same file
     cont, _ = fit(tmp_path, "cont", factory(zero), devices, steps=STEPS + 2, ckpt_path=path)
-    single = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "single"),
+    single = fit_and_record(seeded(deep_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "single"),
                             max_steps=STEPS + 2, ckpt_path=path)[0]
     for rec in cont:
         assert_close_records(single, {**rec, "params": {n: rec["params"][n] for n in rec["grads"][-1]}},
@@ -174,7 +173,7 @@ def test_consolidated_checkpoint_loads_on_one_device_and_resumes(tmp_path, layou
 def test_zero3_clipping_and_accumulation(tmp_path, layout):
     """Accumulate 2 batches, clip at a global norm over stages, shards and replicas' FSDP shards."""
     kw = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=2, **kw)
+    ref = one_process_fit(deep_gpt, DATA.train_set, 16, max_steps=2, **kw)
     factory, devices = LAYOUTS[layout]
     recs, _ = fit(tmp_path, "z3", factory(3), devices, steps=2, **kw)
     assert_as_one_process(ref, recs)
@@ -211,7 +210,7 @@ def test_zero3_bf16_mixed_gathers_bf16(tmp_path):
     [Note: the bf16-mixed tolerance] (tests/harness.py) for this 4-block GPT."""
     from harness import bf16_bound
 
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=STEPS, precision="bf16-mixed")
+    ref = one_process_fit(deep_gpt, DATA.train_set, 16, max_steps=STEPS, precision="bf16-mixed")
     recs, _ = fit(tmp_path, "bf16", LAYOUTS["pp"][0](3), 4, precision="bf16-mixed", callbacks=[Dtypes()])
     for rec in recs:
         for step, (got, want) in enumerate(zip(rec["losses"], ref["losses"])):
@@ -246,7 +245,7 @@ def test_distributed_checkpoint_moves_from_zero3_pipeline_to_zero2_tensor_layout
     assert path.is_dir()
     assert cli.main(["convert", str(path), str(tmp_path / "one.ckpt")]) == 0  # the command, in this process
     moved, _ = fit(tmp_path, "moved", LAYOUTS["tp"][0](2), 4, steps=STEPS + 2, ckpt_path=str(path))
-    single = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "single"),
+    single = fit_and_record(seeded(deep_gpt), reference_loader(DATA.train_set, 16), str(tmp_path / "single"),
                             max_steps=STEPS + 2, ckpt_path=str(tmp_path / "one.ckpt"))[0]
     assert len(single["grads"]) == 2
     assert_as_one_process(single, moved)

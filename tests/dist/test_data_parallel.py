@@ -17,9 +17,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from harness import (TIMEOUT_S, assert_close_records, assert_ranks_close, fit_and_record, one_process_fit,
-                     reference_loader, seeded)
-from models import corpus, gpt_factory
+from harness import (TIMEOUT_S, assert_close_records, assert_ranks_close, fit_and_record, fit_two_ranks,
+                     one_process_fit, reference_loader, seeded)
+from models import corpus, warm_gpt
 from lightning_par import DataParallelStrategy
 from lightning_par.dp.zero import optimizer_state_bytes
 from lightning_par.models import GPT
@@ -29,23 +29,10 @@ STEPS = 6
 EXACT = dict(atol=0.0, rtol=0.0)
 
 
-tiny_gpt = gpt_factory(warmup_steps=2)
 
 
 def ours(**kw):
     return DataParallelStrategy(start_method="fork", **kw)
-
-
-def fit_two_ranks(tmp, name, strategy, max_steps=STEPS, model=tiny_gpt, data=None, per_rank=PER_RANK,
-                  validate=True, **overrides):
-    """A 2-rank fit; with ``validate`` it also runs 2 validation batches every 3 steps (``val_loss`` is
-    logged with ``sync_dist=True``)."""
-    data = data or corpus()
-    if validate:
-        overrides = dict(val_loader=DataLoader(data.val_set, batch_size=per_rank), val_check_interval=3,
-                         limit_val_batches=2, **overrides)
-    return fit_and_record(seeded(model), DataLoader(data.train_set, batch_size=per_rank), str(tmp / name),
-                          strategy=strategy, devices=2, max_steps=max_steps, **overrides)
 
 
 class StateBytes(Callback):
@@ -74,9 +61,9 @@ def base(tmp_path_factory):
     run also reports its full optimizer-state bytes."""
     tmp = tmp_path_factory.mktemp("base")
     data = corpus()
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(data.train_set, 2 * PER_RANK), str(tmp / "ref"),
+    ref = fit_and_record(seeded(warm_gpt), reference_loader(data.train_set, 2 * PER_RANK), str(tmp / "ref"),
                          max_steps=STEPS, callbacks=[StateBytes(str(tmp / "ref"))])[0]
-    ddp = fit_two_ranks(tmp, "ddp", DDPStrategy(start_method="fork"))
+    ddp = fit_two_ranks(tmp, "ddp", DDPStrategy(start_method="fork"), max_steps=STEPS)
     return {"ref": ref, "ddp": ddp, "ref_state_bytes": read_state_bytes(str(tmp / "ref"), 1)[0]}
 
 
@@ -96,7 +83,7 @@ def first_step_grads_differ(a, b):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_default_is_lightning_ddp_bit_for_bit(tmp_path, base):
-    got = fit_two_ranks(tmp_path, "ours", ours())
+    got = fit_two_ranks(tmp_path, "ours", ours(), max_steps=STEPS)
     assert len(got) == 2
     assert_ranks_close(base["ddp"], got, **EXACT)      # losses, grads, params, callback metrics per rank
     assert {"train_loss", "val_loss"} <= got[0]["metrics"].keys()
@@ -130,13 +117,13 @@ def assert_hook_run(got, ddp, *, first_step, unit_roundoff, floor, loss_atol):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_fp16_hook_within_fp16_tolerance(tmp_path, base):
-    got = fit_two_ranks(tmp_path, "fp16", ours(comm_hook="fp16"))
+    got = fit_two_ranks(tmp_path, "fp16", ours(comm_hook="fp16"), max_steps=STEPS)
     assert_hook_run(got, base["ddp"], first_step=True, unit_roundoff=2.0**-11, floor=2.0**-24, loss_atol=1e-4)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_bf16_hook_runs_on_gloo_and_trains(tmp_path, base):
-    got = fit_two_ranks(tmp_path, "bf16", ours(comm_hook="bf16"))
+    got = fit_two_ranks(tmp_path, "bf16", ours(comm_hook="bf16"), max_steps=STEPS)
     assert_hook_run(got, base["ddp"], first_step=True, unit_roundoff=2.0**-8, floor=0.0, loss_atol=1e-3)
 
 
@@ -145,7 +132,7 @@ def test_powersgd_hook_compresses_from_start_iter_and_trains(tmp_path, base):
     # Small buckets: several buckets are in flight at once, whose PowerSGD collectives gloo must see in the
     # same order on every rank (see [Note: PowerSGD on gloo]).
     got = fit_two_ranks(tmp_path, "psgd", ours(comm_hook="powersgd", powersgd_rank=1, powersgd_start_iter=2,
-                                               bucket_cap_mb=0.004))
+                                               bucket_cap_mb=0.004), max_steps=STEPS)
     ddp = base["ddp"]
     assert len(got) == len(ddp) == 2
     for d, g in zip(ddp, got):
@@ -163,7 +150,7 @@ def test_powersgd_hook_compresses_from_start_iter_and_trains(tmp_path, base):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_zero1_equals_ddp_and_halves_optimizer_state(tmp_path, base):
-    got = fit_two_ranks(tmp_path, "zero", ours(zero_stage=1), callbacks=[StateBytes(str(tmp_path / "zero"))])
+    got = fit_two_ranks(tmp_path, "zero", ours(zero_stage=1), callbacks=[StateBytes(str(tmp_path / "zero"))], max_steps=STEPS)
     assert_ranks_close(base["ddp"], got, atol=1e-5, rtol=1e-5)
     assert_matches_one_process(base["ref"], got)
     full = base["ref_state_bytes"]
@@ -189,7 +176,7 @@ def test_zero1_checkpoint_is_consolidated_and_resumes(tmp_path):
                                              save_on_train_epoch_end=False)])
     path = str(ckpt_dir / "step4.ckpt")
     ckpt = torch.load(path, weights_only=True)               # plain content
-    n_params = len(list(seeded(tiny_gpt).parameters()))
+    n_params = len(list(seeded(warm_gpt).parameters()))
     opt_state = ckpt["optimizer_states"][0]
     assert sorted(opt_state["state"]) == list(range(n_params))  # every parameter's state, not a shard
     assert len(opt_state["param_groups"]) == 2
@@ -207,7 +194,7 @@ def test_zero1_checkpoint_is_consolidated_and_resumes(tmp_path):
         torch.testing.assert_close(r["params"], f["params"], **EXACT)
 
     # The consolidated state loads into a plain optimizer on one device and continues the same run.
-    single = fit_and_record(seeded(tiny_gpt), reference_loader(data.train_set, 2 * PER_RANK),
+    single = fit_and_record(seeded(warm_gpt), reference_loader(data.train_set, 2 * PER_RANK),
                             str(tmp_path / "single"), max_steps=8, ckpt_path=path)[0]
     assert single["global_step"] == 8
     for name, p in full[0]["params"].items():
@@ -222,7 +209,7 @@ def test_two_ranks_accumulate_two_equals_one_process(tmp_path):
     data = corpus()
     # Optimizer step j: each rank takes its loader batches 2j and 2j+1 of 2 samples; together these are
     # exactly the one-process step-j batch of 8 of the same sampler (see harness.reference_loader).
-    ref = one_process_fit(tiny_gpt, data.train_set, 8)
+    ref = one_process_fit(warm_gpt, data.train_set, 8)
     got = fit_two_ranks(tmp_path, "acc", ours(), max_steps=3, per_rank=2, accumulate_grad_batches=2, data=data)
     # The loss a callback sees under accumulation is divided by k: the step's loss is the sum over the
     # k micro-batches of the mean over ranks.
@@ -243,12 +230,12 @@ def test_linear_lr_scaling_scales_scheduler_base_lrs_and_logs(tmp_path, zero_sta
     # is configured with 2 x lr; its LambdaLR derives every later lr from that base, so the parallel run
     # matches it only if the scheduler's base_lrs were scaled too (a scaled group["lr"] alone is undone
     # at the first scheduler step, and the warmup makes every step's lr different).
-    ref = fit_and_record(seeded(lambda: tiny_gpt(lr=2 * lr)), reference_loader(data.train_set, 8),
+    ref = fit_and_record(seeded(lambda: warm_gpt(lr=2 * lr)), reference_loader(data.train_set, 8),
                          str(tmp_path / "ref"))[0]
     logger = CSVLogger(str(tmp_path / "logs"), name="run", version=0)
     # (Under zero_stage=1 the scheduler drives the ZeroRedundancyOptimizer that replaced the user's.)
     got = fit_two_ranks(tmp_path, "scaled", ours(lr_scaling="linear", zero_stage=zero_stage), max_steps=3,
-                        model=lambda: tiny_gpt(lr=lr), data=data, logger=logger)
+                        model=lambda: warm_gpt(lr=lr), data=data, logger=logger)
     assert_matches_one_process(ref, got)
     with open(tmp_path / "logs" / "run" / "version_0" / "hparams.yaml") as f:
         assert yaml.safe_load(f)["lr_scale_factor"] == 2.0
@@ -260,5 +247,5 @@ def test_lr_scaling_without_batch_size_is_refused(tmp_path):
     batches = [list(range(i, i + 4)) for i in range(0, 32, 4)]     # a batch sampler that states no size
     loader = DataLoader(data.train_set, batch_sampler=batches)
     with pytest.raises(ProcessRaisedException, match=r"ValueError: `lr_scaling='linear'` needs the per-device batch size"):
-        fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / "x"), strategy=ours(lr_scaling="linear"),
+        fit_and_record(seeded(warm_gpt), loader, str(tmp_path / "x"), strategy=ours(lr_scaling="linear"),
                        devices=2, max_steps=1, use_distributed_sampler=False)

@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from harness import (TIMEOUT_S, U_BF16, assert_close_records, assert_ranks_close, bf16_bound, fit_and_record,
-                     one_process_fit, reference_loader, seeded, trainer_kwargs)
-from models import causal_lm, corpus, gpt_factory
+                     fit_two_ranks, one_process_fit, reference_loader, seeded, trainer_kwargs)
+from models import ManualGPT, causal_lm, corpus, warm_gpt
 from lightning_par import DataParallelStrategy
 from lightning_par.dp.fsdp import local_training_bytes
 from lightning_par.models import GPT
@@ -29,13 +29,12 @@ FP32 = dict(atol=1e-5, rtol=1e-5)
 EXACT = dict(atol=0.0, rtol=0.0)
 
 
-tiny_gpt = gpt_factory(warmup_steps=2)
 
 
 LlamaLM = causal_lm("llama", attn_implementation="sdpa", lr=3e-3, weight_decay=0.1, call={"use_cache": False})
 
 
-MODELS = {"gpt": tiny_gpt, "llama": LlamaLM}
+MODELS = {"gpt": warm_gpt, "llama": LlamaLM}
 
 
 def zero(stage, **kw):
@@ -64,16 +63,10 @@ def read_bytes(out_dir, ranks=2):
     return out
 
 
-def fit_two_ranks(tmp, name, strategy, *, model=tiny_gpt, module=None, data=None, per_rank=PER_RANK,
-                  max_steps=STEPS, validate=True, callbacks=(), **overrides):
-    data = data or corpus()
-    module = module or seeded(model)
-    if validate:
-        overrides = dict(val_loader=DataLoader(data.val_set, batch_size=per_rank), val_check_interval=3,
-                         limit_val_batches=2, **overrides)
-    out = str(tmp / name)
-    return fit_and_record(module, DataLoader(data.train_set, batch_size=per_rank), out, strategy=strategy,
-                          devices=2, max_steps=max_steps, callbacks=[Bytes(out), *callbacks], **overrides)
+def fit_counting_bytes(tmp, name, strategy, *, max_steps=STEPS, callbacks=(), **kw):
+    """:func:`harness.fit_two_ranks`, each rank also writing the bytes it sent and held (:class:`Bytes`)."""
+    return fit_two_ranks(tmp, name, strategy, max_steps=max_steps, callbacks=[Bytes(str(tmp / name)), *callbacks],
+                         **kw)
 
 
 def assert_matches_one_process(ref, records, **tol):
@@ -95,7 +88,7 @@ def base(tmp_path_factory):
             data = corpus()
             ref = fit_and_record(seeded(MODELS[model]), reference_loader(data.train_set, 2 * PER_RANK),
                                  str(tmp / "ref"), max_steps=STEPS)[0]
-            ddp = fit_two_ranks(tmp, "zero0", zero(0), model=MODELS[model])
+            ddp = fit_counting_bytes(tmp, "zero0", zero(0), model=MODELS[model])
             cache[model] = {"ref": ref, "zero0": ddp, "zero0_bytes": read_bytes(str(tmp / "zero0"))}
         return cache[model]
 
@@ -112,7 +105,7 @@ def test_stage_matches_zero0_and_one_process(tmp_path, base, model, stage):
         pytest.importorskip("transformers")
     b = base(model)
     module = seeded(MODELS[model])
-    got = fit_two_ranks(tmp_path, f"zero{stage}", zero(stage), module=module)
+    got = fit_counting_bytes(tmp_path, f"zero{stage}", zero(stage), module=module)
     assert_ranks_close(b["zero0"], got, **FP32)      # rank-local losses, grads, params, metrics
     assert_matches_one_process(b["ref"], got, **FP32)
     assert {"train_loss", "val_loss"} <= got[0]["metrics"].keys()
@@ -176,7 +169,7 @@ def test_bytes_per_step_equal_fsdp_formula(tmp_path, model, stage):
     # every gradient: (N-1)/N (P + (P - P_root) + P); stage 2 gathers once: (N-1)/N 2P.
     if model == "llama":
         pytest.importorskip("transformers")
-    fit_two_ranks(tmp_path, "run", zero(stage), model=MODELS[model], validate=False,
+    fit_counting_bytes(tmp_path, "run", zero(stage), model=MODELS[model], validate=False,
                   callbacks=[StepBytes(str(tmp_path / "run"))])
     for r in range(2):
         with open(tmp_path / "run" / f"comm{r}.json") as f:
@@ -194,10 +187,10 @@ def checkpointed(tmp, name, strategy, data, steps=4):
     ckpt = ModelCheckpoint(dirpath=str(tmp / name), filename="last", every_n_train_steps=steps,
                            save_on_train_epoch_end=False)
     if strategy is None:
-        fit_and_record(seeded(tiny_gpt), reference_loader(data.train_set, 2 * PER_RANK), str(tmp / f"{name}-rec"),
+        fit_and_record(seeded(warm_gpt), reference_loader(data.train_set, 2 * PER_RANK), str(tmp / f"{name}-rec"),
                        max_steps=steps, enable_checkpointing=True, callbacks=[ckpt])
     else:
-        fit_two_ranks(tmp, f"{name}-rec", strategy, max_steps=steps, data=data, validate=False,
+        fit_counting_bytes(tmp, f"{name}-rec", strategy, max_steps=steps, data=data, validate=False,
                       enable_checkpointing=True, callbacks=[ckpt])
     return str(tmp / name / "last.ckpt")
 
@@ -219,11 +212,11 @@ def test_zero3_checkpoint_is_consolidated_and_resumes(tmp_path):
     # One global batch per epoch: Lightning restarts a non-stateful loader at its epoch start after a mid-epoch
     # checkpoint, so with one batch per epoch the resumed run sees exactly the uninterrupted run's batches.
     data = corpus(train_sequences=2 * PER_RANK)
-    full = fit_two_ranks(tmp_path, "full", zero(3), max_steps=8, data=data, validate=False)
+    full = fit_counting_bytes(tmp_path, "full", zero(3), max_steps=8, data=data, validate=False)
     path = checkpointed(tmp_path, "zero3", zero(3), data)
 
     ckpt = torch.load(path, weights_only=True)                      # plain content
-    module = seeded(tiny_gpt)
+    module = seeded(warm_gpt)
     expected = module.state_dict()
     assert ckpt["state_dict"].keys() == expected.keys()             # the module's own names, every tensor whole
     for k, v in expected.items():
@@ -237,15 +230,15 @@ def test_zero3_checkpoint_is_consolidated_and_resumes(tmp_path):
         assert opt_state["state"][i]["exp_avg"].shape == p.shape, i
 
     # Resumed under stage 3 it continues the uninterrupted run bit for bit; under stage 0 (DDP) to fp32 rounding.
-    assert_resumed(full, fit_two_ranks(tmp_path, "resumed3", zero(3), max_steps=8, data=data, validate=False,
+    assert_resumed(full, fit_counting_bytes(tmp_path, "resumed3", zero(3), max_steps=8, data=data, validate=False,
                                        ckpt_path=path), 4, **EXACT)
-    assert_resumed(full, fit_two_ranks(tmp_path, "resumed0", zero(0), max_steps=8, data=data, validate=False,
+    assert_resumed(full, fit_counting_bytes(tmp_path, "resumed0", zero(0), max_steps=8, data=data, validate=False,
                                        ckpt_path=path), 4, **FP32)
     # On one device: load_from_checkpoint, and a plain run resumes it.
     loaded = GPT.load_from_checkpoint(path)
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, ckpt["state_dict"][k], **EXACT)
-    single = fit_and_record(seeded(tiny_gpt), reference_loader(data.train_set, 2 * PER_RANK),
+    single = fit_and_record(seeded(warm_gpt), reference_loader(data.train_set, 2 * PER_RANK),
                             str(tmp_path / "single"), max_steps=8, ckpt_path=path)[0]
     assert single["global_step"] == 8
     torch.testing.assert_close(single["params"], full[0]["params"], **FP32)
@@ -263,9 +256,9 @@ def test_zero0_checkpoint_equals_zero3_checkpoint_and_one_device_checkpoint_resu
     for i in o0["state"]:
         torch.testing.assert_close(o3["state"][i], o0["state"][i], **FP32)   # step, exp_avg, exp_avg_sq
     # A checkpoint written by a plain one-device run resumes under stage 3.
-    full = fit_two_ranks(tmp_path, "full", zero(3), max_steps=8, data=data, validate=False)
+    full = fit_counting_bytes(tmp_path, "full", zero(3), max_steps=8, data=data, validate=False)
     single = checkpointed(tmp_path, "single", None, data)
-    assert_resumed(full, fit_two_ranks(tmp_path, "from_single", zero(3), max_steps=8, data=data, validate=False,
+    assert_resumed(full, fit_counting_bytes(tmp_path, "from_single", zero(3), max_steps=8, data=data, validate=False,
                                        ckpt_path=single), 4, **FP32)
 
 
@@ -281,8 +274,8 @@ def test_zero3_clipping_and_accumulation_equal_one_process(tmp_path, algorithm):
     clip = dict(gradient_clip_val=CLIP if algorithm == "norm" else CLIP / 20, gradient_clip_algorithm=algorithm)
     # Optimizer step j: each rank takes its loader batches 2j and 2j+1 of 2 samples; together these are the
     # one-process step-j batch of 8 of the same sampler (see harness.reference_loader).
-    ref = one_process_fit(tiny_gpt, data.train_set, 8, max_steps=3, **clip)
-    got = fit_two_ranks(tmp_path, "z3", zero(3), max_steps=3, per_rank=2, accumulate_grad_batches=2, data=data,
+    ref = one_process_fit(warm_gpt, data.train_set, 8, max_steps=3, **clip)
+    got = fit_counting_bytes(tmp_path, "z3", zero(3), max_steps=3, per_rank=2, accumulate_grad_batches=2, data=data,
                         validate=False, **clip)
     # The loss a callback sees under accumulation is divided by k: a step's loss is the sum over its k
     # micro-batches of the mean over ranks.
@@ -330,7 +323,7 @@ class GatheredDtype(Callback):
 def test_zero3_bf16_mixed_matches_zero0_to_bf16_precision(tmp_path, model):
     if model == "llama":
         pytest.importorskip("transformers")
-    runs = {s: fit_two_ranks(tmp_path, f"zero{s}", zero(s), model=MODELS[model], precision="bf16-mixed",
+    runs = {s: fit_counting_bytes(tmp_path, f"zero{s}", zero(s), model=MODELS[model], precision="bf16-mixed",
                              validate=False, callbacks=[GatheredDtype(str(tmp_path / f"zero{s}"))]) for s in (0, 3)}
     for stage, forward in ((0, "torch.float32"), (3, "torch.bfloat16")):   # stage 3 gathers bf16 weights
         for r in range(2):
@@ -355,26 +348,8 @@ def test_zero3_validate_and_test_alone_equal_zero0(tmp_path):
     results = {}
     for stage in (0, 3):
         trainer = pl.Trainer(**trainer_kwargs(strategy=zero(stage), devices=2, limit_val_batches=2))
-        results[stage] = (trainer.validate(seeded(tiny_gpt), loader), trainer.test(seeded(tiny_gpt), loader))
+        results[stage] = (trainer.validate(seeded(warm_gpt), loader), trainer.test(seeded(warm_gpt), loader))
     assert results[3] == results[0] and results[3][0][0]["val_loss"] > 0 and results[3][1][0]["test_loss"] > 0
-
-
-class ManualGPT(GPT):
-    """The reference GPT stepping its optimizer by hand, clipping included."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        loss = self._loss(batch)
-        self.manual_backward(loss)
-        self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
-        opt.step()
-        opt.zero_grad()
-        self.lr_schedulers().step()
-        return loss
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -383,7 +358,7 @@ def test_zero3_manual_optimization_equals_one_process(tmp_path):
     manual = lambda: ManualGPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16,  # noqa: E731
                                warmup_steps=2, lr_decay_steps=10)
     ref = one_process_fit(manual, data.train_set, 2 * PER_RANK, max_steps=3)
-    got = fit_two_ranks(tmp_path, "z3", zero(3), model=manual, max_steps=3, data=data, validate=False)
+    got = fit_counting_bytes(tmp_path, "z3", zero(3), model=manual, max_steps=3, data=data, validate=False)
     assert_matches_one_process(ref, got, **FP32)
 
 
@@ -392,9 +367,9 @@ def test_zero3_linear_lr_scaling_equals_one_process_with_scaled_lr(tmp_path):
     data = corpus()
     lr = 3e-3
     # Two ranks of 4: global batch 8 = 2 x one device's batch, factor 2 (see test_data_parallel's version).
-    ref = fit_and_record(seeded(lambda: tiny_gpt(lr=2 * lr)), reference_loader(data.train_set, 8),
+    ref = fit_and_record(seeded(lambda: warm_gpt(lr=2 * lr)), reference_loader(data.train_set, 8),
                          str(tmp_path / "ref"), max_steps=3)[0]
-    got = fit_two_ranks(tmp_path, "scaled", zero(3, lr_scaling="linear"), model=lambda: tiny_gpt(lr=lr), max_steps=3,
+    got = fit_counting_bytes(tmp_path, "scaled", zero(3, lr_scaling="linear"), model=lambda: warm_gpt(lr=lr), max_steps=3,
                         data=data, validate=False)
     assert_matches_one_process(ref, got, **FP32)
 
@@ -404,9 +379,9 @@ def test_zero3_on_one_device_equals_a_plain_run(tmp_path):
     data = corpus()
     # one process iterates the user's loader as it is, as plain Lightning does ([Note: one process keeps the
     # user's loader] in lightning_par/topology.py): the reference is plain Lightning on the same loader
-    ref = fit_and_record(seeded(tiny_gpt), DataLoader(data.train_set, batch_size=PER_RANK), str(tmp_path / "ref"),
+    ref = fit_and_record(seeded(warm_gpt), DataLoader(data.train_set, batch_size=PER_RANK), str(tmp_path / "ref"),
                          max_steps=3)[0]
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(data.train_set, batch_size=PER_RANK), str(tmp_path / "z3"),
+    got = fit_and_record(seeded(warm_gpt), DataLoader(data.train_set, batch_size=PER_RANK), str(tmp_path / "z3"),
                          strategy=zero(3), devices=1, max_steps=3)
     assert len(got) == 1
     assert_close_records(ref, got[0], **FP32)

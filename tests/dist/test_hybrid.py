@@ -5,29 +5,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import (TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded,
-                     union_of_grad_names)
-from models import corpus, gpt_factory
-from lightning_par import HybridParallelStrategy
+from harness import TIMEOUT_S, assert_matches, fit_and_record, hybrid, one_process_fit, seeded
+from models import corpus, deep_gpt
 from lightning_par.models import GPT
 
 DATA = corpus(val_sequences=16)
 
 
-tiny_gpt = gpt_factory(n_layer=4)
-
-
-def hybrid(**kw):
-    return HybridParallelStrategy(start_method="fork", timeout=120, **kw)
-
-
-def assert_matches(ref: dict, got: list[dict], *, atol=1e-5, rtol=1e-5):
-    """Every rank returns the true losses; each rank's gradients and its stage's parameters equal the
-    reference; together the ranks hold a gradient for every parameter."""
-    for rec in got:
-        assert_close_records(ref, {**rec, "params": {n: rec["params"][n] for n in rec["grads"][-1]}},
-                             atol=atol, rtol=rtol, require_all_grads=False)
-    assert union_of_grad_names(got) == union_of_grad_names([ref])
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -35,8 +19,8 @@ def assert_matches(ref: dict, got: list[dict], *, atol=1e-5, rtol=1e-5):
                                                       ("zero_bubble", 1)])
 def test_pp2_tp2_matches_one_process(tmp_path, schedule, stages_per_rank):
     """Ranks (pp, dp, tp): 0=(0,0,0) 1=(0,0,1) 2=(1,0,0) 3=(1,0,1)."""
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 8)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 8)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
                                          microbatches=4, schedule=schedule, stages_per_rank=stages_per_rank),
                          devices=4)
@@ -55,8 +39,8 @@ def test_pp2_tp2_matches_one_process(tmp_path, schedule, stages_per_rank):
 def test_dp2_pp2_tp2_matches_one_process(tmp_path, schedule, stages_per_rank, mesh_order):
     """8 ranks; each replica sees half of the global batch of 16. With mesh_order="dp_pp_tp" the replicas are
     the outermost axis: ranks 0-3 hold replica 0's pipeline."""
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=2)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 16, max_steps=2)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
                                          microbatches=4, schedule=schedule, stages_per_rank=stages_per_rank,
                                          mesh_order=mesh_order),
@@ -77,8 +61,8 @@ def test_3d_clipping_accumulation_and_validation(tmp_path):
     sync_dist val_loss, equal to one process."""
     settings = dict(max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05, limit_val_batches=2,
                     val_check_interval=4)
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 8, val_loader=DataLoader(DATA.val_set, batch_size=8), **settings)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "h"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 8, val_loader=DataLoader(DATA.val_set, batch_size=8), **settings)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "h"),
                          strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
                                          microbatches=2),
                          devices=8, val_loader=DataLoader(DATA.val_set, batch_size=4), **settings)
@@ -98,10 +82,10 @@ def test_consolidated_checkpoint_loads_on_one_device_and_resumes(tmp_path):
         return hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1, microbatches=2)
 
     loader = DataLoader(DATA.train_set, batch_size=16)  # 4 batches an epoch
-    whole = fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / "whole"), strategy=strategy(), devices=4,
+    whole = fit_and_record(seeded(deep_gpt), loader, str(tmp_path / "whole"), strategy=strategy(), devices=4,
                            max_steps=-1, max_epochs=2)
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
-    first = fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / "first"), strategy=strategy(), devices=4,
+    first = fit_and_record(seeded(deep_gpt), loader, str(tmp_path / "first"), strategy=strategy(), devices=4,
                            max_steps=-1, max_epochs=1, callbacks=[ckpt], enable_checkpointing=True)
     path = str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
     model = GPT.load_from_checkpoint(path, strict=True, map_location="cpu")
@@ -110,7 +94,7 @@ def test_consolidated_checkpoint_loads_on_one_device_and_resumes(tmp_path):
         for name in rec["grads"][-1]:
             torch.testing.assert_close(loaded[name].detach(), rec["params"][name], atol=0, rtol=0)
     assert set(loaded) == {n for rec in first for n in rec["grads"][-1]}
-    resumed = fit_and_record(seeded(tiny_gpt), loader, str(tmp_path / "resumed"), strategy=strategy(), devices=4,
+    resumed = fit_and_record(seeded(deep_gpt), loader, str(tmp_path / "resumed"), strategy=strategy(), devices=4,
                              max_steps=-1, max_epochs=2, ckpt_path=path)
     for w, r in zip(whole, resumed):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(w["losses"][4:]), atol=1e-5, rtol=1e-5)
@@ -150,7 +134,7 @@ def one_pipeline(records: list[dict], ranks: list[int]) -> dict:
 def test_3d_16bit_precisions(tmp_path, precision):
     from lightning.pytorch.plugins.precision import MixedPrecision
     from test_tensor_hf_precision import CLIP, DATA as SMALL, U_BF16, U_FP16, assert_mixed_precision_close
-    from test_tensor_hf_precision import tiny_gpt as small_gpt
+    from test_tensor_hf_precision import deep_gpt as small_gpt
 
     def settings():  # Lightning would turn "16-mixed" into bf16 on CPU: fp16 AMP with a GradScaler, clipped
         if precision == "bf16-mixed":

@@ -18,14 +18,13 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from harness import TIMEOUT_S, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, seeded
-from models import GPT_SIZES, corpus, gpt_factory, sgd_gpt
+from models import GPT_SIZES, corpus, sgd_gpt, warm_gpt
 from lightning_par import DataParallelStrategy
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.models import GPT
 from lightning_par.strategies.hybrid_parallel import SYNC_KEY
 
 TOL = dict(atol=1e-5, rtol=1e-5)
-tiny_gpt = gpt_factory(warmup_steps=2)
 
 
 class Regression(pl.LightningModule):
@@ -66,7 +65,7 @@ def ours(**kw):
     return DataParallelStrategy(start_method="fork", **kw)
 
 
-def fit_two(tmp, name, strategy, model=tiny_gpt, data=None, per_rank=4, max_steps=4, callbacks=(), **kw):
+def fit_two(tmp, name, strategy, model=warm_gpt, data=None, per_rank=4, max_steps=4, callbacks=(), **kw):
     train = data if data is not None else corpus().train_set
     out = str(tmp / name)
     os.makedirs(out, exist_ok=True)
@@ -196,7 +195,7 @@ class StepBytes(pl.Callback):
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_bytes_per_step_nothing_but_the_nonfinite_flag_between_syncs(tmp_path):
-    params = sum(p.numel() * 4 for p in tiny_gpt().parameters())
+    params = sum(p.numel() * 4 for p in warm_gpt().parameters())
     flag = 4  # the one-element non-finite flag (lightning_par.nonfinite), every step
     rows = {}
     for name, kw in {"every_step": {}, "local_sgd": dict(sync="local_sgd", sync_every=3),
@@ -317,7 +316,7 @@ def test_streaming_diloco_resumes_exactly_with_a_fragment_in_flight(tmp_path):
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_streaming_diloco_sends_one_fragment_per_sync_step_and_overlaps_it(tmp_path):
-    model = tiny_gpt()
+    model = warm_gpt()
     names = [n for n, _ in model.named_parameters()]
     sizes = [0, 0]
     for n, p in model.named_parameters():

@@ -8,23 +8,21 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, seeded
-from models import corpus, gpt_factory, sgd_gpt
-from lightning_par import HybridParallelStrategy
+from harness import TIMEOUT_S, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, hybrid, seeded
+from models import corpus, sgd_gpt, warm_gpt
 from lightning_par.strategies.hybrid_parallel import SYNC_KEY
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 LAYOUTS = {"pp2_dp2": dict(pipeline_parallel_size=2, data_parallel_size=2, microbatches=2),
            "tp2_dp2": dict(tensor_parallel_size=2, data_parallel_size=2),
            "cp2_dp2": dict(context_parallel_size=2, data_parallel_size=2)}
-tiny_gpt = gpt_factory(warmup_steps=2)
 
 
-def hybrid(layout, **kw):
-    return HybridParallelStrategy(start_method="fork", timeout=120, **LAYOUTS[layout], **kw)
+def hybrid_at(layout, **kw):
+    return hybrid(**LAYOUTS[layout], **kw)
 
 
-def fit4(tmp, name, strategy, model=tiny_gpt, data=None, max_steps=4, **kw):
+def fit4(tmp, name, strategy, model=warm_gpt, data=None, max_steps=4, **kw):
     train = data if data is not None else corpus().train_set
     return fit_and_record(seeded(model), DataLoader(train, batch_size=4), str(tmp / name), strategy=strategy,
                           devices=4, max_steps=max_steps, **kw)
@@ -52,8 +50,8 @@ def sequence_peers(layout):
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_local_sgd_every_step_equals_every_step_hybrid_data_parallel_under_sgd(tmp_path, layout):
-    every = fit4(tmp_path, "every", hybrid(layout), model=sgd_gpt)
-    local = fit4(tmp_path, "local", hybrid(layout, sync="local_sgd", sync_every=1), model=sgd_gpt)
+    every = fit4(tmp_path, "every", hybrid_at(layout), model=sgd_gpt)
+    local = fit4(tmp_path, "local", hybrid_at(layout, sync="local_sgd", sync_every=1), model=sgd_gpt)
     assert_same_runs(local, every, **TOL)
     assert all(r["global_step"] == 4 for r in local)
 
@@ -61,8 +59,8 @@ def test_local_sgd_every_step_equals_every_step_hybrid_data_parallel_under_sgd(t
 @pytest.mark.timeout(TIMEOUT_S)
 def test_diloco_with_outer_lr_one_and_no_momentum_is_local_sgd_under_pipeline_parallelism(tmp_path):
     """AdamW inside, H = 2, 5 steps: two syncs, then a step on each replica's own gradients alone."""
-    local = fit4(tmp_path, "local", hybrid("pp2_dp2", sync="local_sgd", sync_every=2), max_steps=5)
-    diloco = fit4(tmp_path, "diloco", hybrid("pp2_dp2", sync="diloco", sync_every=2, outer_lr=1.0,
+    local = fit4(tmp_path, "local", hybrid_at("pp2_dp2", sync="local_sgd", sync_every=2), max_steps=5)
+    diloco = fit4(tmp_path, "diloco", hybrid_at("pp2_dp2", sync="diloco", sync_every=2, outer_lr=1.0,
                                              outer_momentum=0.0), max_steps=5)
     assert_same_runs(diloco, local, **TOL)
     for a, b in replica_peers("pp2_dp2"):  # step 5 was not synced: the replicas are apart (no gradient average)
@@ -73,8 +71,8 @@ def test_diloco_with_outer_lr_one_and_no_momentum_is_local_sgd_under_pipeline_pa
 def test_diloco_with_outer_lr_one_and_no_momentum_is_local_sgd_under_context_parallelism(tmp_path):
     """dp 2 × cp 2, AdamW inside, H = 2, 5 steps: between syncs each replica's two ranks still average their
     gradients over the sequence every step (they stay equal), while the replicas part after the unsynced step 5."""
-    local = fit4(tmp_path, "local", hybrid("cp2_dp2", sync="local_sgd", sync_every=2), max_steps=5)
-    diloco = fit4(tmp_path, "diloco", hybrid("cp2_dp2", sync="diloco", sync_every=2, outer_lr=1.0,
+    local = fit4(tmp_path, "local", hybrid_at("cp2_dp2", sync="local_sgd", sync_every=2), max_steps=5)
+    diloco = fit4(tmp_path, "diloco", hybrid_at("cp2_dp2", sync="diloco", sync_every=2, outer_lr=1.0,
                                              outer_momentum=0.0), max_steps=5)
     assert_same_runs(diloco, local, **TOL)
     for a, b in sequence_peers("cp2_dp2"):
@@ -92,7 +90,7 @@ def test_diloco_under_tensor_and_context_parallelism_resumes_exactly_between_syn
     uninterrupted run's, bit for bit, on every rank (each its own replica's shard and inner state), from one
     file or from a DCP directory; under dp 2 × cp 2 too (each rank the whole model of its replica)."""
     kw = dict(sync="diloco", sync_every=3, save_distributed_checkpoint=distributed)
-    whole, resumed, path = fit_whole_then_resumed(fit4, tmp_path, lambda: hybrid(layout, **kw),
+    whole, resumed, path = fit_whole_then_resumed(fit4, tmp_path, lambda: hybrid_at(layout, **kw),
                                                   data=corpus(train_sequences=32).train_set)
     if not distributed:
         state = torch.load(path, weights_only=False)[SYNC_KEY]
@@ -121,7 +119,7 @@ def test_streaming_diloco_on_the_core_equals_data_parallel_streaming(tmp_path, l
     kw = dict(sync="diloco", sync_every=4, fragments=2)
     dp = fit_and_record(seeded(sgd_gpt), DataLoader(corpus().train_set, batch_size=4), str(tmp_path / "dp"),
                         strategy=DataParallelStrategy(start_method="fork", **kw), devices=2, max_steps=5)
-    core = fit4(tmp_path, "core", hybrid(layout, **kw), model=sgd_gpt, max_steps=5)
+    core = fit4(tmp_path, "core", hybrid_at(layout, **kw), model=sgd_gpt, max_steps=5)
     replica_of = {r: i for peers in replica_peers(layout) for i, r in enumerate(peers)}  # rank -> its dp index
     replica_mean = (torch.tensor(dp[0]["losses"]) + torch.tensor(dp[1]["losses"])) / 2
     for rank, rec in enumerate(core):
@@ -144,7 +142,7 @@ def test_streaming_diloco_on_the_core_resumes_exactly_with_a_fragment_in_flight(
     (the save finishes it, as the next forward would); resumed, steps 3-8 are the uninterrupted run's on every rank,
     bit for bit (each its stage's or shard's part of both fragments and of the outer state)."""
     kw = dict(sync="diloco", sync_every=4, fragments=2)
-    whole, resumed, path = fit_whole_then_resumed(fit4, tmp_path, lambda: hybrid(layout, **kw), epochs=4,
+    whole, resumed, path = fit_whole_then_resumed(fit4, tmp_path, lambda: hybrid_at(layout, **kw), epochs=4,
                                                   data=corpus(train_sequences=16).train_set)
     state = torch.load(path, weights_only=False)[SYNC_KEY]
     assert (state["since"], len(state["ranks"])) == (2, 4)

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, Recorder, assert_close_records, reference_loader, trainer_kwargs
-from models import CausalLM, corpus, gpt_factory, hf_model
+from models import CausalLM, corpus, deep_gpt, hf_model
 from lightning_par import DataParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_par.materialize import initialize, materialize, meta_parameters
 from lightning_par.peak_memory import TensorPeak, held_bytes
@@ -23,7 +23,6 @@ from test_pipeline import assert_pipeline_matches
 DATA = corpus()
 
 
-tiny_gpt = gpt_factory(n_layer=4)
 
 
 class LitLlama(CausalLM):
@@ -81,7 +80,7 @@ def plain_configured():
 
 # model name -> (factory, built plainly, the file's names gain this prefix, sharded TP weights, file drops)
 MODELS = {
-    "gpt": (tiny_gpt, tiny_gpt, "", ["blocks.*.attn.*_proj.weight", "blocks.*.mlp.*.weight"], ["lm_head.weight"]),
+    "gpt": (deep_gpt, deep_gpt, "", ["blocks.*.attn.*_proj.weight", "blocks.*.mlp.*.weight"], ["lm_head.weight"]),
     "llama": (LitLlama, LitLlama, "model.", ["model.model.layers.*_proj.weight"], []),
     "configured": (Configured, plain_configured, "", ["blocks.*.fc*.weight"], []),
 }
@@ -269,7 +268,7 @@ def test_meta_build_without_weights_is_initialized_and_trains(tmp_path, strategy
 @pytest.mark.parametrize("strategy", ["pp2", "tp2"])
 def test_weights_with_missing_extra_and_misshaped_names_are_refused_before_training(tmp_path, strategy):
     torch.manual_seed(1)
-    state = {k: v.clone() for k, v in tiny_gpt().state_dict().items() if k != "lm_head.weight"}
+    state = {k: v.clone() for k, v in deep_gpt().state_dict().items() if k != "lm_head.weight"}
     del state["blocks.3.mlp.fc.bias"]  # missing
     state["blocks.9.extra.weight"] = torch.zeros(2)  # unexpected
     state["ln_f.weight"] = torch.ones(17)  # mis-shaped
@@ -278,7 +277,7 @@ def test_weights_with_missing_extra_and_misshaped_names_are_refused_before_train
     path = str(tmp_path / "bad.safetensors")
     save_file(state, path)
     with pytest.raises(Exception) as info:
-        fit_meta(tiny_gpt, STRATEGIES[strategy](weights=path), str(tmp_path / "par"))
+        fit_meta(deep_gpt, STRATEGIES[strategy](weights=path), str(tmp_path / "par"))
     text = str(info.value)
     for expected in ("1 missing", "blocks.3.mlp.fc.bias", "1 unexpected", "blocks.9.extra.weight", "1 mis-shaped",
                      "ln_f.weight: file (17,)"):

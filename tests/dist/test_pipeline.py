@@ -6,13 +6,12 @@ from torch.utils.data import DataLoader
 
 from harness import (TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded,
                      union_of_grad_names)
-from models import corpus, gpt_factory
+from models import corpus, deep_gpt
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 
 DATA = corpus(val_sequences=16)
 
 
-tiny_gpt = gpt_factory(n_layer=4)  # two blocks per stage
 
 
 def pp(**kw):
@@ -31,8 +30,8 @@ def assert_pipeline_matches(ref: dict, got: list[dict], *, atol=1e-5, rtol=1e-5)
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("schedule,balance", [("gpipe", "time"), ("1f1b", "params"), ("zero_bubble", "params")])
 def test_two_stages_match_one_process(tmp_path, schedule, balance):
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 8)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 8)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=2, microbatches=4, schedule=schedule, balance=balance),
                          devices=2)
     assert len(got) == 2
@@ -49,8 +48,8 @@ def test_accumulation_clipping_validation_and_partial_batches(tmp_path):
     settings = dict(max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.05, limit_val_batches=3,
                     val_check_interval=4, num_sanity_val_steps=1)
     val = DataLoader(DATA.val_set, batch_size=6)
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 12, val_loader=val, **settings)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=12), str(tmp_path / "pp"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 12, val_loader=val, **settings)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=12), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=2, microbatches=4), devices=2, val_loader=val, **settings)
     assert len(ref["losses"]) == 6 and len(ref["grads"]) == 3
     assert_pipeline_matches(ref, got)
@@ -63,8 +62,8 @@ def test_accumulation_clipping_validation_and_partial_batches(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_four_stages_1f1b(tmp_path):
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 8, max_steps=2)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 8, max_steps=2)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=4, microbatches=4, balance="uniform"), devices=4,
                          max_steps=2)
     assert len(got) == 4
@@ -76,8 +75,8 @@ def test_four_stages_1f1b(tmp_path):
 @pytest.mark.timeout(300)
 def test_two_stages_times_two_replicas(tmp_path):
     """Ranks (pp, dp): 0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1); each replica sees half of the global batch of 8."""
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 8, max_steps=2)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "pp"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 8, max_steps=2)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=2, data_parallel_size=2, microbatches=2), devices=4,
                          max_steps=2)
     assert len(got) == 4
@@ -146,12 +145,12 @@ def test_blocks_with_extra_args_kwargs_and_shared_parameter(tmp_path, schedule):
 def test_dropout_is_reproducible_across_schedules(tmp_path):
     """Dropout masks are seeded per (step, micro-batch, block): GPipe and 1F1B give identical runs."""
     loader = DataLoader(DATA.train_set, batch_size=8)
-    runs = [fit_and_record(seeded(lambda: tiny_gpt(dropout=0.2)), loader, str(tmp_path / s),
+    runs = [fit_and_record(seeded(lambda: deep_gpt(dropout=0.2)), loader, str(tmp_path / s),
                            strategy=pp(pipeline_parallel_size=2, microbatches=4, schedule=s), devices=2)
             for s in ("gpipe", "1f1b")]
     for a, b in zip(*runs):
         assert_close_records(a, b, atol=0, rtol=0)
-    no_dropout = one_process_fit(tiny_gpt, DATA.train_set, 8)
+    no_dropout = one_process_fit(deep_gpt, DATA.train_set, 8)
     assert runs[0][0]["losses"][0] != pytest.approx(no_dropout["losses"][0], abs=1e-4)  # dropout is active
 
 
@@ -214,8 +213,8 @@ def test_interleaved_1f1b_two_chunks_per_rank_and_a_partial_last_batch(tmp_path)
     from torch.utils.data import Subset
 
     train = Subset(DATA.train_set, range(19))
-    ref = one_process_fit(tiny_gpt, train, 8)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(train, batch_size=8), str(tmp_path / "pp"),
+    ref = one_process_fit(deep_gpt, train, 8)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(train, batch_size=8), str(tmp_path / "pp"),
                          strategy=pp(pipeline_parallel_size=2, microbatches=4, schedule="interleaved_1f1b",
                                      stages_per_rank=2, balance="uniform"), devices=2)
     assert_pipeline_matches(ref, got)
@@ -231,7 +230,7 @@ def test_test_loop_through_the_pipeline(tmp_path):
 
     from harness import trainer_kwargs
 
-    model = seeded(tiny_gpt)
+    model = seeded(deep_gpt)
     loader = DataLoader(DATA.val_set, batch_size=5)
     expected = pl.Trainer(**trainer_kwargs(devices=1)).test(model, loader, verbose=False)
     got = pl.Trainer(**trainer_kwargs(devices=2, strategy=pp(pipeline_parallel_size=2, microbatches=2))).test(

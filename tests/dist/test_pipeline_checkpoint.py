@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Subset
 
 from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded
-from models import corpus, gpt_factory
+from models import corpus, deep_gpt
 from test_pipeline import assert_pipeline_matches
 from lightning_par.models import GPT
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
@@ -17,7 +17,6 @@ from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 TRAIN = Subset(corpus(train_sequences=16).train_set, range(16))
 
 
-tiny_gpt = gpt_factory(n_layer=4)
 
 
 def pp():
@@ -27,7 +26,7 @@ def pp():
 def run(tmp, name, loader, max_steps, ckpt_path=None, **kw):
     """Fit with a checkpoint at every epoch end (2 steps per epoch)."""
     ckpt = ModelCheckpoint(dirpath=str(tmp / name / "ckpt"), save_top_k=-1, every_n_epochs=1)
-    recs = fit_and_record(seeded(tiny_gpt), loader, str(tmp / name), max_steps=max_steps, callbacks=[ckpt],
+    recs = fit_and_record(seeded(deep_gpt), loader, str(tmp / name), max_steps=max_steps, callbacks=[ckpt],
                           enable_checkpointing=True, ckpt_path=ckpt_path, **kw)
     return recs, sorted(glob.glob(str(tmp / name / "ckpt" / "*.ckpt")))
 

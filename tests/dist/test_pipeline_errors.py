@@ -12,17 +12,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, free_port, seeded, trainer_kwargs
-from models import corpus, tiny_gpt
+from models import ManualGPT, corpus, tiny_gpt
 from lightning_par.models import GPT
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 
 DATA = corpus(train_sequences=32)
-
-
-class ManualGPT(GPT):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.automatic_optimization = False
 
 
 def fit(module, loader, **strategy_kw):

@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, one_process_fit, reference_loader, seeded
-from models import CausalLM, corpus, gpt_factory, hf_model
+from models import CausalLM, corpus, deep_gpt, hf_model
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 from test_pipeline import assert_pipeline_matches
 
@@ -34,15 +34,14 @@ def test_hugging_face_qwen2_decoder(tmp_path, use_cache):
     assert any(n.startswith("model.model.layers.3.") for n in got[1]["grads"][0])
 
 
-tiny_gpt = gpt_factory(n_layer=4)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_bf16_mixed_equals_one_process_accumulating_the_same_microbatches(tmp_path):
     """Under bf16 autocast a micro-batch of 2 and a batch of 8 round differently, so the exact reference is
     one process running the same micro-batches as accumulation steps (4 × 2 samples per optimizer step)."""
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 2, max_steps=2, accumulate_grad_batches=4, precision="bf16-mixed")
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 2, max_steps=2, accumulate_grad_batches=4, precision="bf16-mixed")
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=4,
                                                            start_method="fork", timeout=120),
                          devices=2, max_steps=2, precision="bf16-mixed")
@@ -71,9 +70,9 @@ def fp16():
 def test_16_mixed_one_loss_scale_skips_an_overflow_on_every_stage(tmp_path):
     """fp16 autocast + GradScaler (passed as a plugin: Lightning turns "16-mixed" into bf16 on CPU). The
     overflow at step 1 exists on stage 0 only; the step is skipped on both stages, as on one device."""
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 2), str(tmp_path / "ref"),
+    ref = fit_and_record(seeded(deep_gpt), reference_loader(DATA.train_set, 2), str(tmp_path / "ref"),
                          max_steps=3, accumulate_grad_batches=4, plugins=[fp16()], callbacks=[OverflowOnStageZero()])[0]
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "pp"),
                          strategy=PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=4,
                                                            start_method="fork", timeout=120),
                          devices=2, max_steps=3, plugins=[fp16()], callbacks=[OverflowOnStageZero()])

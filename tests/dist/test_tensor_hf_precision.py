@@ -89,12 +89,12 @@ K_ROUNDINGS, LR, PARAM_TOL_LR, CLIP = 8, 1e-4, 0.12, 0.05
 ZERO_GRAD = ("blocks.0.attn.k_proj.bias", "blocks.1.attn.k_proj.bias")
 
 
-tiny_gpt = gpt_factory(n_head=4, lr=LR)
+lr_gpt = gpt_factory(n_head=4, lr=LR)  # four_head_gpt at this file's learning rate
 
 
 def replay_adamw(grads: list[dict], clip: float | None) -> dict:
     """The initial module's own optimizer and LR schedule stepped on recorded gradients (see (a) above)."""
-    model = seeded(tiny_gpt)
+    model = seeded(lr_gpt)
     conf = model.configure_optimizers()
     optimizer, scheduler = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     params = dict(model.named_parameters())
@@ -110,7 +110,7 @@ def replay_adamw(grads: list[dict], clip: float | None) -> dict:
 
 def assert_mixed_precision_close(ref: dict, got: dict, u: float, clip: float | None = None) -> None:
     """[Note: mixed-precision tolerances] for one rank's record against the one-process reference."""
-    initial = seeded(tiny_gpt)
+    initial = seeded(lr_gpt)
     k = K_ROUNDINGS
     z_max = initial.hparams.n_embd ** 0.5 * float(initial.lm_head.weight.detach().norm(dim=1).max())
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
@@ -149,8 +149,8 @@ def assert_mixed_precision_close(ref: dict, got: dict, u: float, clip: float | N
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_bf16_mixed(tmp_path):
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 4, max_steps=2, precision="bf16-mixed")
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
+    ref = one_process_fit(lr_gpt, DATA.train_set, 4, max_steps=2, precision="bf16-mixed")
+    got = fit_and_record(seeded(lr_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=tp2(), devices=2, max_steps=2, precision="bf16-mixed")
     for rec in got:
         assert_mixed_precision_close(ref, rec, U_BF16)
@@ -163,9 +163,9 @@ def test_16_mixed_with_grad_scaler(tmp_path):
     def plugins():  # Lightning would turn precision="16-mixed" into bf16 on CPU; pass fp16 AMP explicitly
         return [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=1024.0))]
 
-    ref = fit_and_record(seeded(tiny_gpt), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=2,
+    ref = fit_and_record(seeded(lr_gpt), reference_loader(DATA.train_set, 4), str(tmp_path / "ref"), max_steps=2,
                          plugins=plugins(), gradient_clip_val=CLIP)[0]
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
+    got = fit_and_record(seeded(lr_gpt), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
                          strategy=tp2(), devices=2, max_steps=2, plugins=plugins(), gradient_clip_val=CLIP)
     for rec in got:
         assert_mixed_precision_close(ref, rec, U_FP16, clip=CLIP)

@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded
-from models import gpt_factory
+from models import four_head_gpt, gpt_factory
 from lightning_par.data import SyntheticCorpus
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
@@ -13,14 +13,13 @@ from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 DATA = dict(vocab_size=32, seq_len=16, train_sequences=64, val_sequences=16)
 
 
-tiny_gpt = gpt_factory(n_head=4)  # 2 heads per rank at tp=2
 
 
 def strategy(**kw):
     return TensorParallelStrategy(start_method="fork", timeout=120, **kw)
 
 
-def run_pair(tmp_path, *, tp, dp=1, batch=4, steps=3, factory=tiny_gpt, strategy_kw=None, **overrides):
+def run_pair(tmp_path, *, tp, dp=1, batch=4, steps=3, factory=four_head_gpt, strategy_kw=None, **overrides):
     data = SyntheticCorpus(**DATA)
     ref = one_process_fit(factory, data.train_set, batch * dp, max_steps=steps, **overrides)
     got = fit_and_record(seeded(factory), DataLoader(data.train_set, batch_size=batch), str(tmp_path / "tp"),

@@ -12,10 +12,9 @@ import lightning_par.pipeline.ends as ends_module
 from lightning_par.materialize import (free_parameters, initialize, materialize, meta_parameters, open_module_weights,
                                        read_weights)
 from lightning_par.pipeline.ends import first_owner, record_uses, stage_needs
-from models import gpt_factory
+from models import deep_gpt
 
 
-tiny_gpt = gpt_factory(n_layer=4)
 
 
 @pytest.mark.parametrize("module", [meta_module, ends_module, peak_memory_module])
@@ -25,7 +24,7 @@ def test_docstring_examples(module):
 
 def test_meta_parameters_real_buffers_ties_kept_and_the_hook_removed():
     with meta_parameters():
-        gpt = tiny_gpt()
+        gpt = deep_gpt()
         bn = nn.BatchNorm1d(4)
     assert all(p.is_meta for p in gpt.parameters())
     assert gpt.lm_head.weight is gpt.tok_emb.weight
@@ -36,7 +35,7 @@ def test_meta_parameters_real_buffers_ties_kept_and_the_hook_removed():
 def test_init_is_the_modules_own_and_depends_on_the_seed_and_name_only():
     def build(seed):
         with meta_parameters():
-            m = tiny_gpt()
+            m = deep_gpt()
         assert initialize(m, materialize(m, torch.device("cpu")), seed=seed) == []
         return m
 
@@ -66,12 +65,12 @@ def test_what_no_init_writes_is_reported_by_name():
 
 def test_owned_names_only_are_materialized_and_free_parameters_keeps_ties():
     with meta_parameters():
-        m = tiny_gpt()
+        m = deep_gpt()
     made = materialize(m, torch.device("cpu"), owned=lambda n: n.startswith(("blocks.0.", "tok_emb")))
     assert set(made) == {n for n, _ in m.named_parameters() if n.startswith(("blocks.0.", "tok_emb"))}
     assert not m.lm_head.weight.is_meta and m.lm_head.weight is m.tok_emb.weight  # tied: one tensor
     assert m.blocks[1].attn.q_proj.weight.is_meta and m.ln_f.weight.is_meta
-    plain = tiny_gpt()
+    plain = deep_gpt()
     assert free_parameters(plain, ["lm_head.weight", "ln_f.bias"]) == (32 * 16 + 16) * 4
     assert plain.tok_emb.weight.is_meta and plain.lm_head.weight is plain.tok_emb.weight
     assert plain.ln_f.bias.is_meta and not plain.ln_f.weight.is_meta
@@ -81,12 +80,12 @@ def test_weights_checked_against_the_whole_meta_module_then_read(tmp_path):
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    source = tiny_gpt()
+    source = deep_gpt()
     state = {k: v.clone() for k, v in source.state_dict().items() if k != "lm_head.weight"}
     good = str(tmp_path / "good.safetensors")
     save_file(state, good)
     with meta_parameters():
-        m = tiny_gpt()
+        m = deep_gpt()
     materialize(m, torch.device("cpu"))
     reader = open_module_weights(good, m)  # the tied head is served by the embedding's entry
     read_weights(m, reader)
@@ -105,7 +104,7 @@ def test_weights_checked_against_the_whole_meta_module_then_read(tmp_path):
 
 def test_where_the_step_uses_the_ends_and_which_stage_needs_them():
     with meta_parameters():
-        m = tiny_gpt()
+        m = deep_gpt()
     idx = torch.zeros(2, 8, dtype=torch.long, device="meta")
     step = record_uses(m, m.blocks, {id(p) for p in m.blocks.parameters()}, lambda: m._loss((idx, idx)))
     with torch.no_grad():
