@@ -47,7 +47,7 @@ def field_meanings(group: type) -> dict[str, str]:
 
     >>> from lightning_par.option_groups import ShardingOptions
     >>> field_meanings(ShardingOptions)["zero_stage"][:30]
-    'ZeRO on the `dp` axis: `0` repl'
+    'ZeRO on the `dp` axis: `0` rep'
     """
     body = ast.parse(textwrap.dedent(inspect.getsource(group))).body[0].body
     out = {}

@@ -4,6 +4,7 @@ table of docs/strategies.md is the one generated from the option groups and name
 and every keyword the pages' examples pass to a strategy, in Python or as `strategy.<key>=`, is one it takes."""
 from __future__ import annotations
 
+import doctest
 import inspect
 import re
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import lightning_par
-from lightning_par import option_docs, options
+from lightning_par import option_docs, options, performance
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", REPO / "examples" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -162,3 +163,42 @@ def test_readme_links_every_docs_page():
               if t.startswith("docs/")}
     pages = {p.name for p in (REPO / "docs").glob("*.md")}
     assert pages <= linked, sorted(pages - linked)
+
+
+def test_limitations_stay_a_list():
+    lines = (REPO / "docs" / "limitations.md").read_text().splitlines()
+    assert len(lines) <= 120, f"docs/limitations.md has {len(lines)} lines: one line per limitation (what, why, fix)"
+
+
+def test_generators_doctests():
+    assert doctest.testmod(option_docs).failed == 0
+    assert doctest.testmod(performance, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0
+
+
+def test_performance_record_replaces_its_own_section_only(tmp_path):
+    page = tmp_path / "performance.md"
+    page.write_text("# Performance\n\nintro\n")
+    table = [("Steps", ["n", "s"], [[1, 0.25], [2, "a|b"]])]
+    for day in ("2026-01-01", "2026-01-02"):
+        performance.record("one", title="One", command="python one.py --record", tables=table, page=page,
+                           machine="m", day=day)
+    performance.record("two", title="Two", command="two --record", tables=[], page=page, machine="m", day="2026-01-03")
+    text = page.read_text()
+    assert text.count("<!-- one: begin -->") == 1 and "2026-01-01" not in text, text
+    assert "Measured 2026-01-02 on m:" in text and "| 2 | a\\|b |" in text and "intro" in text, text
+    assert text.index("<!-- one: end -->") < text.index("<!-- two: begin -->"), text
+    assert performance.record("x", title="X", command="x", tables=[], page=tmp_path / "absent.md") is None
+
+
+def test_performance_page_holds_only_generated_sections():
+    """Each section of docs/performance.md is a script's record (dated, on a machine, with its command) or a
+    placeholder naming the command that records it; nothing else is measured there by hand."""
+    text = (REPO / "docs" / "performance.md").read_text()
+    sections = re.findall(r"<!-- (.+?): begin -->\n(.*?)<!-- \1: end -->", text, re.S)
+    assert sections, "docs/performance.md has no sections"
+    for name, body in sections:
+        recorded = re.search(r"^Measured \d{4}-\d{2}-\d{2} on .+:\n\n    \S.*--record", body, re.M)
+        awaiting = re.search(r"^Awaiting a run: `[^`]*--record`\.$", body, re.M)
+        assert recorded or awaiting, f"section {name!r} of docs/performance.md is neither recorded nor awaiting a run"
+    outside = re.sub(r"<!-- (.+?): begin -->\n.*?<!-- \1: end -->", "", text, flags=re.S)
+    assert "|" not in outside, "a table outside the generated sections of docs/performance.md"
