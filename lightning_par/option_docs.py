@@ -39,7 +39,10 @@ PAGES = {"LayoutOptions": "strategies.md#sizes-and-auto", "PipelineOptions": "pi
          "LaunchOptions": "launching.md",
          "data_parallel_size": "data-parallel.md", "pipeline_parallel_size": "pipeline-parallel.md",
          "tensor_parallel_size": "tensor-parallel.md", "context_parallel_size": "context-parallel.md",
-         "mesh_order": "strategies.md#sizes-and-auto"}
+         "mesh_order": "strategies.md#sizes-and-auto",
+         # this round's fields, linked once they land (their pages are written beside them)
+         "context_parallel_method": "context-parallel.md", "expert_parallel_size": "expert-parallel.md",
+         "experts": "expert-parallel.md", "compile": "compile.md", "verify": "tensor-parallel.md#the-setup-check"}
 
 
 def field_meanings(group: type) -> dict[str, str]:
