@@ -33,7 +33,8 @@ PAGES = {"LayoutOptions": "strategies.md#sizes-and-auto", "PipelineOptions": "pi
          "TensorOptions": "tensor-parallel.md", "ShardingOptions": "data-parallel.md#zero-1-2-and-3",
          "BlockOptions": "pipeline-parallel.md#the-block-stack", "MemoryOptions": "activation-checkpointing.md",
          "CommHookOptions": "slow-links.md#gradient-compression", "ReplicaOptions": "data-parallel.md",
-         "SyncOptions": "slow-links.md#local-sgd-and-diloco", "LrScalingOptions": "data-parallel.md#learning-rate-scaling",
+         "SyncOptions": "slow-links.md#local-sgd-and-diloco",
+         "LrScalingOptions": "data-parallel.md#learning-rate-scaling",
          "WeightsOptions": "meta-build-and-weights.md", "StepOptions": "reliability.md#nan-and-inf",
          "FaultToleranceOptions": "fault-tolerance.md", "CheckpointOptions": "checkpoints.md",
          "LaunchOptions": "launching.md",
@@ -56,8 +57,9 @@ def field_meanings(group: type) -> dict[str, str]:
     out = {}
     for stmt, after in zip(body, body[1:] + [None]):
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-                out[stmt.target.id] = " ".join(after.value.value.split())
+            doc = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else None
+            if isinstance(doc, str):
+                out[stmt.target.id] = " ".join(doc.split())
     return out
 
 

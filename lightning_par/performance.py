@@ -5,8 +5,9 @@ line and the command that regenerates it.
     >>> import tempfile, pathlib
     >>> page = pathlib.Path(tempfile.mkdtemp()) / "performance.md"
     >>> _ = page.write_text("# Performance\\n")
-    >>> _ = record("demo", title="A demo", command="python demo.py --record", tables=[("Steps", ["n", "s"], [[1, 0.5]])],
-    ...            page=page, machine="a test machine", day="2026-01-01")
+    >>> steps = ("Steps", ["n", "s"], [[1, 0.5]])
+    >>> _ = record("demo", title="A demo", command="python demo.py --record", tables=[steps], page=page,
+    ...            machine="a test machine", day="2026-01-01")
     >>> print(page.read_text())  # doctest: +NORMALIZE_WHITESPACE
     # Performance
     <!-- demo: begin -->

@@ -83,7 +83,8 @@ PRESETS = {"ddp": "DataParallelStrategy", "pipeline": "PipelineParallelStrategy"
 
 
 def _keywords(name: str) -> set[str]:
-    return {p for p in inspect.signature(getattr(lightning_par, name)).parameters if p not in ("self", "args", "kwargs")}
+    parameters = inspect.signature(getattr(lightning_par, name)).parameters
+    return {p for p in parameters if p not in ("self", "args", "kwargs")}
 
 
 def _arguments_rows() -> dict[str, str]:
@@ -100,8 +101,8 @@ def _arguments_rows() -> dict[str, str]:
 
 def test_arguments_table_is_generated_from_the_option_groups():
     page = (REPO / "docs" / "strategies.md").read_text()
-    assert option_docs.render(page) == page, (
-        "docs/strategies.md's arguments table differs from the option groups: run `python -m lightning_par.option_docs`")
+    assert option_docs.render(page) == page, ("docs/strategies.md's arguments table differs from the option groups: "
+                                              "run `python -m lightning_par.option_docs`")
 
 
 def test_every_option_field_has_a_meaning():
