@@ -14,7 +14,6 @@ IDEs and Sphinx read too), and the table is written from the constructors' signa
 from __future__ import annotations
 
 import ast
-import dataclasses
 import inspect
 import sys
 import textwrap
