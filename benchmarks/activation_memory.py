@@ -56,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is a warm-up)")
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--record", action="store_true", help="also write the table into docs/performance.md")
     parser.add_argument("--one", nargs=3, metavar=("LAYOUT", "MODE", "OUT"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -145,6 +146,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def record_rows(rows: list[dict]) -> list[list]:
+    """The rows of :func:`table` as cells (ratios to the same layout's off, side by side)."""
+    out = []
+    for r in rows:
+        off = next((o for o in rows if o["layout"] == r["layout"] and o["mode"] == "off"), None)
+        out.append([r["layout"], r["mode"], f"{r['peak_bytes'] / 2**20:.1f}",
+                    f"{r['peak_bytes'] / off['peak_bytes']:.2f}" if off else "-", f"{r['step_s']:.3f}",
+                    f"{r['step_s'] / off['step_s']:.2f}" if off else "-"])
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     sizes = QUICK if args.quick else FULL
@@ -166,6 +178,13 @@ def main(argv=None) -> int:
                   flush=True)
     print(f"\nactivation_memory on {args.accelerator}; GPT {sizes}; {args.steps} steps (step 0 a warm-up)")
     print(table(rows))
+    if args.record:  # [Note: a generated performance page] in lightning_par.performance
+        from lightning_par.performance import record
+
+        record("benchmark activation_memory", title="Activation checkpointing: step memory and time per mode",
+               command="python benchmarks/activation_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               tables=[(f"GPT {sizes}, {args.steps} steps (step 0 a warm-up), on {args.accelerator}",
+                        ["layout", "mode", "step peak MiB", "× off", "step s", "× off"], record_rows(rows))])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"sizes": sizes, "rows": rows, "seconds": time.perf_counter() - began}, f, indent=1)

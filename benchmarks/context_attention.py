@@ -3,6 +3,7 @@
     python benchmarks/context_attention.py --quick        # sequence 1024; ~1 min on 2 shared cores
     python benchmarks/context_attention.py                # sequence 4096
     python benchmarks/context_attention.py --cp 2,4 --seq 2048 --heads 8 --kv-heads 2 --head-dim 64
+    python benchmarks/context_attention.py --quick --record   # the table also into docs/performance.md
 
 One attention layer's op (``lightning_par.context.context_attention``, causal, float32, batch 1) on ``cp`` forked gloo
 ranks, each holding ``seq / cp`` tokens. Bytes: what ``lightning_par.comm.count_comm`` counts one rank sending in one
@@ -66,6 +67,7 @@ def main():
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--record", action="store_true", help="also write the table into docs/performance.md")
     args = p.parse_args()
     args.seq = args.seq or (1024 if args.quick else 4096)
     import torch.multiprocessing as mp
@@ -74,11 +76,23 @@ def main():
 
     print(f"sequence {args.seq}, {args.heads} heads ({args.kv_heads} k/v) of {args.head_dim}, float32, causal")
     print(f"{'cp':>3} {'method':>10} {'wire MB/rank':>13} {'ms fwd+bwd':>11}")
+    rows = []
     with tempfile.TemporaryDirectory() as out:
         for cp in (int(c) for c in args.cp.split(",")):
             mp.start_processes(_rank, args=(cp, free_port(), args, out), nprocs=cp, start_method="fork")
             for method, (wire, sec) in torch.load(os.path.join(out, f"cp{cp}.pt")).items():
                 print(f"{cp:>3} {method:>10} {wire / 1e6:>13.2f} {sec * 1e3:>11.1f}")
+                rows.append([cp, method, f"{wire / 1e6:.2f}", f"{sec * 1e3:.1f}"])
+    if args.record:  # [Note: a generated performance page] in lightning_par.performance
+        import sys
+
+        from lightning_par.performance import record
+
+        shape = (f"sequence {args.seq}, {args.heads} heads ({args.kv_heads} k/v) of {args.head_dim}, float32, causal, "
+                 f"median of {args.steps} steps, {args.threads} thread(s) a rank")
+        record("benchmark context_attention", title="Context-parallel attention: all-gather against ring",
+               command="python benchmarks/context_attention.py " + " ".join(sys.argv[1:]),
+               tables=[(shape, ["cp", "method", "wire MB / rank", "ms forward + backward"], rows)])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The strategies' option groups: one frozen dataclass per concern, each field with its type and default, each group
 checking its own values in ``__post_init__`` (the ``ValueError`` naming the value and the fix). The composites that
 put them together per strategy, and the constructors spelled from them, are :mod:`lightning_par.options` ([Note: flat
-keywords, grouped options] there).
+keywords, grouped options] there). The string under each field is its meaning, one line for a user: the arguments
+table of docs/strategies.md is generated from them (``python -m lightning_par.option_docs``), so a new field needs one.
 """
 from __future__ import annotations
 
@@ -61,10 +62,18 @@ class LayoutOptions:
     """The parallel sizes (``"auto"``: what the world size leaves) and the mesh's axis order."""
 
     data_parallel_size: Size = "auto"
+    """Replicas of the model (the `dp` mesh axis); `"auto"`: the devices the other sizes leave."""
     pipeline_parallel_size: Size = 1
+    """Pipeline stages, each a run of consecutive blocks; `"auto"`: the devices the other sizes leave."""
     tensor_parallel_size: Size = 1
+    """Ranks that split each layer's matrices (the innermost mesh axis: keep it inside a node); `"auto"`: the devices
+    the other sizes leave."""
     mesh_order: str = "pp_dp_tp"
+    """`"pp_dp_tp"`: pipelines span nodes (Megatron, torchtitan); `"dp_pp_tp"`: a whole pipeline inside a node, only the
+    replicas' average crossing nodes."""
     context_parallel_size: int = 1  # ranks sharing every sequence (lightning_par.context), just outside tp
+    """Ranks sharing every sequence (a `cp` axis just outside `tp`): each runs the blocks on 1/cp of it, attention
+    across the group."""
 
     def __post_init__(self) -> None:
         check_sizes(pipeline_parallel_size=self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size,
@@ -85,10 +94,18 @@ class PipelineOptions:
     """How the block stack is split into stages and micro-batches flow through them (:mod:`lightning_par.pipeline`)."""
 
     microbatches: Optional[int] = None  # None: 2 x pipeline_parallel_size
+    """Micro-batches per batch; `None`: 2 × stages, bounded by the batch. Must divide the batch."""
     schedule: str = "1f1b"
+    """`"gpipe"`, `"1f1b"`, `"interleaved_1f1b"` (with `stages_per_rank` ≥ 2) or `"zero_bubble"` (ZB-H1): the order of
+    micro-batches' forwards and backwards."""
     stages_per_rank: int = 1
+    """Model chunks per rank (virtual stages) for the interleaved schedule."""
     balance: Union[str, Sequence[int]] = "params"  # a list is kept as a tuple
+    """Blocks per stage: `"uniform"`, `"params"` (equal parameter counts), `"time"` (profiled forward + backward; not
+    for a meta-built module) or a list such as `[3, 5]`."""
     strict_batch_semantics: bool = False  # [Note: losses that couple samples] in lightning_par.pipeline.coupling
+    """`True`: a loss that micro-batching changes (contrastive, batch statistics) is refused at setup instead of warned
+    about."""
 
     def __post_init__(self) -> None:
         check_options(microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank,
@@ -102,8 +119,13 @@ class TensorOptions:
     """How each layer is split over the tensor-parallel ranks (:mod:`lightning_par.tensor`)."""
 
     plan: Union[str, Mapping[str, str]] = "auto"
+    """`"auto"`: Megatron pairs found by tracing, or a Hugging Face `base_model_tp_plan`; or `{module_glob: "colwise" |
+    "rowwise" | "sequence" | "replicate"}`."""
     sequence_parallel: bool = False
+    """`True`: norms and dropout between the tensor-parallel pairs run on sequence shards (Korthikanti et al.)."""
     loss_parallel: bool = False
+    """`True`: the loss runs on vocabulary-sharded logits (never gathered); `False`: your `F.cross_entropy` keeps
+    receiving plain tensors."""
 
     def __post_init__(self) -> None:
         check_flags(sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
@@ -116,6 +138,8 @@ class ShardingOptions:
     """ZeRO over the data-parallel axis (:mod:`lightning_par.dp.zero`, :mod:`lightning_par.dp.fsdp`)."""
 
     zero_stage: int = 0
+    """ZeRO on the `dp` axis: `0` replicas; `1` optimizer state sharded; `2` gradients too (FSDP2); `3` parameters too
+    (FSDP2, gathered per block)."""
 
     def __post_init__(self) -> None:
         zero.validate_zero_stage(self.zero_stage)
@@ -127,6 +151,8 @@ class BlockOptions:
     the pipeline's cut points, the units activation checkpointing recomputes and FSDP shards."""
 
     blocks: Optional[str] = None
+    """The block stack's dotted name (`"model.layers"`): the pipeline's cut points, the units checkpointing recomputes
+    and FSDP shards; `None`: found."""
     def __post_init__(self) -> None:
         check_blocks(self.blocks)
 
@@ -137,7 +163,11 @@ class MemoryOptions:
     FSDP's CPU offload of the zero-stage-3 shards (:func:`~lightning_par.dp.fsdp.check_offload_stage`)."""
 
     activation_checkpointing: Union[None, int, str] = None  # None | "full" | k (every k-th block) | "selective"
+    """`"full"`: every block recomputes its forward in backward; `k`: every k-th block; `"selective"`: matmul and
+    attention outputs kept, the rest recomputed."""
     offload: Optional[Literal["cpu"]] = None
+    """`"cpu"` (with `zero_stage=3`, on CUDA): parameter shards, gradients and optimizer state in host memory, the
+    optimizer step on the host."""
 
     def __post_init__(self) -> None:
         check_activation_checkpointing(self.activation_checkpointing)
@@ -150,8 +180,12 @@ class CommHookOptions:
     DataParallelStrategy, run on the core's flat buckets elsewhere ([Note: DDP's hooks on the core's flat buckets])."""
 
     comm_hook: Optional[Literal["fp16", "bf16", "powersgd"]] = None
+    """Compression of the replicas' gradient average: `"fp16"` / `"bf16"` (half the bytes) or `"powersgd"` (low rank);
+    `None`: a plain all-reduce."""
     powersgd_rank: int = 1
+    """PowerSGD's matrix rank."""
     powersgd_start_iter: int = 1000
+    """Plain all-reduce before this iteration, PowerSGD after."""
 
     def __post_init__(self) -> None:
         comm_hooks.validate_comm_hook(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
@@ -166,9 +200,13 @@ class ReplicaOptions:
     """``DistributedDataParallel``'s own settings (defaults as there), DataParallelStrategy's alone."""
 
     find_unused_parameters: bool = False
+    """Passed to `DistributedDataParallel`."""
     bucket_cap_mb: Optional[float] = None  # None: DDP's 25 MiB buckets after a 1 MiB first one
+    """DDP's bucket size in MiB; `None`: 25 MiB buckets after a 1 MiB first one."""
     gradient_as_bucket_view: bool = False
+    """`True`: gradients are views into DDP's buckets (one gradient-sized copy saved)."""
     static_graph: bool = False
+    """`True` when every step uses the same parameters: DDP skips its per-step graph bookkeeping."""
 
     def __post_init__(self) -> None:
         cap = self.bucket_cap_mb
@@ -201,10 +239,17 @@ class SyncOptions:
     (:mod:`lightning_par.dp.local_sgd`)."""
 
     sync: Literal["every_step", "local_sgd", "diloco"] = "every_step"
+    """`"every_step"`: the gradient average every step (DDP); `"local_sgd"`: parameters averaged every `sync_every`
+    steps; `"diloco"`: an outer Nesterov step on their mean change."""
     sync_every: int = 1
+    """Optimizer steps between two syncs of `"local_sgd"` / `"diloco"`."""
     outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7; `1.0` with momentum `0.0` is local SGD)."""
     outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
     fragments: int = 1
+    """`> 1` with `"diloco"`: streaming DiLoCo, the block stack in that many fragments synced in turn, each overlapped
+    with the next forward."""
 
     def __post_init__(self) -> None:
         local_sgd.check_sync(self.sync, self.sync_every, self.outer_lr, self.outer_momentum, self.fragments)
@@ -215,7 +260,10 @@ class LrScalingOptions:
     """Learning rates scaled with the global batch (:mod:`lightning_par.dp.lr_scaling`)."""
 
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """`"linear"` / `"sqrt"`: every learning rate (schedulers' too) times global batch / `reference_batch_size` (or its
+    root)."""
     reference_batch_size: Optional[int] = None  # None: one device's batch per optimizer step
+    """The batch the learning rate was tuned for; `None`: one device's batch per optimizer step."""
 
     def __post_init__(self) -> None:
         lr_scaling.validate_lr_scaling(self.lr_scaling, self.reference_batch_size)
@@ -226,7 +274,10 @@ class WeightsOptions:
     """A weights file or directory read into each rank's share at setup (:mod:`lightning_par.weights`)."""
 
     weights: Optional[str] = None
+    """A safetensors file or sharded folder, a state-dict file, a `.ckpt` or a DCP folder, read into each rank's share
+    at setup."""
     weights_prefix: str = ""
+    """What the module's names have before the file's (`"model."` maps `model.layers.0` to `model.model.layers.0`)."""
 
     def __post_init__(self) -> None:
         check_weights(self.weights, self.weights_prefix)
@@ -237,6 +288,8 @@ class StepOptions:
     """What an optimizer step does with a NaN / inf ([Note: non-finite values] in :mod:`lightning_par.nonfinite`)."""
 
     nonfinite: Literal["error", "skip"] = "error"
+    """`"error"`: a NaN / inf loss or gradient stops training on every rank, naming it; `"skip"`: that optimizer step is
+    skipped on every rank."""
 
     def __post_init__(self) -> None:
         check_nonfinite(self.nonfinite)
@@ -248,8 +301,12 @@ class FaultToleranceOptions:
     or its state."""
 
     fault_tolerance: Optional[Literal["torchft"]] = None
+    """`"torchft"`: each torchrun job is one replica group of a torchft quorum; groups drop out and rejoin while the
+    others train."""
     min_replicas: int = 1
+    """torchft: the fewest live replica groups a step commits with."""
     ft_timeout: float = 60.0
+    """torchft: seconds to wait for a quorum, a peer's all-reduce or its state."""
 
     def __post_init__(self) -> None:  # the values alone; what they need of the other groups: the composites
         ft.validate_fault_tolerance(self.fault_tolerance, self.min_replicas, self.ft_timeout, zero_stage=0,
@@ -262,7 +319,9 @@ class CheckpointOptions:
     (:mod:`lightning_par.strategies._checkpoint`)."""
 
     save_distributed_checkpoint: bool = False
+    """`False`: one file in plain Lightning's format; `True`: a sharded `torch.distributed.checkpoint` folder."""
     async_save: bool = False
+    """Write checkpoints in the background (renamed when complete)."""
 
     def __post_init__(self) -> None:
         check_flags(save_distributed_checkpoint=self.save_distributed_checkpoint, async_save=self.async_save)
@@ -273,8 +332,12 @@ class LaunchOptions:
     """How the processes start and how long a collective may wait (``timeout``: seconds or a ``timedelta``)."""
 
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
+    """`"popen"` (Lightning re-runs the command per rank; keep it under torchrun and SLURM), `"spawn"`, `"fork"`
+    (fastest on CPU), `"forkserver"`."""
     timeout: Union[float, timedelta] = 1800.0
+    """Seconds (or a `timedelta`) that any collective or point-to-point transfer may wait."""
     process_group_backend: Optional[str] = None  # None: gloo for CPU, NCCL for CUDA
+    """`None`: gloo on CPU, NCCL on CUDA."""
 
     def __post_init__(self) -> None:
         check_start_method(self.start_method)

@@ -31,9 +31,10 @@ the engines' :class:`~lightning_par.strategies._engine.EngineOptions` is built f
 Why flat keywords over group arguments (``pipeline=PipelineOptions(...)``): every config, recipe and test would
 change, and the command line would read ``strategy.pipeline.microbatches``; with the mapping by name the flat
 spelling costs nothing. The cost: an editor that reads source rather than ``inspect.signature`` shows
-``**options`` (``help()`` and the docs tables show the keywords). A new option is one field in its group (and a
-row in docs/strategies.md); a new group is one frozen dataclass here and one field of each composite that takes
-it; an option two composites need (``blocks``) is a group of its own.
+``**options`` (``help()`` and the docs table show the keywords). A new option is one field in its group, with its
+meaning as the string under it (``python -m lightning_par.option_docs`` writes docs/strategies.md's row); a new
+group is one frozen dataclass here and one field of each composite that takes it; an option two composites need
+(``blocks``) is a group of its own.
 """
 from __future__ import annotations
 

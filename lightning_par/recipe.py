@@ -3,6 +3,7 @@
     lightning-par-recipe decision
     lightning-par-recipe scaling --quick
     lightning-par-recipe scaling trainer.accelerator=gpu devices=[1,2,4,8]
+    lightning-par-recipe communication --record     # its tables also into docs/performance.md
 
 The report (``report.md``, PNG plots, ``results.json``) goes to ``recipe-runs/<name>-<time>/`` under
 the current directory (``--out`` to choose). ``key=value`` arguments override the recipe's
@@ -79,15 +80,24 @@ def run_recipe(argv: list[str] | None = None) -> Path:
     p.add_argument("overrides", nargs="*", help="key=value overrides of the recipe's config.yaml")
     p.add_argument("--quick", action="store_true", help="the small version the smoke test runs")
     p.add_argument("--out", type=Path, default=None, help="run folder (default recipe-runs/<name>-<time>)")
+    p.add_argument("--record", action="store_true",
+                   help="also write the report's tables into the checkout's docs/performance.md")
     args = p.parse_intermixed_args(sys.argv[1:] if argv is None else argv)  # flags and overrides in any order
     cfg = load_config(args.name, args.quick, args.overrides)
     out = args.out or Path("recipe-runs") / f"{args.name}-{datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     require_matplotlib()  # every recipe draws its plots: say how to install it before any compute, not after
     module = importlib.import_module(f"lightning_par.recipes.{args.name}")
-    command = "lightning-par-recipe " + " ".join([args.name, *args.overrides, *(["--quick"] if args.quick else [])])
+    flags = [*(["--quick"] if args.quick else []), *(["--record"] if args.record else [])]
+    command = "lightning-par-recipe " + " ".join([args.name, *args.overrides, *flags])
     report = module.run(cfg, out, command)
     path = report.write(out)
+    if args.record:  # [Note: a generated performance page] in lightning_par.performance
+        from lightning_par import performance
+
+        page = performance.record(f"recipe {args.name}", title=report.title, command=command, tables=report.tables,
+                                  notes=report.notes)
+        print(f"recorded in {page}" if page else "no docs/performance.md here (an installed package): not recorded")
     print(path.resolve())
     return path
 

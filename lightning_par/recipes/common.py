@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -56,11 +54,10 @@ def _cell(v) -> str:
 
 
 def hardware() -> str:
-    if torch.cuda.is_available():
-        dev = f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
-    else:
-        dev = f"CPU only, {os.cpu_count()} cores ({platform.processor() or platform.machine()})"
-    return f"{dev}; torch {torch.__version__}, lightning {pl.__version__}, {platform.system()}"
+    """The machine line a report (and docs/performance.md) opens with."""
+    from lightning_par.performance import machine
+
+    return machine()
 
 
 def accelerator(cfg, cpu_threads: int = 1) -> str:

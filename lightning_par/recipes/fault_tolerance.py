@@ -67,7 +67,7 @@ def _start(cfg, out: Path, mode: str, lighthouse: str | None = None) -> list:
     out.mkdir(parents=True, exist_ok=True)
     if mode == "ft":
         # group 1: one restart for the kill, and one for the race of its restarted rank with other processes for
-        # the port its torchrun picked (docs/limitations.md, "A torchrun restart can lose its port")
+        # the port its torchrun picked (docs/limitations.md, Launching)
         return [job.start_group(out, _job_args(cfg, "ft"), group_id=g, num_groups=2, lighthouse=lighthouse,
                                 max_restarts=2 if g == 1 else 0) for g in range(2)]
     return [job.start_group(out, _job_args(cfg, "ckpt"), group_id=None, num_groups=1, lighthouse=None,
