@@ -57,7 +57,7 @@ def cell(value) -> str:
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
-    return (["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    return (["| " + " | ".join(cell(h) for h in header) + " |", "|" + "---|" * len(header)]
             + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
 
 

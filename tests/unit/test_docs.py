@@ -179,7 +179,7 @@ def test_generators_doctests():
 def test_performance_record_replaces_its_own_section_only(tmp_path):
     page = tmp_path / "performance.md"
     page.write_text("# Performance\n\nintro\n")
-    table = [("Steps", ["n", "s"], [[1, 0.25], [2, "a|b"]])]
+    table = [("Steps", ["n", "|s|"], [[1, 0.25], [2, "a|b"]])]
     for day in ("2026-01-01", "2026-01-02"):
         performance.record("one", title="One", command="python one.py --record", tables=table, page=page,
                            machine="m", day=day)
@@ -187,6 +187,7 @@ def test_performance_record_replaces_its_own_section_only(tmp_path):
     text = page.read_text()
     assert text.count("<!-- one: begin -->") == 1 and "2026-01-01" not in text, text
     assert "Measured 2026-01-02 on m:" in text and "| 2 | a\\|b |" in text and "intro" in text, text
+    assert "| n | \\|s\\| |" in text, text  # a header's | escaped too
     assert text.index("<!-- one: end -->") < text.index("<!-- two: begin -->"), text
     assert performance.record("x", title="X", command="x", tables=[], page=tmp_path / "absent.md") is None
 
