@@ -70,12 +70,9 @@ _ZERO_CLASS: Optional[type] = None
 
 
 def shard_aware_zero_optimizer() -> type:
-    """torch's ``ZeroRedundancyOptimizer``, subclassed (once) so that the broadcast of each updated parameter
-    from the rank that stepped it sends a tensor-parallel ``DTensor``'s local shard: its data-parallel peers
-    hold the same shard, and c10d collectives take no DTensor. Overrides the private
-    ``_broadcast_params_from_rank`` of the per-parameter path (``parameters_as_bucket_view=False``, the
-    default, which the strategies use); plain parameters are broadcast exactly as torch does. Its ``step``
-    carries the LR schedulers' mark, so a scheduler rebound to it sees its steps."""
+    """torch's ``ZeroRedundancyOptimizer`` subclassed (once): an updated parameter is broadcast as a ``DTensor``'s
+    local shard (its dp peers hold the same; c10d takes no DTensor) by the private ``_broadcast_params_from_rank``
+    of the per-parameter path; plain ones as torch does. ``step`` carries the LR schedulers' mark."""
     global _ZERO_CLASS
     if _ZERO_CLASS is not None:
         return _ZERO_CLASS
@@ -120,10 +117,9 @@ def fsdp_root_init(module) -> None:
 
 
 def fsdp_finish_backward(module) -> None:
-    """The post-backward of every FSDP unit under the root ``module``, run by hand once a step's last
-    micro-batch backward is done (gradients reduce-scattered, parameters resharded), as
-    ``torch.distributed.pipelining``'s stage does for an FSDP stage: the per-unit
-    ``_fsdp_param_groups[i].post_backward()`` and the root's ``_root_post_backward_final_callback()``."""
+    """Every FSDP unit's post-backward under the root ``module``, by hand after a step's last micro-batch backward,
+    as torch's pipelining stage does (each ``_fsdp_param_groups[i].post_backward()``, then the root's
+    ``_root_post_backward_final_callback``)."""
     from torch.distributed.fsdp import fully_shard
 
     state = fully_shard.state(module)
@@ -187,13 +183,17 @@ def implicit_replication():
     """torch's ``implicit_replication`` (plain tensors meeting DTensors count as replicated), but restoring the
     previous setting on exit, so that it nests (a region inside a region, backward inside a step). Sets the
     dispatcher's ``_allow_implicit_replication``, which torch's context manager sets to ``False`` on exit."""
+    from lightning_par import patches
+
     dispatcher = op_dispatcher()
     before = dispatcher._allow_implicit_replication
     dispatcher._allow_implicit_replication = True
+    take_out = patches.record("implicit-replication",
+                              lambda: setattr(dispatcher, "_allow_implicit_replication", before))
     try:
         yield
     finally:
-        dispatcher._allow_implicit_replication = before
+        take_out()
 
 def sharding_propagator():
     return op_dispatcher().sharding_propagator
@@ -274,10 +274,8 @@ def multiprocessing_launcher() -> tuple[type, type]:
 
 
 def compute_dtype(precision_plugin) -> torch.dtype:
-    """The dtype a Lightning precision plugin computes in (``bf16-mixed`` -> bfloat16, ``16-mixed`` -> float16,
-    ``64-true`` -> float64, ``32-true`` -> float32, ...): the dtype whose peak FLOP/s Lightning's
-    ``ThroughputMonitor`` measures MFU against. Wraps ``lightning.pytorch.callbacks.throughput_monitor.
-    _plugin_to_compute_dtype``; the plugins lightning_par wraps are subclasses, so they map as theirs."""
+    """The dtype a Lightning precision plugin computes in (``bf16-mixed`` -> bfloat16, ...), whose peak FLOP/s
+    ``ThroughputMonitor`` measures MFU against (``throughput_monitor._plugin_to_compute_dtype``)."""
     from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 
     return _plugin_to_compute_dtype(precision_plugin)
@@ -367,6 +365,32 @@ def scaler_optimizer_state(scaler, optimizer) -> dict:
 
     inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
     return scaler._per_optimizer_states[id(inner)]
+
+
+def apply_to_tensors(module, fn):
+    """``Module._apply(fn)``: what ``.to()`` runs on every tensor, without its checks (meta tensors may stay)."""
+    return module._apply(fn)
+
+
+def init_weights_method(module):  # a Hugging Face model's (or the reference GPT's) ``_init_weights``, or None
+    method = getattr(module, "_init_weights", None)
+    return method if callable(method) else None
+
+
+def local_tensor(t):  # a DTensor's shard without an autograd op (safe in a pack hook), or ``t``
+    return getattr(t, "_local_tensor", t)
+
+
+def wrapped_optimizer(optimizer):  # the optimizer a wrapper (ZeroRedundancyOptimizer) holds, or ``optimizer``
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def child_schedulers(scheduler) -> list:  # what a SequentialLR / ChainedScheduler drives; [] for another
+    return list(getattr(scheduler, "_schedulers", None) or [])
+
+
+def attn_implementation(config):  # a transformers config's ``_attn_implementation``, or None
+    return getattr(config, "_attn_implementation", None)
 
 
 # -- Lightning's trainer internals ---------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_par._compat import current_autograd_node, resolve_process_group
+from lightning_par._compat import current_autograd_node, local_tensor, resolve_process_group
 
 # op name -> (kind, index of the argument with this rank's tensors)
 _OPS = {
@@ -60,7 +60,7 @@ def wire_bytes(kind: str, payload: int, world: int) -> float:
 def local_nbytes(obj) -> int:
     """Bytes this rank stores for a tensor (a DTensor's local shard), or a list/tuple of them; 0 for None."""
     if isinstance(obj, torch.Tensor):
-        t = getattr(obj, "_local_tensor", obj)
+        t = local_tensor(obj)
         return t.numel() * t.element_size()
     if isinstance(obj, (list, tuple)):
         return sum(local_nbytes(x) for x in obj)

@@ -50,7 +50,7 @@ PATCHES: dict[str, Patch] = {
         undone="not: it lives as long as the pipelined model, whose other stages' blocks are Ghosts"),
     "module-log": Patch(
         target="`LightningModule.log` of the user's module (an instance attribute shadowing the method)",
-        by="lightning_par.pipeline.routing.LogCapture",
+        by="lightning_par.pipeline.routing.LogCapture; lightning_par.advisor (a probe's training step logs nothing)",
         why="values logged per micro-batch are combined before Lightning sees them; Lightning has no hook "
             "between `self.log` and its result collection",
         undone="on leaving the `with LogCapture(...)` block"),
@@ -74,14 +74,34 @@ PATCHES: dict[str, Patch] = {
 }
 
 _installed: list[tuple[str, Callable[[], None]]] = []  # (patch name, undo), newest last
+_permanent: dict[str, int] = {}  # installations of the patches never taken out, by name
 
 
-def record(name: str, undo: Callable[[], None]) -> None:
-    """Record that the patch ``name`` (a key of :data:`PATCHES`) was installed, and how to take it out."""
+def record(name: str, undo: Optional[Callable[[], None]]) -> Callable[[], None]:
+    """Record that the patch ``name`` (a key of :data:`PATCHES`) was installed, and how to take it out; returns the
+    take-out of this one installation (its ``undo``, once; nested installations are each taken out by their own).
+    ``undo=None``: a patch that lives as long as the object it changes, counted in :func:`permanent`."""
     if name not in PATCHES:
         raise ValueError(f"patch {name!r} is not listed in lightning_par.patches.PATCHES ({sorted(PATCHES)}): "
                          f"list it there with its reason, or attach the behaviour through a hook.")
-    _installed.append((name, undo))
+    if undo is None:
+        _permanent[name] = _permanent.get(name, 0) + 1
+        return lambda: None
+    entry = (name, undo)
+    _installed.append(entry)
+
+    def take_out() -> None:
+        for i in range(len(_installed) - 1, -1, -1):
+            if _installed[i] is entry:
+                del _installed[i]
+                undo()
+                return
+    return take_out
+
+
+def permanent() -> dict[str, int]:
+    """How many times each patch that is never taken out was installed in this process."""
+    return dict(_permanent)
 
 
 def undo(name: Optional[str] = None) -> None:

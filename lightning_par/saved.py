@@ -14,11 +14,13 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from lightning_par._compat import local_tensor
+
 
 def saved_storage(t: torch.Tensor) -> Optional[tuple[tuple[int, str], int]]:
     """``(key, bytes)`` of the storage behind ``t`` (a DTensor's local shard), or None for a tensor
     without a real storage. Tensors that share a storage share the key, so each is counted once."""
-    local = getattr(t, "_local_tensor", t)  # to_local() would record an autograd op inside a pack hook
+    local = local_tensor(t)  # to_local() would record an autograd op inside a pack hook
     try:
         storage = local.untyped_storage()
         return (storage.data_ptr(), local.device.type), storage.nbytes()

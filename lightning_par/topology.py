@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Sequence, Union
 
+from lightning_par import patches
+
 Size = Union[int, Literal["auto"]]
 
 AXES = ("pp", "dp", "tp")  # outermost first: the default order
@@ -209,14 +211,15 @@ def keep_loader_on_one_process(trainer, world_size: int):
     from lightning_par._compat import accelerator_connector
 
     connector = accelerator_connector(trainer)
+    if world_size != 1:
+        return lambda: None
     before = connector.use_distributed_sampler
-    if world_size == 1:
-        connector.use_distributed_sampler = False
+    connector.use_distributed_sampler = False
 
     def restore() -> None:
         connector.use_distributed_sampler = before
 
-    return restore
+    return patches.record("distributed-sampler", restore)
 
 
 _NAMES = {"dp": "data_parallel_size", "pp": "pipeline_parallel_size", "tp": "tensor_parallel_size"}

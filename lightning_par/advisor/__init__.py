@@ -8,6 +8,7 @@ Example::
 """
 from __future__ import annotations
 
+from lightning_par import patches
 from lightning_par.advisor.choose import Advice, Candidate, advise, candidate_layouts
 from lightning_par.advisor.memory import (Estimate, Layout, estimate, korthikanti_bytes_per_layer,
                                           korthikanti_stack_bytes)
@@ -44,7 +45,8 @@ def profile_lightning_module(module, batch, blocks=None, precision: str = "32-tr
 
     _, container = find_blocks(module, blocks)
     size = next(t for t in _leaves(batch) if isinstance(t, torch.Tensor)).shape[0]
-    log, module.log = module.log, (lambda *args, **kwargs: None)
+    module.log = lambda *args, **kwargs: None  # the probe's step logs nothing (a patch of lightning_par.patches)
+    take_out = patches.record("module-log", lambda: module.__dict__.pop("log", None))
     was_training = module.training
     module.train()
     try:
@@ -54,7 +56,7 @@ def profile_lightning_module(module, batch, blocks=None, precision: str = "32-tr
             return out["loss"] if isinstance(out, dict) else out
         return measure(module, container, step, size)
     finally:
-        module.log = log
+        take_out()
         module.train(was_training)
 
 

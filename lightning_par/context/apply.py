@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_par._compat import current_autograd_node
+from lightning_par._compat import attn_implementation, current_autograd_node
 from lightning_par.context.attention import METHODS
 from lightning_par.context.intercept import RouteAttention
 from lightning_par.context.sharding import check_divisible, gather, shard
@@ -62,7 +62,7 @@ def check_sdpa(module: nn.Module) -> None:
     """``ValueError`` naming a Hugging Face (sub)module whose attention implementation is not SDPA."""
     for name, sub in module.named_modules():
         config = getattr(sub, "config", None)
-        impl = getattr(config, "_attn_implementation", None)
+        impl = attn_implementation(config)
         if impl is not None and impl != "sdpa":
             raise ValueError(
                 f"Context parallelism routes the blocks' `scaled_dot_product_attention` calls across the group, and "

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+from lightning_par._compat import child_schedulers
+
 LR_SCALINGS = ("none", "linear", "sqrt")
 GROUP_KEY = "lr_scale_factor"
 _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
@@ -148,6 +150,6 @@ def apply_lr_scale(optimizers: Iterable[Any], schedulers: Iterable[Any], factor:
 def _flatten(scheduler: Any) -> list[Any]:
     """A scheduler and the schedulers it drives (SequentialLR, ChainedScheduler)."""
     out = [scheduler]
-    for child in getattr(scheduler, "_schedulers", None) or []:
+    for child in child_schedulers(scheduler):
         out.extend(_flatten(child))
     return out

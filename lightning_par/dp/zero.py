@@ -38,7 +38,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from lightning_par._compat import shard_aware_zero_optimizer
+from lightning_par._compat import child_schedulers, shard_aware_zero_optimizer
 
 ZERO_STAGES = {
     0: "replicas: every rank holds everything, DDP all-reduces the gradients",
@@ -106,7 +106,7 @@ def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
     ``_compat``), so the scheduler's "lr_scheduler.step() before optimizer.step()" check keeps working
     instead of warning about an overridden ``step``; nothing is changed on the optimizer object."""
     scheduler.optimizer = optimizer
-    for child in getattr(scheduler, "_schedulers", None) or []:
+    for child in child_schedulers(scheduler):
         rebind_scheduler(child, optimizer)
 
 

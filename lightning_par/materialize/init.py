@@ -26,13 +26,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_par._compat import apply_to_tensors, init_weights_method
 from lightning_par.materialize.meta import is_meta
 from lightning_par.weights.regions import dtensor_region, region_slices
 
 
 def move_real(module: nn.Module, device: torch.device) -> nn.Module:
     """``module.to(device)`` for the tensors that hold storage; meta tensors stay (``.to`` would refuse them)."""
-    return module._apply(lambda t: t if is_meta(t) else t.to(device))
+    return apply_to_tensors(module, lambda t: t if is_meta(t) else t.to(device))
 
 
 def _sentinel(dtype: torch.dtype):
@@ -78,8 +79,8 @@ def materialize(module: nn.Module, device: torch.device,
         before = {name for name, *_ in _entries(module) if is_meta(getattr_entry(module, name))
                   and (owned is None or owned(name))}
         wanted = {id(getattr_entry(module, name)) for name in before}
-        module._apply(lambda t: (_sentinel_like(t, device) if id(t) in wanted else t) if is_meta(t)
-                      else t.to(device))
+        apply_to_tensors(module, lambda t: (_sentinel_like(t, device) if id(t) in wanted else t) if is_meta(t)
+                         else t.to(device))
         made, seen = {}, set()
         for name, mod, attr, store in _entries(module):
             if name in before and id(store[attr]) not in seen:
@@ -170,7 +171,7 @@ def initialize(module: nn.Module, made: dict[str, torch.Tensor], *, seed: int, s
                 if callable(reset):
                     reset()
                 if provider is not None:
-                    provider._init_weights(mod)
+                    init_weights_method(provider)(mod)
         with torch.no_grad():
             for attr, store, t, whole in swapped:
                 t.to_local().copy_(whole[region_slices(dtensor_region(t))])
@@ -206,7 +207,7 @@ def _init_providers(root: nn.Module) -> dict[int, nn.Module]:
         if id(mod) in out:
             return
         out[id(mod)] = nearest
-        here = mod if callable(getattr(mod, "_init_weights", None)) else nearest
+        here = mod if init_weights_method(mod) is not None else nearest
         for child in mod._modules.values():
             if child is not None:
                 walk(child, here)

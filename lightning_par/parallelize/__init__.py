@@ -161,13 +161,13 @@ def parallelize_replicas(module: nn.Module, options: EngineOptions, groups: Grou
     apply_compile(module, options, groups)
     if options.zero_stage < 2:
         return made
-    # 9. FSDP: the units of the ``blocks=`` stack
+    # 9. FSDP over every rank (DataParallelStrategy's groups: sharded_replicas at zero_stage 2 / 3, one device too),
+    #    its units the ``blocks=`` stack's
     blocks = None
     if options.blocks is not None:
         path, stack = find_blocks(module, options.blocks)
         blocks = [(f"{path}.{name}", block) for name, block in stack.named_children()]
-    made.units = fsdp.shard_module(module, groups.mesh["dp"], zero_stage=options.zero_stage, precision=rank.precision,
-                                   offload=options.offload, **({"blocks": blocks} if blocks is not None else {}))
+    made.units = apply_fsdp(module, options.sharding, options.memory, groups, rank, blocks=blocks, broadcast=True)
     # 10. placement and weights: each rank's FSDP shards
     if fresh:
         apply_placement(module, place, reader)

@@ -156,16 +156,17 @@ def apply_compile(module: nn.Module, options: EngineOptions, groups: Groups) -> 
 
 # -- 9. FSDP --------------------------------------------------------------------------------------------------
 def apply_fsdp(module: nn.Module, sharding: ShardingOptions, memory: MemoryOptions, groups: Groups, rank: Rank, *,
-               blocks: Optional[list] = None, ignored: Optional[list] = None) -> Optional[list[str]]:
-    """FSDP2 over the ``dp`` mesh axis under ``zero_stage`` 2 / 3 (``groups.sharded_replicas``), without the
-    broadcast (every rank holds rank 0's weights already, or meta tensors): the units' names, or None."""
+               blocks: Optional[list] = None, ignored: Optional[list] = None,
+               broadcast: bool = False) -> Optional[list[str]]:
+    """FSDP2 over the ``dp`` mesh axis under ``zero_stage`` 2 / 3 (``groups.sharded_replicas``): the units' names, or
+    None. ``broadcast``: every rank first takes the first rank's weights (the core has broadcast them already)."""
     if not groups.sharded_replicas:
         return None
     extra = {} if ignored is None else {"ignored": ignored}
     if blocks is not None:
         extra["blocks"] = blocks
     return fsdp.shard_module(module, groups.mesh["dp"], zero_stage=sharding.zero_stage, precision=rank.precision,
-                             broadcast=False, offload=memory.offload, **extra)
+                             broadcast=broadcast, offload=memory.offload, **extra)
 
 
 # -- 10. placement and weights --------------------------------------------------------------------------------

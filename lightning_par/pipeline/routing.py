@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_par import patches
 from lightning_par._compat import metric_forward_value
 from lightning_par.pipeline.mailbox import ResultMailbox
 from lightning_par.pipeline.microbatch import weighted_mean
@@ -38,10 +39,11 @@ class LogCapture:
 
     def __enter__(self) -> "LogCapture":
         self.module.log = self._record  # instance attribute shadows LightningModule.log (log_dict calls it too)
+        self._take_out = patches.record("module-log", lambda: self.module.__dict__.pop("log", None))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.module.__dict__.pop("log", None)
+        self._take_out()
 
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_par._compat import scaler_optimizer_state
+from lightning_par._compat import scaler_optimizer_state, wrapped_optimizer
 from lightning_par.tensor.mixed import average_flat_
 from lightning_par.topology import Topology
 
@@ -93,7 +93,7 @@ class SharedParameters:
         stage the state of every parameter it holds) is freed: the copy never gets a gradient."""
         unused = {id(p) for p, g in zip(self.params, grads) if g is None and id(p) not in self.block_ids}
         for optimizer in optimizers:
-            state = getattr(optimizer, "_optimizer", optimizer).state
+            state = wrapped_optimizer(optimizer).state
             for p in [p for p in state if id(p) in unused]:
                 del state[p]
 

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lightning_par import patches
 from lightning_par.pipeline import p2p, split_backward
 from lightning_par.pipeline.flow import BlockFlow, hidden_name, no_mha_fastpath
 from lightning_par.pipeline.ghost import Ghost, shadow_of  # noqa: F401  (shadow_of: re-exported)
@@ -134,6 +135,7 @@ class StageRuntime:
                 # compute (its output would be discarded): an instance-level `forward` passes through instead,
                 # which keeps the module, its parameter names and its hooks in place.
                 block.forward = self._gate(c, i, block.forward)
+                patches.record("gated-block-forward", None)  # lives as long as the pipelined model
         self._register_sends()
 
     def _register_sends(self) -> None:

@@ -1,13 +1,13 @@
 """Checkpoint files written atomically ([Note: atomic checkpoints] in :mod:`lightning_par.atomic`): the
-strategies' default ``CheckpointIO``. Lightning's ``TorchCheckpointIO`` writes through an fsspec transaction
-whose temporary lives in the system's temp folder, so the final move may be a copy into place, with no fsync."""
+strategies' default ``CheckpointIO`` (given by HybridParallelStrategy's constructor). Lightning's
+``TorchCheckpointIO`` writes through an fsspec transaction whose temporary lives in the system's temp folder, so
+the final move may be a copy into place, with no fsync."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 
 from lightning_par.atomic import write_file
 
@@ -21,18 +21,3 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or "://" in path and not path.startswith("file://"):
             return super().save_checkpoint(checkpoint, path, storage_options)
         write_file(path.removeprefix("file://"), lambda tmp: torch.save(checkpoint, tmp))
-
-
-class AtomicSaves:
-    """Mixed into a strategy before its Lightning base: its default ``checkpoint_io`` is
-    :class:`AtomicCheckpointIO` (a ``CheckpointIO`` the user passes is kept)."""
-
-    @property
-    def checkpoint_io(self) -> CheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io

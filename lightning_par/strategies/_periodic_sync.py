@@ -8,7 +8,7 @@ does not wrap the module in DDP ([Note: replicas without DDP between syncs] in
 pipeline engine builds its shared-parameter reduction without the ``dp`` group. Everything inside a replica stays
 as it is: tensor-parallel partial sums, the stages' shared parameters, context parallelism's mean, clipping on the
 replica's own gradients. After every optimizer step (taken or skipped, inside Lightning's optimizer step:
-:class:`~lightning_par.strategies._optimizer_step.OptimizerStep`) :class:`~lightning_par.dp.local_sgd.PeriodicSync`
+:meth:`~lightning_par.HybridParallelStrategy.optimizer_step`) :class:`~lightning_par.dp.local_sgd.PeriodicSync`
 counts it and at every ``sync_every``-th averages this rank's tensors with its ``dp`` peers only, the ranks of the
 same (pp, cp, tp) coordinates holding the same shards: the local shard of a DTensor parameter, the stage's own
 parameters of a pipeline (a parameter left on the meta device is not this stage's and is skipped). A checkpoint

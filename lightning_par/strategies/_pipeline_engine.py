@@ -25,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lightning_par import patches
 from lightning_par._compat import ddp_ignore, optimizers_to_device
 from lightning_par.materialize import move_real
 from lightning_par.parallelize import apply_context, parallelize_pipeline
@@ -58,6 +59,7 @@ class PipelineEngine(Engine):
         self.block_prefix = ""
         self.stand_ins: Optional[StandIns] = None  # the trace's of a meta-built module (its peak_bytes)
         self.context = None  # context_parallel_size > 1: the stage's blocks' hooks (lightning_par.context)
+        self.unignore = lambda: None  # outside fit, DDP's ignore list (a patch: lightning_par.patches)
 
     @property
     def stage(self) -> int:
@@ -89,7 +91,8 @@ class PipelineEngine(Engine):
                 optimizers_to_device(s.optimizers, s.root_device)
         else:
             self.host.lightning_setup(trainer)  # DDPStrategy.setup: model_to_device installs the stage, then optimizers
-            ddp_ignore(s.lightning_module, None)
+            self.unignore()  # DDP's ignore list out again
+            self.unignore = lambda: None
         self.start_periodic_sync(trainer)  # sync="local_sgd" | "diloco": [Note: periodic sync on the data axis]
 
     def place(self, run=None) -> None:
@@ -102,6 +105,7 @@ class PipelineEngine(Engine):
             lm = s.lightning_module
             if lm.trainer.state.fn != TrainerFn.FITTING:
                 ddp_ignore(lm, [n for n, _ in [*lm.named_parameters(), *lm.named_buffers()]])
+                self.unignore = patches.record("ddp-ignore", lambda: ddp_ignore(lm, None))
         move_real(s.model, s.root_device)
 
     def install(self) -> None:

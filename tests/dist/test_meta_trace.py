@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, Recorder, trainer_kwargs
-from models import hf_model
+from models import CausalLM, hf_model
 from lightning_par import HybridParallelStrategy, PipelineParallelStrategy
 from lightning_par.pipeline.flow import trace_flow
 from lightning_par.pipeline.stand_ins import StandIns
@@ -27,24 +27,14 @@ from test_pipeline import assert_pipeline_matches
 pytest.importorskip("transformers")
 
 
-class LitHF(pl.LightningModule):
-    """A user's wrapper of a Hugging Face causal LM built from a config: the loss of its logits."""
+class LitHF(CausalLM):
+    """A user's wrapper of a Hugging Face causal LM built from a config (tests/models.py's), with AdamW's eps at 1e-6:
+    see LitLM in test_pipeline_families.py (T5's tiny gradient entries)."""
+
+    lr, weight_decay, eps, call_kw = 1e-3, 0.01, 1e-6, {}  # also for a subclass that builds its own layers
 
     def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def loss(self, batch):
-        idx, targets = batch
-        return F.cross_entropy(self.model(input_ids=idx).logits.flatten(0, 1), targets.flatten())
-
-    def training_step(self, batch, batch_idx):
-        loss = self.loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):  # eps: see LitLM in test_pipeline_families.py (T5's tiny gradient entries)
-        return torch.optim.AdamW(self.parameters(), lr=1e-3, eps=1e-6)
+        super().__init__(model, eps=self.eps)
 
 
 def llama(use_cache):

@@ -56,8 +56,25 @@ ALLOWED_ATTRIBUTES = {
 }
 
 
+def _foreign_names() -> set[str]:
+    """The private names of the torch, Lightning and transformers objects our code handles: a method of ours of the
+    same name (an override, as ``ParallelStyle._apply``) does not make another object's attribute ours."""
+    import lightning.pytorch as pl
+    import torch
+    import transformers
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    classes = [torch.nn.Module, torch.Tensor, DTensor, ParallelStyle, torch.optim.Optimizer,
+               torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.SequentialLR, pl.LightningModule,
+               pl.Trainer, DDPStrategy, transformers.PreTrainedModel, transformers.PretrainedConfig]
+    return {n for c in classes for n in dir(c) if n.startswith("_") and not n.startswith("__")}
+
+
 def _own_names() -> set[str]:
-    """Every private name our package defines: functions, classes, module-level names, ``self._x = ...``."""
+    """Every private name our package defines (functions, classes, module-level names, ``self._x = ...``) that
+    no foreign object it handles has too."""
     own = set()
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -69,7 +86,7 @@ def _own_names() -> set[str]:
                 own.add(node.asname or node.name.split(".")[-1])
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_self(node.value):
                 own.add(node.attr)
-    return {n for n in own if n.startswith("_")}
+    return {n for n in own if n.startswith("_")} - _foreign_names()
 
 
 def _is_self(node: ast.AST) -> bool:
@@ -79,10 +96,22 @@ def _is_self(node: ast.AST) -> bool:
 
 def _private_attributes(path: Path, own: set[str]) -> list[str]:
     """``line: expression`` of every access to another object's private attribute in ``path`` that is neither
-    ours nor in :data:`ALLOWED_ATTRIBUTES`."""
-    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(path.read_text(), str(path)))
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-            and not _is_self(node.value) and node.attr not in own and node.attr not in ALLOWED_ATTRIBUTES]
+    ours nor in :data:`ALLOWED_ATTRIBUTES`: ``x._name``, and ``getattr`` / ``setattr`` / ``hasattr`` / ``delattr``
+    of ``x`` with the name as a string (in either quotes)."""
+    def private(name) -> bool:
+        return isinstance(name, str) and name.startswith("_") and not name.startswith("__") and name not in own \
+            and name not in ALLOWED_ATTRIBUTES
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and private(node.attr) and not _is_self(node.value):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and private(node.args[1].value)
+              and not _is_self(node.args[0])):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
 
 
 def test_private_attributes_of_foreign_objects_are_read_in_compat_only():
@@ -97,9 +126,18 @@ def test_private_attributes_of_foreign_objects_are_read_in_compat_only():
 def test_the_check_sees_a_private_attribute(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("connector = trainer._accelerator_connector\nself._mine = 1\nsuper()._apply(f)\n"
-                 "x = module._parameters\nstrategy._mine\ntorch._C._foo()\n")
-    assert _private_attributes(f, {"_mine"}) == ["1: trainer._accelerator_connector", "6: torch._C._foo",
-                                                 "6: torch._C"]
+                 "x = module._parameters\nstrategy._mine\ntorch._C._foo()\n"
+                 "getattr(t, '_local_tensor', t)\ngetattr(opt, \"_optimizer\")\nsetattr(m, '_x', 1)\n"
+                 "hasattr(m, \"_mine\")\ngetattr(self, '_y', None)\ngetattr(m, '__dict__')\n")
+    assert sorted(_private_attributes(f, {"_mine"})) == [
+        "1: trainer._accelerator_connector", "6: torch._C", "6: torch._C._foo", "7: getattr(t, '_local_tensor', t)",
+        "8: getattr(opt, '_optimizer')", "9: setattr(m, '_x', 1)"]
+
+
+def test_a_method_of_ours_with_a_foreign_name_is_not_ours():
+    """``module._apply`` is nn.Module's even though tensor/transposed.py overrides ParallelStyle's ``_apply``."""
+    own = _own_names()
+    assert "_apply" not in own and "_init_weights" not in own and "_local_tensor" not in own
 
 
 def test_a_patch_is_recorded_only_under_a_listed_name_and_undone_newest_first():
