@@ -178,7 +178,7 @@ class PipelineEngine(Engine):
         if plan is not None:  # a meta-built stage is parallelized as meta tensors: each rank then makes its shards
             ghosts = [f"{path}.{i}" for i, block in enumerate(container) if isinstance(block, Ghost)]
             self.plan = plan.without(ghosts)
-            parallelize(lm, self.plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
+            parallelize(lm, self.plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel, check=o.verify)
             rank_zero_info(f"{topo}\n{self.plan.describe(lm)}")
         needs = stage_needs(uses, rt.chunks, pp * v)  # this stage's blocks and the ends it needs: placed, weights=
         owned = lambda n: n.startswith(self.block_prefix) or needs(n)  # noqa: E731
