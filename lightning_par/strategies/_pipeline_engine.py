@@ -30,7 +30,7 @@ from lightning_par.context.apply import apply_context_parallel
 from lightning_par.dp import fsdp
 from lightning_par.pipeline.consolidate import owned_state
 from lightning_par.materialize import free_parameters, has_meta, move_real
-from lightning_par.pipeline.discovery import find_blocks
+from lightning_par.pipeline.discovery import check_enough_blocks, find_blocks
 from lightning_par.pipeline.ends import first_owner, stage_needs
 from lightning_par.pipeline.flow import trace_flow
 from lightning_par.pipeline.mailbox import ResultMailbox
@@ -130,6 +130,7 @@ class PipelineEngine(Engine):
         #    pipeline/stand_ins.py); a weights file is checked against the whole module first
         reader = self.host.open_weights(lm)
         path, container = find_blocks(lm, o.blocks)
+        check_enough_blocks(path, container, o.stages, o.stages_per_rank)  # before any collective
         self.stand_ins = StandIns(s.root_device) if has_meta(lm) else None
         with rng_fork(s.root_device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
             step = sample_step(s, lm, o.microbatches, record=container)
