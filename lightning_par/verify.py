@@ -213,11 +213,13 @@ def compare(whole: dict, got: dict, dtype: torch.dtype, width: int,
 def apply_setup_check(original: nn.Module, rewrite: Callable[[nn.Module], nn.Module], inputs: Inputs, *,
                       width: Optional[int] = None, plain: Callable[[Any], Any] = lambda o: o,
                       after_backward: Callable[[nn.Module], None] = lambda m: None,
-                      local_part=lambda mine, ref: (mine, ref), perturb: bool = True,
+                      local_part=lambda mine, ref: (mine, ref), perturb: bool = True, parameters: bool = True,
                       context: Callable[[], Any] = contextlib.nullcontext) -> Verdict:
     """[Note: the setup check]: a perturbed copy of ``original`` (left unchanged) run whole, and another copy
     after ``rewrite(copy)``, both on ``inputs`` (from :func:`record_inputs`); what differs, as a :class:`Verdict`.
-    ``width``: the block's width for the tolerance (default: the largest last dimension of its inputs)."""
+    ``width``: the block's width for the tolerance (default: the largest last dimension of its inputs);
+    ``parameters=False`` compares outputs and input gradients only (a rewrite whose parameters are other tensors).
+    Every rank of a rewrite that communicates must call it alike."""
     base = copy.deepcopy(original)
     try:
         if perturb:
@@ -231,6 +233,8 @@ def apply_setup_check(original: nn.Module, rewrite: Callable[[nn.Module], nn.Mod
             got = run_block(rewritten, inputs, plain=plain, after_backward=after_backward, context=context)
         except Exception as e:  # noqa: BLE001 -- reported as what the rewrite does wrong
             return Verdict(ok=False, raised=first_line(e))
+        if not parameters:
+            whole = {k: v for k, v in whole.items() if not k.startswith("gradient of ")}
         return compare(whole, got, dtype, width, local_part)
     finally:
         del base
