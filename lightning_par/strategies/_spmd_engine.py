@@ -128,14 +128,17 @@ class SpmdEngine(Engine):
         """The inputs of the first region of each kind in one run of the user's step on one micro-batch of the
         first batch, before anything is sharded (None for a meta-built module or outside fit)."""
         from lightning_par.materialize import has_meta
+        from lightning_par.pipeline.flow import kept_state
+        from lightning_par.pipeline.runner import rng_fork
         from lightning_par.strategies._pipeline_sample import sample_step
         from lightning_par.tensor.probe import probe_targets
         from lightning_par.verify import record_inputs
 
         if has_meta(module) or self.s.lightning_module.trainer.state.fn != TrainerFn.FITTING or not plan.regions():
             return None
-        step = sample_step(self.s, self.s.lightning_module, 1)
-        return None if step is None else record_inputs(module, probe_targets(module, plan), step)
+        with rng_fork(self.s.root_device, True), kept_state(module):  # the batch drawn too; buffers kept
+            step = sample_step(self.s, self.s.lightning_module, 1)
+            return None if step is None else record_inputs(module, probe_targets(module, plan), step)
 
     def _parallelized_before(self, module) -> bool:
         """Whether an earlier setup parallelized ``module``: this engine's (a later fit / test of the same
