@@ -241,6 +241,14 @@ def apply_setup_check(original: nn.Module, rewrite: Callable[[nn.Module], nn.Mod
         gc.collect()
 
 
+def refuse_if_different(verdict: Verdict, module_name: str, module: nn.Module, owner: str, fix: str) -> None:
+    """What context and expert parallelism do with a block that differs: a ``ValueError`` at setup naming the
+    module, the difference and ``fix`` (``owner``: the rewrite, e.g. ``"context parallel"``)."""
+    if not verdict.ok:
+        raise ValueError(f"{owner}: the setup check of {module_name!r} ({type(module).__name__}) failed: "
+                         f"{verdict.describe()}. {fix} (verify=False skips this check for a model you know.)")
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
@@ -260,4 +268,4 @@ def _tensors(obj):
 
 
 __all__ = ["Inputs", "Verdict", "apply_setup_check", "compare", "first_line", "fresh", "perturb_", "record_inputs",
-           "run_block", "tolerance"]
+           "refuse_if_different", "run_block", "tolerance"]
