@@ -59,7 +59,7 @@ def check_enough_blocks(path: str, container: nn.Module, pipeline_parallel_size:
         >>> check_enough_blocks("blocks", nn.ModuleList([nn.Linear(2, 2)]), 2)
         Traceback (most recent call last):
         ...
-        ValueError: the block stack `blocks` holds 1 block; pipeline_parallel_size=2 needs at least 2 (2 pipeline stages need at least 2 blocks, but the block stack has 1). Use a model with more blocks, or fewer stages (pipeline_parallel_size × stages_per_rank ≤ 1).
+        ValueError: the block stack `blocks` holds 1 block; pipeline_parallel_size=2 needs at least 2 (2 pipeline ...
     """
     n, stages = len(container), pipeline_parallel_size * stages_per_rank
     if n >= stages:

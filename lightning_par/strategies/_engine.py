@@ -39,8 +39,8 @@ import torch
 from lightning_par.dp.comm_hooks import HookAverage
 from lightning_par.memory.checkpointing import Checkpointed, apply_activation_checkpointing
 from lightning_par.strategies._periodic_sync import PeriodicSyncHooks
-from lightning_par.options import (VerifyOptions, BlockOptions, CommHookOptions, MemoryOptions, PipelineOptions, ShardingOptions,
-                                   SyncOptions, TensorOptions)
+from lightning_par.options import (BlockOptions, CommHookOptions, MemoryOptions, PipelineOptions, ShardingOptions,
+                                   SyncOptions, TensorOptions, VerifyOptions)
 
 
 @dataclass(frozen=True)

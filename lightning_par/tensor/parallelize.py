@@ -294,7 +294,8 @@ def _apply(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, sequence_pa
     from lightning_par.tensor.probe import check_regions
 
     if check:
-        check_regions(module, plan, tp_mesh, sequence_parallel=sequence_parallel, inputs=inputs)
+        check_regions(module, plan, tp_mesh, sequence_parallel=sequence_parallel,
+                      inputs=inputs)
     styles = torch_styles(plan, sequence_parallel=sequence_parallel)
     ties = _ties(module, [n for n, s in plan.styles.items() if s in ("colwise", "rowwise", FUSED, VOCAB_HEAD, VOCAB_EMBEDDING)])
     for name, style in styles.items():

@@ -50,7 +50,8 @@ def test_a_bias_added_once_per_rank_is_caught_and_left_replicated(tmp_path, bias
             what = plan["checked"][f"model.model.layers.{i}.{region}"]
             # the output differs by about the perturbed bias (~0.05 and up), far above rounding (~1e-5)
             assert what.startswith("the sharded module's output 0 differs from the whole module's by ")
-            error, allowed = (float(w.split(" ")[0].rstrip(")")) for w in (what.split("by ")[1], what.split("allows ")[1]))
+            error, allowed = (float(w.split(" ")[0].rstrip(")"))
+                              for w in (what.split("by ")[1], what.split("allows ")[1]))
             assert error > 1e3 * allowed, what
 
 
@@ -66,8 +67,8 @@ def _check_by_hand(rank, port, out):
     try:
         torch.manual_seed(0)
         model = starcoder2().eval()
-        inputs = record_inputs(model, ["model.layers.0.mlp"],
-                               lambda: model(input_ids=torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))))
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+        inputs = record_inputs(model, ["model.layers.0.mlp"], lambda: model(input_ids=ids))
         mlp = model.get_submodule("model.layers.0.mlp")
 
         class Split(nn.Module):
@@ -134,4 +135,5 @@ def test_apply_setup_check_is_a_building_block(tmp_path):
         # the correct split matches (outputs and input gradients; its parameters are other tensors)
         assert found[False] == (True, "model.layers.0.mlp: the rewritten block matches the original")
         assert found[True][0] is False
-        assert found[True][1].startswith("model.layers.0.mlp: the rewritten block's output 0 differs from the original's by ")
+        assert found[True][1].startswith("model.layers.0.mlp: the rewritten block's output 0 differs from the "
+                                         "original's by ")

@@ -47,8 +47,8 @@ SYNC = {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"}  # loca
 HOOKS = {"comm_hook", "powersgd_rank", "powersgd_start_iter"}  # DDP's communication hooks on the core's dp axis too
 VERIFY = {"verify"}  # the setup check of rewritten blocks (lightning_par.verify)
 ADDED = {DataParallelStrategy: SYNC,  # offload: zero stage 3's shards in host memory, on the core's dp axis too
-         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS, *VERIFY},  # the core's, now taken
-         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS, *VERIFY},  # blocks: the stack AC uses
+         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS, *VERIFY},  # the core's
+         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS, *VERIFY},  # blocks: AC's stack
          HybridParallelStrategy: {"context_parallel_size", "offload", *SYNC, *HOOKS, *VERIFY}}  # the presets fix cp to 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}

@@ -117,3 +117,12 @@ def test_use_cache_is_off_while_training_with_one_warning():
 def test_use_cache_off_leaves_modules_without_the_keyword_alone():
     undo = use_cache_off(nn.Linear(2, 2))
     undo()
+
+
+def test_verify_is_a_checked_keyword_of_the_strategies_that_rewrite_blocks():
+    from lightning_par import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
+
+    for cls in (TensorParallelStrategy, PipelineParallelStrategy, HybridParallelStrategy):
+        assert cls()._options.verify.verify is True and cls(verify=False)._options.verify.verify is False
+    with pytest.raises(ValueError, match=r"`verify='no'` must be True or False"):
+        TensorParallelStrategy(verify="no")
