@@ -5,24 +5,29 @@ the real module is touched, and compared with the same copy unsharded.
 The plan is built from the module tree alone; what a module's code does with its sharded outputs is only
 known by running it. A family nobody tried can still meet an op DTensor has no rule for, mix plain
 tensors and DTensors in a way [Note: one layout per region] does not foresee, or compute something else
-on shards than on the whole (a tensor built with a stored head count). So at setup, before the real module
-is parallelized, :func:`check_regions` takes one region of each kind (same class, parameter shapes and
-plan inside), copies it twice, shards one copy exactly as the plan would and runs both copies forward and
-backward on the same small random hidden state ``(2, 4, width)`` (and another for each further required
-positional input, such as a decoder layer's ``memory``) in eval mode (no dropout: the two runs must agree).
-The sharded copy must not raise and must give the same outputs, input gradient and parameter
-gradients as the whole one; otherwise every region of that kind is left replicated, with a warning that
-names it and says what failed. Under ``sequence_parallel=True`` a failure is refused instead (a replicated
-region cannot take a sequence-split residual stream). A region whose forward needs more than its hidden
-state (HF Llama's attention takes the rotary tables) cannot be called this way and is trusted; the plan
-says so (``TensorPlan.checked``). Every tensor-parallel rank runs the same check and the verdicts are
-agreed with one all-reduce, so all ranks keep the same plan.
+on shards than on the whole (a tensor built with a stored head count). So at setup, before the real module is parallelized, :func:`check_regions` takes one region of each kind (same
+class, parameter shapes and plan inside), copies it once, perturbs the copy's parameters (Hugging Face's zero
+biases and unit norms would hide a bias handled wrong), runs it whole, shards it exactly as the plan would and
+runs it again, forward and backward, on the inputs that region received in one run of the user's step on one
+micro-batch (recorded by the engine: rotary tables, masks, ALiBi, a residual all as in training), in eval mode
+(no dropout: the two runs must agree); see [Note: the setup check] in lightning_par/verify.py for the tolerance
+(rounding of a sum of ``width`` terms) and what is compared. Where no step could be run (a meta-built module,
+outside fit) the region gets a small random hidden state ``(2, 4, width)`` (and another for each further required
+positional input, such as a decoder layer's ``memory``); a region that cannot be called that way is trusted and
+the plan says so (``TensorPlan.checked``). The sharded copy must not raise and must give the same outputs, input
+gradients and parameter gradients as the whole one. A fused projection that fails split part by part is tried
+split plain column-wise (whole heads: Bloom's ``query_key_value`` interleaves q, k and v head by head) and kept
+so if that matches. Otherwise every region of that kind is left replicated, with a warning that names it and
+the largest difference or what raised. Under ``sequence_parallel=True`` a failure is refused instead (a
+replicated region cannot take a sequence-split residual stream). Every tensor-parallel rank runs the same check
+and the verdicts are agreed with one all-reduce, so all ranks keep the same plan.
 
-What it costs a rank is transient and comes before its share is materialized: the region's weights whole,
-their gradients (kept for the comparison) and the sharded copy's shards and gradients, about 2 × the region
-(a meta-built module's copy is its only copy and is sharded in place). Each rank compares its own shard of
-the sharded gradients with the same region of the whole ones (nothing is gathered whole again), and the
-copies are released on the way out: a parallelized copy refers to itself through its wrapped ``forward``,
+What it costs a rank is transient and comes before its share is materialized: one forward and backward of the
+region whole and one sharded, per kind of region (plus, where inputs are recorded, one forward of the user's step
+on one micro-batch without gradients); memory: the region's weights whole, their gradients (kept for the
+comparison) and the shards and their gradients, about 2 × the region (the copy is sharded in place). Each rank
+compares its own shard of the sharded gradients with the same region of the whole ones (nothing is gathered whole
+again), and the copies are released on the way out: a parallelized copy refers to itself through its wrapped ``forward``,
 so dropping it would free nothing until a garbage collection (measured: one whole MLP of HF Llama,
 12 MiB of a 68 MiB share, held into training).
 """
