@@ -2,7 +2,6 @@
 layer that adds its bias once per rank (the hypothesis for StarCoder2's drift, reintroduced on purpose) is caught at
 setup on the recorded inputs, the region is left replicated with the module and the difference named, and the
 model still trains equal to one process; the same check passes the correct rewrite."""
-import warnings
 
 import pytest
 import torch
@@ -137,3 +136,15 @@ def test_apply_setup_check_is_a_building_block(tmp_path):
         assert found[True][0] is False
         assert found[True][1].startswith("model.layers.0.mlp: the rewritten block's output 0 differs from the "
                                          "original's by ")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_verify_false_skips_the_check(tmp_path):
+    ref = one_process_fit(starcoder2_adamw, DATA.train_set, 4, max_steps=2)
+    plan_file = str(tmp_path / "plan.pt")
+    got = fit_and_record(seeded(starcoder2_adamw), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "tp"),
+                         strategy=tp2(verify=False), devices=2, max_steps=2, callbacks=[PlanRecorder(plan_file)])
+    for rec in got:
+        assert_close_records(ref, rec)
+    plan = torch.load(plan_file, weights_only=False)
+    assert plan["checked"] == {} and plan["styles"]["model.model.layers.0.mlp.c_proj"] == "rowwise"
