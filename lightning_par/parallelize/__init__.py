@@ -45,7 +45,8 @@ from lightning_par.memory.checkpointing import apply_activation_checkpointing
 from lightning_par.parallelize.steps import (BlockStack, Schedule, StageSplit, apply_block_stack, apply_compile,
                                              apply_context, apply_expert_parallel, apply_fsdp, apply_placement,
                                              apply_schedule, apply_setup_check, apply_stage, apply_stage_split,
-                                             apply_tensor_parallel, find_tensor_plan, not_held, sync_rng)
+                                             apply_tensor_parallel, find_tensor_plan, not_held, record_setup_inputs,
+                                             sync_rng, virtual_stages)
 from lightning_par.parallelize.values import EngineOptions, Groups, Parallelized, Rank
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.ends import stage_needs
@@ -58,13 +59,15 @@ from lightning_par.tensor.parallelize import broadcast_state
 def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Groups, rank: Rank, *,
                          sample: Callable, check_step: Callable, profile: Callable, place: Callable, reader: Any,
                          before_split: Optional[Callable] = None, syncs_periodically: bool = False,
-                         replica_average: Optional[Callable] = None) -> Parallelized:
+                         replica_average: Optional[Callable] = None, check: bool = False) -> Parallelized:
     """The pipeline engine's order. ``sample`` / ``check_step`` / ``profile``: the user's step run on a micro-batch
     (the trace's, the check of a loss that couples samples, ``balance="time"``); ``before_split``: called once the
-    module is known good, before any other stage's blocks go (recording one device's optimizer order)."""
+    module is known good, before any other stage's blocks go (recording one device's optimizer order); ``check``:
+    the setup check (``verify``) runs on the inputs the trace's micro-batch gives this stage's regions."""
     made = Parallelized(full_keys=list(module.state_dict().keys()))
     # 1. block stack and trace
-    made.stack = stack = apply_block_stack(module, options.stack, rank, sample=sample)
+    made.stack = stack = apply_block_stack(module, options.stack, rank, sample=sample,
+                                           stages_per_rank=options.stages_per_rank)
     check_step(stack)  # the trace's warnings; [Note: losses that couple samples] in pipeline/coupling.py
     # 2. stage split
     made.split = split = apply_stage_split(stack, options.pipeline, rank.topology, profile=profile)
@@ -76,14 +79,22 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
     made.summary = stage_table(split.counts, split.params, split.times, path=stack.path,
                                total_params=sum(p.numel() for p in module.parameters()),
                                replicas=topo.data_parallel_size, schedule=options.schedule, balance=split.balance)
-    # -- rank 0's weights everywhere, this rank's stage installed (other stages' blocks become ghosts)
+    # -- rank 0's weights everywhere; the setup check's inputs recorded on the whole module (this stage's regions);
+    #    this rank's stage installed (other stages' blocks become ghosts)
+    if rank.world_size > 1:
+        broadcast_state(module, src=0)
+    inputs = None
+    if check and plan is not None:
+        mine = {i for k in virtual_stages(rank, options.pipeline) for i in range(*split.bounds[k])}
+        stage_plan = plan.without([f"{stack.path}.{i}" for i in range(len(stack.container)) if i not in mine])
+        inputs = record_setup_inputs(module, stage_plan, lambda: stack.step, rank.device)
     made.runtime = rt = apply_stage(module, stack, split, rank, groups, options.pipeline, options.tensor, plan)
     # 4. activation checkpointing
     made.checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing, blocks=stack.path,
                                                        owner=rank.owner)
     # 5. tensor plan, applied (without the ghosts)
     ghosts = tuple(f"{stack.path}.{i}" for i, block in enumerate(stack.container) if isinstance(block, Ghost))
-    made.plan = apply_tensor_parallel(module, plan, options.tensor, groups, ghosts=ghosts)
+    made.plan = apply_tensor_parallel(module, plan, options.tensor, groups, ghosts=ghosts, check=check, inputs=inputs)
     if made.plan is not None:
         made.summary += f"\n{topo}\n{made.plan.describe(module)}"
     # 6. expert parallel; 7. setup check; 8. compile
@@ -114,9 +125,10 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
 
 
 def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, rank: Rank, *, place: Callable,
-                     open_weights: Callable, fresh: bool) -> Parallelized:
+                     open_weights: Callable, fresh: bool, sample: Optional[Callable] = None) -> Parallelized:
     """The SPMD engine's order (one stage). ``fresh``: False for a module an earlier setup parallelized (it keeps
-    its shards and its weights: only the steps taken out at teardown are applied again)."""
+    its shards and its weights: only the steps taken out at teardown are applied again). ``sample``: the user's
+    step on one micro-batch (None outside fit), whose inputs the setup check (``verify``) runs the regions on."""
     made = Parallelized()
     reader = None
     if fresh:
@@ -130,8 +142,10 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
     made.checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing,
                                                        blocks=options.blocks, owner=rank.owner)
     if fresh:
-        # 5. tensor plan, applied
-        apply_tensor_parallel(module, made.plan, options.tensor, groups)
+        # 5. tensor plan, applied (each kind of region checked first on the step's recorded inputs)
+        inputs = (record_setup_inputs(module, made.plan, sample, rank.device)
+                  if options.verify and sample is not None else None)
+        apply_tensor_parallel(module, made.plan, options.tensor, groups, check=options.verify, inputs=inputs)
         # 6. expert parallel; 7. setup check; 8. compile
         apply_expert_parallel(module, options, groups)
         apply_setup_check(module, options, groups)

@@ -13,7 +13,7 @@ from lightning_par.dp import fsdp
 from lightning_par.materialize import has_meta
 from lightning_par.options import BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, TensorOptions
 from lightning_par.parallelize.values import EngineOptions, Groups, Parallelized, Rank
-from lightning_par.pipeline.discovery import find_blocks
+from lightning_par.pipeline.discovery import check_enough_blocks, find_blocks
 from lightning_par.pipeline.ends import first_owner
 from lightning_par.pipeline.flow import trace_flow
 from lightning_par.pipeline.mailbox import ResultMailbox
@@ -40,13 +40,15 @@ class BlockStack:
     stand_ins: Optional[StandIns] = None  # a meta-built module's, for the trace
 
 
-def apply_block_stack(module: nn.Module, stack: BlockOptions, rank: Rank, *,
-                      sample: Callable[[nn.Module], Any]) -> BlockStack:
+def apply_block_stack(module: nn.Module, stack: BlockOptions, rank: Rank, *, sample: Callable[[nn.Module], Any],
+                      stages_per_rank: int = 1) -> BlockStack:
     """The block stack, what flows between its blocks ([Note: block flow] in pipeline/flow.py) and where the step
     uses what lies outside them ([Note: the ends a stage needs] in pipeline/ends.py), traced with stand-ins for a
     meta-built module's parameters ([Note: tracing a meta-built module] in pipeline/stand_ins.py). ``sample``: the
-    user's step on one micro-batch, recording the uses of the blocks it is given (None without a batch)."""
+    user's step on one micro-batch, recording the uses of the blocks it is given (None without a batch). A stack
+    with fewer blocks than stages is refused first, with the numbers."""
     path, container = find_blocks(module, stack.blocks)
+    check_enough_blocks(path, container, rank.topology.pipeline_parallel_size, stages_per_rank)  # before any trace
     stand_ins = StandIns(rank.device) if has_meta(module) else None
     with rng_fork(rank.device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
         step = sample(container)
@@ -101,39 +103,65 @@ def find_tensor_plan(module: nn.Module, tensor: TensorOptions, topology: Topolog
 # -- the stage: after every refusal ---------------------------------------------------------------------------
 def apply_stage(module: nn.Module, stack: BlockStack, split: StageSplit, rank: Rank, groups: Groups,
                 pipeline: PipelineOptions, tensor: TensorOptions, plan: Optional[TensorPlan]) -> StageRuntime:
-    """This rank's stage: its chunks' blocks stay, the other stages' become ghosts (every rank first takes rank 0's
-    weights: this is after every check that can refuse)."""
+    """This rank's stage: its chunks' blocks stay, the other stages' become ghosts (every rank has taken rank 0's
+    weights before: this is after every check that can refuse)."""
     topo = rank.topology
     pp = topo.pipeline_parallel_size
-    v = pipeline.stages_per_rank if pp > 1 else 1
     ring = topo.group_ranks("pp", rank.rank)
-    stage = topo.coordinates(rank.rank)["pp"]
-    virtual = [c * pp + stage for c in range(v)]  # virtual stage c·p + s is this rank's chunk c
     runtime = StageRuntime(
-        container=stack.container, chunks=[(k, *split.bounds[k]) for k in virtual],
-        ranks=[ring[k % pp] for k in range(pp * v)], device=rank.device, seed=base_seed(), groups=groups.p2p,
+        container=stack.container, chunks=[(k, *split.bounds[k]) for k in virtual_stages(rank, pipeline)],
+        ranks=[ring[k % pp] for k in range(len(split.counts))], device=rank.device, seed=base_seed(), groups=groups.p2p,
         flow=stack.flow,
         boundary=(StageBoundary(groups.mesh["tp"], sequence_parallel=tensor.sequence_parallel)
                   if plan is not None else None),
     )
-    if rank.world_size > 1:
-        broadcast_state(module, src=0)
     runtime.install()
     return runtime
+
+
+def virtual_stages(rank: Rank, pipeline: PipelineOptions) -> list[int]:
+    """This rank's virtual stages: c·p + s is its chunk c (p stages, s its stage)."""
+    topo = rank.topology
+    pp = topo.pipeline_parallel_size
+    v = pipeline.stages_per_rank if pp > 1 else 1
+    stage = topo.coordinates(rank.rank)["pp"]
+    return [c * pp + stage for c in range(v)]
 
 
 # -- 4. activation checkpointing: lightning_par.memory.checkpointing.apply_activation_checkpointing -----------------
 
 # -- 5. tensor plan, applied ----------------------------------------------------------------------------------
 def apply_tensor_parallel(module: nn.Module, plan: Optional[TensorPlan], tensor: TensorOptions, groups: Groups,
-                          *, ghosts: tuple[str, ...] = ()) -> Optional[TensorPlan]:
+                          *, ghosts: tuple[str, ...] = (), check: bool = False,
+                          inputs: Optional[dict] = None) -> Optional[TensorPlan]:
     """``plan`` (without the ``ghosts``, another stage's blocks) applied over the ``tp`` mesh axis; a meta-built
-    module is parallelized as meta tensors (each rank makes its shards at placement). Returns the plan applied."""
+    module is parallelized as meta tensors (each rank makes its shards at placement). Returns the plan applied.
+    ``check``: each kind of region is first run sharded and whole on a copy, on ``inputs`` (the regions' recorded
+    inputs, :func:`record_setup_inputs`), and one that differs stays replicated ([Note: the setup check] in
+    lightning_par/verify.py)."""
     if plan is None:
         return None
     plan = plan.without(list(ghosts)) if ghosts else plan
-    parallelize(module, plan, groups.mesh["tp"], sequence_parallel=tensor.sequence_parallel)
+    parallelize(module, plan, groups.mesh["tp"], sequence_parallel=tensor.sequence_parallel, check=check,
+                inputs=inputs)
     return plan
+
+
+def record_setup_inputs(module: nn.Module, plan: Optional[TensorPlan], sample: Callable[[], Any],
+                        device: torch.device) -> Optional[dict]:
+    """The inputs of the first region of each kind of ``plan`` in one run of the user's step on one micro-batch
+    (``sample()``: that step, drawn here) on the whole module, its buffers and random stream kept ([Note: the setup
+    check] in lightning_par/verify.py); None where nothing is checked or nothing can run (no plan, no step, a
+    meta build)."""
+    from lightning_par.pipeline.flow import kept_state
+    from lightning_par.tensor.probe import probe_targets
+    from lightning_par.verify import record_inputs
+
+    if plan is None or has_meta(module) or not plan.regions():
+        return None
+    with rng_fork(device, True), kept_state(module):  # the batch drawn too; buffers kept
+        step = sample()
+        return None if step is None else record_inputs(module, probe_targets(module, plan), step)
 
 
 # -- 6. expert parallel (a slot) ------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ class PipelineEngine(Engine):
             place=self.host.place_share, reader=self.host.open_weights(lm),  # checked against the whole module
             before_split=(self.host.record_one_device_order  # [Note: recording one device's order]
                           if lm.trainer.state.fn == TrainerFn.FITTING else None),
-            syncs_periodically=self.syncs_periodically, replica_average=self.replica_average)
+            syncs_periodically=self.syncs_periodically, replica_average=self.replica_average, check=o.verify)
         rank_zero_info(made.summary)
         self.full_keys, self.stand_ins, self.plan = made.full_keys, made.stack.stand_ins, made.plan
         self.block_prefix, self.stack_path = f"{made.stack.path}.", made.stack.path

@@ -43,6 +43,7 @@ from lightning_par.parallelize import parallelize_spmd
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._engine import Engine, optimizer_params as _params
 from lightning_par.strategies._materialize import teardown_in_place
+from lightning_par.strategies._pipeline_sample import sample_step
 from lightning_par.strategies._precision import PrecisionHooks
 from lightning_par.tensor.mixed import average_grads, clip_grad_norm_, clip_grad_value_, reduce_partial_grads
 from lightning_par.tensor.parallelize import backward_context, parallelized_size, register_rules, to_plain
@@ -69,8 +70,10 @@ class SpmdEngine(Engine):
         register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
         fresh = not self._parallelized_before(module)
         self.uncheckpoint_blocks()
+        fitting = trainer.state.fn == TrainerFn.FITTING
         made = parallelize_spmd(module, self.options, self.groups, self.rank_values(), place=self.host.place_share,
-                                open_weights=self.host.open_weights, fresh=fresh)
+                                open_weights=self.host.open_weights, fresh=fresh,
+                                sample=(lambda: sample_step(s, module, 1)) if fitting else None)
         self.checkpointed, self.context = made.checkpointed, made.context
         if fresh:
             self.plan, self.planned = made.plan, module
