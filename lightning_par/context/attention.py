@@ -334,10 +334,10 @@ def context_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Opti
             f"per rank; got {query.shape[-2]} queries against {key.shape[-2]} keys (cross-attention, or decoding "
             f"with a cache, is not sharded). Call the model with `use_cache=False`, or without context parallelism.")
     heads, kv_heads = query.shape[-3], key.shape[-3]
-    if heads != kv_heads and (not enable_gqa or heads % kv_heads):
+    if heads != kv_heads and (not (enable_gqa or kv_heads == 1) or heads % kv_heads):  # one k/v head: broadcast
         raise ValueError(
             f"scaled_dot_product_attention got {heads} query heads and {kv_heads} key/value heads; that needs "
-            f"`enable_gqa=True` and {kv_heads} dividing {heads}.")
+            f"`enable_gqa=True` and {kv_heads} dividing {heads} (or one key/value head, broadcast).")
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     seq = cp * query.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)

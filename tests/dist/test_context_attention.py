@@ -22,6 +22,7 @@ CASES = {  # name: (kv heads, sdpa keywords, a mask maker)
     "causal": (H, dict(is_causal=True), None),
     "bidirectional": (H, dict(), None),
     "gqa_causal": (2, dict(is_causal=True, enable_gqa=True), None),
+    "one_kv_head_broadcast": (1, dict(is_causal=True), None),  # SDPA broadcasts one k/v head (Falcon's MQA)
     "bool_mask": (H, dict(), lambda g: (torch.rand(B, 1, S, S, generator=g) > 0.4) | torch.eye(S, dtype=torch.bool)),
     "additive_mask": (2, dict(enable_gqa=True), lambda g: torch.randn(B, H, S, S, generator=g)),
     "key_mask": (H, dict(), lambda g: torch.arange(S).expand(B, 1, 1, S) < torch.tensor([S, S - 5]).view(B, 1, 1, 1)),
