@@ -229,15 +229,25 @@ def _exchange(group, send: Tensor, nxt: int, prv: int, tag: int):
     return recv, dist.batch_isend_irecv(ops)
 
 
+def _flat(k: Tensor, v: Tensor) -> Tensor:
+    """``k``, ``v`` as one flat buffer, each contiguous in its own layout (what the ring passes on whole)."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unflat(buf: Tensor, k_shape, v_shape) -> tuple[Tensor, Tensor]:
+    nk = math.prod(k_shape)
+    return buf[:nk].view(k_shape), buf[nk:].view(v_shape)
+
+
 def _ring_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, scale: float,
                     groups: int, group_name: str) -> tuple[Tensor, Tensor]:
     group, cp, rank = _group(group_name)
     nxt, prv = _peers(group, cp, rank)
     seq = cp * q.shape[-2]
-    kv, out, lse = _pack(k, v).contiguous(), None, None
+    kv, out, lse = _flat(k, v), None, None
     for step in range(cp):
         pending = _exchange(group, kv, nxt, prv, 0) if step < cp - 1 else None  # overlaps the block below
-        k_b, v_b = _unpack(kv, k.shape, v.shape)
+        k_b, v_b = _unflat(kv, k.shape, v.shape)
         out, lse = _attend(q, k_b, v_b, mask, is_causal, scale, groups, rank, (rank - step) % cp, seq, cp, out, lse)
         if pending is not None:
             for work in pending[1]:
@@ -265,22 +275,21 @@ def _ring_backward(ctx, dout, dlse):
     group, cp, rank = _group(ctx.group_name)
     nxt, prv = _peers(group, cp, rank)
     seq = cp * q.shape[-2]
-    kv = _pack(k, v).contiguous()
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    kv = _flat(k, v)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # the gradients of the keys held now
     for step in range(cp):
         pending = _exchange(group, kv, nxt, prv, 0) if step < cp - 1 else None
-        k_b, v_b = _unpack(kv, k.shape, v.shape)
-        dk_b = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv_b = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        k_b, v_b = _unflat(kv, k.shape, v.shape)
+        dk_b, dv_b = _unflat(dkv, k.shape, v.shape)
         _attend_backward(dout, q, k_b, v_b, out, lse, mask, ctx.is_causal, ctx.scale, ctx.groups, rank,
                          (rank - step) % cp, seq, cp, dq, dk_b, dv_b)
-        dkv, moving = _exchange(group, (dkv + _pack(dk_b, dv_b)).contiguous(), nxt, prv, 1)  # one hop on
+        dkv, moving = _exchange(group, dkv, nxt, prv, 1)  # one hop on, towards the keys' owner
         for work in moving + (pending[1] if pending is not None else []):
             work.wait()
         if pending is not None:
             kv = pending[0]
-    dk, dv = _unpack(dkv, k.shape, v.shape)
+    dk, dv = _unflat(dkv, k.shape, v.shape)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
