@@ -501,3 +501,34 @@ def lse_attention_backward(dout, q, k, v, out, lse, *, is_causal: bool, scale: f
         dk = dk.unflatten(1, (kv_heads, groups)).sum(2)
         dv = dv.unflatten(1, (kv_heads, groups)).sum(2)
     return dq, dk, dv
+
+
+# -- context parallel (Ulysses): Hugging Face's attention interface --------------------------------------------
+# A Hugging Face attention module calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
+# eager_attention_forward)``; Ulysses registers one function of its own there and names it in the config while a
+# block runs (transformers' documented way to plug an attention in), then calls the module's own implementation.
+def hf_register_attention(name: str, fn) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, fn)
+
+
+def hf_attention_implementation(config) -> str | None:
+    return getattr(config, "_attn_implementation", None)
+
+
+def hf_set_attention_implementation(config, name: str) -> None:
+    config._attn_implementation = name
+
+
+def hf_attention_function(module, implementation: str):
+    """The function a Hugging Face attention ``module`` calls for ``implementation`` (its modeling file's
+    ``eager_attention_forward`` for "eager": soft-capping, sinks and dropout as the family writes them)."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if implementation == "eager":
+        return eager
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)

