@@ -225,7 +225,8 @@ class PipelineEngine(Engine):
         if self.groups.cp is not None and self.context is None:
             self.context = apply_context_parallel(self.s.lightning_module, self.groups.cp,
                                                   blocks=self.block_prefix[:-1],
-                                                  ranges=[(lo, hi) for _, lo, hi in self.runtime.chunks])
+                                                  ranges=[(lo, hi) for _, lo, hi in self.runtime.chunks],
+                                                  method=self.s._options.layout.context_parallel_method)
             self.runtime.send_last()  # after cp's gather
 
     def teardown(self) -> None:

@@ -38,8 +38,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par._compat import optimizers_to_device
 from lightning_par.context.apply import apply_context_parallel
+from lightning_par.context.probe import check_context_parallel
+from lightning_par.strategies._pipeline_sample import sample_step
 from lightning_par.dp import fsdp
-from lightning_par.materialize import move_real
+from lightning_par.materialize import has_meta, move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._engine import Engine, optimizer_params as _params
 from lightning_par.strategies._materialize import teardown_in_place
@@ -68,9 +70,14 @@ class SpmdEngine(Engine):
         s.precision_plugin.convert_module(s.model)
         move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
         self.checkpoint_blocks(s.lightning_module, self.options.blocks)  # inside the blocks TP and FSDP shard next
+        cp_method = s._options.layout.context_parallel_method
+        if self.groups.cp is not None and self.context is None:  # [Note: the setup check of context parallelism]
+            check_context_parallel(s.lightning_module, None if has_meta(s.lightning_module) else sample_step(
+                s, s.lightning_module, 1), method=cp_method, blocks=self.options.blocks)
         self._parallelize()
         if self.groups.cp is not None and self.context is None:  # context_parallel_size > 1
-            self.context = apply_context_parallel(s.lightning_module, self.groups.cp, blocks=self.options.blocks)
+            self.context = apply_context_parallel(s.lightning_module, self.groups.cp, blocks=self.options.blocks,
+                                                  method=cp_method)
         if trainer.state.fn == TrainerFn.FITTING:
             s.setup_optimizers(trainer)
         self.start_periodic_sync(trainer)  # sync="local_sgd" | "diloco": [Note: periodic sync on the data axis]

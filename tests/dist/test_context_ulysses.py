@@ -77,3 +77,50 @@ def _worker(rank, cp, port, families):
 @pytest.mark.parametrize("cp,families", [(2, ("gpt", "llama", "gemma2", "gpt_neox")), (4, ("llama",))])
 def test_ulysses_equals_one_process(cp, families):
     start_ranks(_worker, (cp, free_port(), families), nprocs=cp)
+
+
+# -- through the strategy ---------------------------------------------------------------------------------------
+from torch.utils.data import DataLoader  # noqa: E402
+
+from context_models import family_lm  # noqa: E402
+from harness import SharesSequences, fit_and_record, one_process_fit, seeded  # noqa: E402
+from models import causal_lm, corpus, gpt_factory  # noqa: E402
+from test_context_strategy import assert_matches, hybrid  # noqa: E402
+
+DATA = corpus(val_sequences=8)
+FACTORIES = {"gpt": tiny_gpt,
+             "llama": causal_lm("llama", call={"use_cache": False}, attn_implementation="sdpa",
+                                max_position_embeddings=16),
+             "gemma2": family_lm("gemma2", attn_implementation="eager"),
+             "gpt_neox": family_lm("gpt_neox", attn_implementation="sdpa")}
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("family", sorted(FACTORIES))
+def test_cp2_ulysses_trains_as_one_process(tmp_path, family):
+    """8 AdamW steps: every rank's losses within 2e-4, the first two steps' gradients and the parameters after."""
+    factory = FACTORIES[family]
+    ref = one_process_fit(factory, DATA.train_set, 4, max_steps=8)
+    got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "u"),
+                         strategy=hybrid(context_parallel_size=2, context_parallel_method="ulysses"), devices=2,
+                         max_steps=8, callbacks=[SharesSequences()])
+    assert_matches(ref, got, 8)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("layout", ["dp2_full_checkpointing", "tp2", "pp2"])
+def test_ulysses_composes_with_dp_tp_pp_and_checkpointing(tmp_path, layout):
+    """2 AdamW steps on 4 ranks: dp 2 × cp 2 with full activation checkpointing, cp 2 × tp 2 (each tensor-parallel
+    rank's local heads go through the all-to-all), pp 2 × cp 2 (1F1B)."""
+    gpt4 = gpt_factory(n_layer=4, n_head=4)  # 2 local heads per tensor-parallel rank: cp 2 divides them
+    kw, batch = {"dp2_full_checkpointing": (dict(data_parallel_size=2, activation_checkpointing="full"), 8),
+                 "tp2": (dict(tensor_parallel_size=2), 4),
+                 "pp2": (dict(pipeline_parallel_size=2, microbatches=2), 4)}[layout]
+    ref = one_process_fit(gpt4, DATA.train_set, batch, max_steps=2)
+    got = fit_and_record(seeded(gpt4), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "c"),
+                         strategy=hybrid(context_parallel_size=2, context_parallel_method="ulysses", **kw), devices=4,
+                         max_steps=2)
+    for rec in got:
+        torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), atol=2e-4, rtol=0)
+        for name, grad in rec["grads"][0].items():
+            torch.testing.assert_close(grad, ref["grads"][0][name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
