@@ -48,7 +48,8 @@ HOOKS = {"comm_hook", "powersgd_rank", "powersgd_start_iter"}  # DDP's communica
 ADDED = {DataParallelStrategy: SYNC,  # offload: zero stage 3's shards in host memory, on the core's dp axis too
          PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS},  # the core's, now taken
          TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS},  # blocks: the stack AC uses
-         HybridParallelStrategy: {"context_parallel_size", "offload", *SYNC, *HOOKS}}  # the presets fix cp to 1
+         HybridParallelStrategy: {"context_parallel_size", "context_parallel_method", "offload", *SYNC,
+                                  *HOOKS}}  # the presets fix cp to 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
 COMPOSITE = {DataParallelStrategy: options.DataParallelOptions}  # the others: CoreOptions
@@ -67,7 +68,7 @@ def test_the_hydra_schema_is_the_groups_fields_and_keeps_todays_flat_keys(cls):
     fixed, without, own = PRESET.get(cls, (None, None, None))
     expected = {name: ("auto" if name == own else param.default)
                 for name, (group, param) in composite.fields().items() if name != fixed and group != without
-                and not (fixed and name == "context_parallel_size")}
+                and not (fixed and name in ("context_parallel_size", "context_parallel_method"))}
     assert schema == expected
     assert set(schema) == set(TODAY[cls]) | ADDED.get(cls, set())
     assert {k: schema[k] for k in TODAY[cls]} == TODAY[cls]  # same names, same defaults
