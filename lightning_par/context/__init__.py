@@ -22,5 +22,6 @@ from lightning_par.context.sharding import check_divisible, gather, group_positi
 
 from lightning_par.context.probe import check_context_parallel
 
-__all__ = ["CP_METHODS", "METHODS", "OPS", "check_context_parallel", "ContextParallel", "RouteAttention", "apply_context_parallel", "check_divisible",
-           "check_sdpa", "context_attention", "gather", "group_positions", "local_positions", "shard"]
+__all__ = ["CP_METHODS", "METHODS", "OPS", "ContextParallel", "RouteAttention", "apply_context_parallel",
+           "check_context_parallel", "check_divisible", "check_sdpa", "context_attention", "gather", "group_positions",
+           "local_positions", "shard"]
