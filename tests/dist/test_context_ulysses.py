@@ -2,7 +2,7 @@
 module's own attention, on whole sequences for this rank's heads, gives one process's loss and (averaged over the
 group) every gradient, float32 within 1e-5, for the reference GPT (its own SDPA call), Hugging Face Llama (SDPA,
 grouped-query with fewer k/v heads than cp at cp 4), Gemma-2 with eager attention (soft-capping, a sliding window)
-and GPT-NeoX; also under full and selective activation checkpointing. Through HybridParallelStrategy(context_parallel_method=
+and GPT-NeoX; also under full activation checkpointing (and selective, the GPT). Through HybridParallelStrategy(context_parallel_method=
 "ulysses"): 8 AdamW steps against one process (losses within 2e-4), and composed with tp, pp and dp."""
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def _worker(rank, cp, port, families):
         for family in families:
             _check(family, cp, group)
         _check(families[0], cp, group, checkpointing="full")
-        _check(families[0], cp, group, checkpointing="selective")
+        if families[0] == "gpt":  # a Hugging Face model's cached cuts break selective checkpointing under any method
+            _check("gpt", cp, group, checkpointing="selective")
     finally:
         dist.destroy_process_group()
 
