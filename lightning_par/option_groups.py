@@ -74,10 +74,18 @@ class LayoutOptions:
     context_parallel_size: int = 1  # ranks sharing every sequence (lightning_par.context), just outside tp
     """Ranks sharing every sequence (a `cp` axis just outside `tp`): each runs the blocks on 1/cp of it, attention
     across the group."""
+    context_parallel_method: str = "ring"  # "ring" | "allgather" | "ulysses" (docs/context-parallel.md)
+    """`"ring"`: K/V passed around the cp group; `"allgather"`: K/V gathered whole once; `"ulysses"`: all-to-all from
+    sequence to head shards around the module's own attention (any attention Hugging Face's interface serves)."""
 
     def __post_init__(self) -> None:
         check_sizes(pipeline_parallel_size=self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size,
                     tensor_parallel_size=self.tensor_parallel_size, context_parallel_size=self.context_parallel_size)
+        if self.context_parallel_method not in ("ring", "allgather", "ulysses"):
+            raise ValueError(f"`context_parallel_method={self.context_parallel_method!r}` must be 'ring' (K/V passed "
+                             f"around the group, the default), 'allgather' (K/V gathered once) or 'ulysses' "
+                             f"(all-to-all over heads around the module's own attention); see "
+                             f"docs/context-parallel.md.")
         if self.mesh_order not in ORDERS:
             raise ValueError(f"`mesh_order={self.mesh_order!r}` must be one of {sorted(ORDERS)}: 'pp_dp_tp' "
                              f"(pipelines span nodes, as Megatron and torchtitan) or 'dp_pp_tp' (replicas span "

@@ -2,9 +2,12 @@
 
 - :mod:`~lightning_par.context.sharding`: the load-balanced layout (rank ``i`` holds chunks ``i`` and ``2cp-1-i``),
   cutting and gathering with autograd.
-- :mod:`~lightning_par.context.kernel`: attention on one block of keys with its log-sum-exp, and its backward.
+- :mod:`~lightning_par.context.kernel`: attention on one block of keys with its log-sum-exp, and its backward (the
+  fallback of the backend's fused kernel).
 - :mod:`~lightning_par.context.attention`: attention across the group (all-gather of K/V, or a ring), one
-  custom op each.
+  custom op each, each block pair one call of the backend's fused kernel.
+- :mod:`~lightning_par.context.ulysses`: all-to-all over heads around the module's own attention.
+- :mod:`~lightning_par.context.probe`: the setup check (what the first block receives and calls).
 - :mod:`~lightning_par.context.intercept`: the mode that routes ``F.scaled_dot_product_attention`` to it.
 - :mod:`~lightning_par.context.apply`: hooks on an unchanged module's blocks that cut what enters them, route
   their attention and gather what leaves the stack.
@@ -12,10 +15,13 @@
 Lightning-free: a strategy calls :func:`apply_context_parallel` in setup and ``remove()`` in teardown, and
 averages the gradients over the group ([Note: gradients under context parallelism]).
 """
-from lightning_par.context.apply import ContextParallel, apply_context_parallel, check_sdpa
+from lightning_par.context.apply import CP_METHODS, ContextParallel, apply_context_parallel, check_sdpa
 from lightning_par.context.attention import METHODS, OPS, context_attention
 from lightning_par.context.intercept import RouteAttention
 from lightning_par.context.sharding import check_divisible, gather, group_positions, local_positions, shard
 
-__all__ = ["METHODS", "OPS", "ContextParallel", "RouteAttention", "apply_context_parallel", "check_divisible",
-           "check_sdpa", "context_attention", "gather", "group_positions", "local_positions", "shard"]
+from lightning_par.context.probe import check_context_parallel
+
+__all__ = ["CP_METHODS", "METHODS", "OPS", "ContextParallel", "RouteAttention", "apply_context_parallel",
+           "check_context_parallel", "check_divisible", "check_sdpa", "context_attention", "gather", "group_positions",
+           "local_positions", "shard"]

@@ -54,6 +54,9 @@ from lightning_par._compat import attn_implementation, current_autograd_node
 from lightning_par.context.attention import METHODS
 from lightning_par.context.intercept import RouteAttention
 from lightning_par.context.sharding import check_divisible, gather, shard
+from lightning_par.context.ulysses import UlyssesRoute
+
+CP_METHODS = (*METHODS, "ulysses")  # [Note: all-gather or ring], [Note: Ulysses]
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.flow import hidden_name
 
@@ -69,6 +72,17 @@ def check_sdpa(module: nn.Module) -> None:
                 f"`{name or type(sub).__name__}` ({type(sub).__name__}) uses attn_implementation={impl!r}, whose "
                 f"attention cannot be intercepted. Build the model with `attn_implementation=\"sdpa\"` (e.g. "
                 f"`AutoModelForCausalLM.from_config(config, attn_implementation=\"sdpa\")`).")
+
+
+def _hf_configs(block: nn.Module) -> list:
+    """The configs of the Hugging Face attention modules inside ``block`` (each once)."""
+    from lightning_par.context.probe import hf_attention_modules
+
+    configs = {}
+    for name in hf_attention_modules(block):
+        config = block.get_submodule(name).config
+        configs[id(config)] = config
+    return list(configs.values())
 
 
 def _in_backward() -> bool:
@@ -144,7 +158,7 @@ class ContextParallel:
         if len(dims) == 1:
             return dims[0]
         if dims == [nd - 2, nd - 1]:
-            return nd - 2
+            return None if self.method == "ulysses" else nd - 2  # Ulysses attends over the whole mask
         raise ValueError(
             f"Context parallelism cuts what enters {where} along the sequence (length {seq}), and this tensor of "
             f"shape {tuple(t.shape)} has that length in dimensions {dims}: which one is the sequence is ambiguous. "
@@ -189,7 +203,8 @@ class ContextParallel:
                 for p, a in enumerate(args)]
             new_kwargs = {k: hidden if (not args and k == hname) else self._cut_value(v, seq, f"`{name}` as `{k}`")
                           for k, v in kwargs.items()}
-            mode = RouteAttention(self.group, self.method)
+            mode = UlyssesRoute(self.group, _hf_configs(block)) if self.method == "ulysses" else RouteAttention(
+                self.group, self.method)
             mode.__enter__()
             self._modes.append((block, mode))
             return tuple(new_args), new_kwargs
@@ -204,11 +219,14 @@ class ContextParallel:
             if output is None:
                 return None  # the forward raised (or a checkpoint's recompute stopped early)
             if mode.calls == 0:
+                served = ("`torch.nn.functional.scaled_dot_product_attention` or a Hugging Face attention module"
+                          if self.method == "ulysses" else "`torch.nn.functional.scaled_dot_product_attention`")
                 raise RuntimeError(
-                    f"Block `{name}` ({type(block).__name__}) ran without calling "
-                    f"`torch.nn.functional.scaled_dot_product_attention`: context parallelism routes only those "
-                    f"calls across the group, so its attention (if it has any) would see this rank's piece of the "
-                    f"sequence alone. Use an SDPA attention (`attn_implementation=\"sdpa\"` for Hugging Face models).")
+                    f"Block `{name}` ({type(block).__name__}) ran without calling {served}: context parallelism "
+                    f"(context_parallel_method={self.method!r}) routes only those calls across the group, so its "
+                    f"attention (if it has any) would see this rank's piece of the sequence alone. Use an SDPA "
+                    f"attention (`attn_implementation=\"sdpa\"` for Hugging Face models), or "
+                    f"context_parallel_method='ulysses' for a Hugging Face attention of another implementation.")
             outs = list(output) if isinstance(output, (tuple, list)) else [output]
             if not last:
                 for o in outs:
@@ -239,13 +257,14 @@ def apply_context_parallel(module: nn.Module, group, *, blocks: str | None = Non
     stages]). Refuses, by name, a module without a
     block stack and a Hugging Face attention that is not SDPA; a forward refuses a sequence length that ``2·cp``
     does not divide, an ambiguous block input and a block that calls no SDPA. Gradients: average over ``group``."""
-    if method not in METHODS:
-        raise ValueError(f"context parallel `method={method!r}`: choose one of {METHODS}.")
+    if method not in CP_METHODS:
+        raise ValueError(f"context parallel `method={method!r}`: choose one of {CP_METHODS}.")
     try:
         path, stack = find_blocks(module, blocks)
     except ValueError as err:
         raise ValueError(f"Context parallelism cuts the sequence inside a block stack, and {err}") from None
-    check_sdpa(module)
+    if method != "ulysses":
+        check_sdpa(module)
     applied = ContextParallel(path=path, group=group, method=method, seq_dim=seq_dim)
     cp = float(dist.get_world_size(group))
     for lo, hi in ranges if ranges is not None else [(0, len(stack))]:

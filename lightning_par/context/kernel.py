@@ -1,4 +1,6 @@
-"""Attention of a rank's queries against one block of keys/values, with its log-sum-exp, and its backward.
+"""Attention of a rank's queries against one block of keys/values, with its log-sum-exp, and its backward: the
+fallback where the backend's fused kernel does not serve the inputs ([Note: the fused kernels] in
+:mod:`lightning_par.context.attention`).
 
 [Note: a kernel of our own]
 Attention across a context-parallel group computes each rank's queries against keys/values that arrive in pieces,

@@ -45,8 +45,8 @@ from lightning_par.memory.checkpointing import apply_activation_checkpointing
 from lightning_par.parallelize.steps import (BlockStack, Schedule, StageSplit, apply_block_stack, apply_compile,
                                              apply_context, apply_expert_parallel, apply_fsdp, apply_placement,
                                              apply_schedule, apply_setup_check, apply_stage, apply_stage_split,
-                                             apply_tensor_parallel, find_tensor_plan, not_held, record_setup_inputs,
-                                             sync_rng, virtual_stages)
+                                             apply_tensor_parallel, check_context, find_tensor_plan, not_held,
+                                             record_setup_inputs, sync_rng, virtual_stages)
 from lightning_par.parallelize.values import EngineOptions, Groups, Parallelized, Rank
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.ends import stage_needs
@@ -117,7 +117,7 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
         made.shards = fsdp.StageShards(module)
     rt.weights = [p for p in module.parameters() if p.requires_grad and not p.is_meta]
     # 11. context parallel
-    made.context = apply_context(module, groups, blocks=stack.path, runtime=rt)
+    made.context = apply_context(module, groups, blocks=stack.path, runtime=rt, method=options.context_parallel_method)
     # 12. schedule
     made.schedule = apply_schedule(module, made, options, groups, rank, replica_average=replica_average,
                                    dp_reduces=made.shards is None and not syncs_periodically)
@@ -131,6 +131,8 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
     step on one micro-batch (None outside fit), whose inputs the setup check (``verify``) runs the regions on."""
     made = Parallelized()
     reader = None
+    # 1. the block stack: what context parallelism cannot serve, refused before any collective
+    check_context(module, groups, rank, method=options.context_parallel_method, blocks=options.blocks, sample=sample)
     if fresh:
         # 3. tensor plan, found (pure: the same ValueError on every rank before any collective)
         made.plan = plan = find_tensor_plan(module, options.tensor, rank.topology)
@@ -156,7 +158,7 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
         apply_placement(module, place, reader)
         made.summary = f"{rank.topology}\n{made.plan.describe(module)}" if made.plan is not None else ""
     # 11. context parallel
-    made.context = apply_context(module, groups, blocks=options.blocks)
+    made.context = apply_context(module, groups, blocks=options.blocks, method=options.context_parallel_method)
     return made
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_par.context.apply import apply_context_parallel
+from lightning_par.context.probe import check_context_parallel
 from lightning_par.dp import fsdp
 from lightning_par.materialize import has_meta
 from lightning_par.options import BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, TensorOptions
@@ -205,14 +206,25 @@ def apply_placement(module: nn.Module, place: Callable, reader: Any, owned: Opti
 
 
 # -- 11. context parallel -------------------------------------------------------------------------------------
+def check_context(module: nn.Module, groups: Groups, rank: Rank, *, method: str, blocks: Optional[str],
+                  sample: Optional[Callable[[], Any]]) -> Any:
+    """``context_parallel_size > 1``: a module whose blocks make no attention call ``method`` serves, or whose block
+    inputs have no sequence dimension to cut, refused by name before any collective ([Note: the setup check of
+    context parallelism] in lightning_par/context/probe.py); ``sample()``: the user's step on one micro-batch."""
+    if groups.cp is None or sample is None or has_meta(module):
+        return None
+    with rng_fork(rank.device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
+        return check_context_parallel(module, sample(), method=method, blocks=blocks)
+
+
 def apply_context(module: nn.Module, groups: Groups, *, blocks: Optional[str],
-                  runtime: Optional[StageRuntime] = None) -> Any:
+                  runtime: Optional[StageRuntime] = None, method: str = "ring") -> Any:
     """``context_parallel_size > 1``: the stack's blocks run on this rank's piece of every sequence
     (:mod:`lightning_par.context`; a pipeline stage's chunks only, its last send after cp's gather)."""
     if groups.cp is None:
         return None
     ranges = [(lo, hi) for _, lo, hi in runtime.chunks] if runtime is not None else None
-    context = apply_context_parallel(module, groups.cp, blocks=blocks, ranges=ranges)
+    context = apply_context_parallel(module, groups.cp, blocks=blocks, ranges=ranges, method=method)
     if runtime is not None:
         runtime.send_last()  # after cp's gather
     return context

@@ -9,8 +9,8 @@ from typing import Any, Optional
 import torch
 
 from lightning_par.memory.checkpointing import Checkpointed
-from lightning_par.options import (BlockOptions, CommHookOptions, MemoryOptions, PipelineOptions, ShardingOptions,
-                                   SyncOptions, TensorOptions, VerifyOptions)
+from lightning_par.options import (BlockOptions, CommHookOptions, LayoutOptions, MemoryOptions, PipelineOptions,
+                                   ShardingOptions, SyncOptions, TensorOptions, VerifyOptions)
 from lightning_par.pipeline.stage import StageRuntime
 from lightning_par.tensor.plan import TensorPlan
 from lightning_par.topology import Topology
@@ -31,6 +31,7 @@ class EngineOptions:
     sync: SyncOptions = SyncOptions()  # the replica engine's sync="local_sgd" | "diloco" (lightning_par.dp.local_sgd)
     comm: CommHookOptions = CommHookOptions()  # the pipeline / SPMD engines' (the replica engine's DDP has its own)
     check: VerifyOptions = VerifyOptions()  # the setup check (lightning_par.verify)
+    layout: LayoutOptions = LayoutOptions()  # the sizes as given; the context-parallel method, expert parallelism
 
     @property
     def microbatches(self) -> int:
@@ -55,6 +56,7 @@ class EngineOptions:
     activation_checkpointing = property(lambda self: self.memory.activation_checkpointing)
     offload = property(lambda self: self.memory.offload)
     verify = property(lambda self: self.check.verify)
+    context_parallel_method = property(lambda self: self.layout.context_parallel_method)
 
 
 @dataclass(frozen=True)

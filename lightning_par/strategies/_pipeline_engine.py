@@ -153,7 +153,7 @@ class PipelineEngine(Engine):
         parallelism inside pipeline stages])."""
         if self.context is None:
             self.context = apply_context(self.s.lightning_module, self.groups, blocks=self.stack_path,
-                                         runtime=self.runtime)
+                                         runtime=self.runtime, method=self.options.context_parallel_method)
 
     def teardown(self) -> None:
         if self.context is not None:

@@ -70,10 +70,9 @@ class SpmdEngine(Engine):
         register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
         fresh = not self._parallelized_before(module)
         self.uncheckpoint_blocks()
-        fitting = trainer.state.fn == TrainerFn.FITTING
         made = parallelize_spmd(module, self.options, self.groups, self.rank_values(), place=self.host.place_share,
                                 open_weights=self.host.open_weights, fresh=fresh,
-                                sample=(lambda: sample_step(s, module, 1)) if fitting else None)
+                                sample=lambda: sample_step(s, module, 1))
         self.checkpointed, self.context = made.checkpointed, made.context
         if fresh:
             self.plan, self.planned = made.plan, module

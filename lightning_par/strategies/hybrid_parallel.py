@@ -210,7 +210,7 @@ class HybridParallelStrategy(DDPStrategy):
         o = self._options
         options = EngineOptions(pipeline=o.pipeline, tensor=o.tensor, sharding=o.sharding, stack=o.stack,
                                 memory=o.memory, stages=pp, sync=self._sync_options(), comm=o.comm,
-                                check=o.verify)
+                                check=o.verify, layout=o.layout)
         host = Host(open_weights=self._weights.open, place_share=self._weights.place,
                     install_precision=self._install_precision,
                     record_one_device_order=self._checkpoints.record_one_device_order,

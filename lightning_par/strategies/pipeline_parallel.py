@@ -27,7 +27,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     _model_axis = "pp"
 
     # the core with one tensor-parallel rank per stage: [Note: flat keywords, grouped options] in lightning_par.options
-    __init__ = takes_options(CoreOptions, fixed={"tensor_parallel_size": 1, "context_parallel_size": 1},
+    __init__ = takes_options(CoreOptions, fixed={"tensor_parallel_size": 1, "context_parallel_size": 1,
+                                                     "context_parallel_method": "ring"},
                              defaults={"pipeline_parallel_size": "auto"}, without=("tensor",))
 
 __all__ = ["PipelineParallelStrategy"]

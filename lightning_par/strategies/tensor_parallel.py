@@ -54,7 +54,8 @@ class TensorParallelStrategy(HybridParallelStrategy):
     _model_axis = "tp"
 
     # the core with one stage ([Note: flat keywords, grouped options] in lightning_par.options)
-    __init__ = takes_options(CoreOptions, fixed={"pipeline_parallel_size": 1, "context_parallel_size": 1},
+    __init__ = takes_options(CoreOptions, fixed={"pipeline_parallel_size": 1, "context_parallel_size": 1,
+                                                     "context_parallel_method": "ring"},
                              defaults={"tensor_parallel_size": "auto"}, without=("pipeline",))
 
 __all__ = ["TensorParallelStrategy"]

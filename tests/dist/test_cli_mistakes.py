@@ -78,3 +78,12 @@ def test_strategies_refuse_accumulate_grad_batches_0_at_setup(strategy):
 
         if dist.is_initialized():  # the one-rank group setup_environment made: no global state left behind
             dist.destroy_process_group()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(2 * FAST)
+def test_context_parallel_on_a_module_without_a_sequence_is_one_message_and_exit_2(tmp_path):
+    res = _run("lightning_par.train", "strategy=hybrid", "strategy.context_parallel_size=2", "model=mlp",
+               "data=classification", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    _one_message(res, "lightning-par-train", "`MLPClassifier`'s block `layers.0`", "shape [32, 64]",
+                 "no sequence dimension to cut", "context_parallel_size=1")

@@ -159,3 +159,15 @@ def test_the_cp_axis_sits_just_outside_tp_and_sizes_that_miss_the_world_are_name
         Topology.resolve(6, data_parallel_size=2, context_parallel_size=2,
                          named=("data_parallel_size", "pipeline_parallel_size", "context_parallel_size",
                                 "tensor_parallel_size"))
+
+
+def test_the_method_is_a_strategy_keyword_and_a_hydra_key():
+    from app_config import compose_app
+    from lightning_par import HybridParallelStrategy, train
+
+    cfg = compose_app("strategy=hybrid", "strategy.context_parallel_size=2", "strategy.context_parallel_method=ulysses")
+    assert train.build_strategy(cfg.strategy)._options.layout.context_parallel_method == "ulysses"
+    assert HybridParallelStrategy(context_parallel_size=2)._options.layout.context_parallel_method == "ring"
+    with pytest.raises(ValueError, match=r"`context_parallel_method='flash'` must be 'ring' .* 'allgather' .* "
+                                         r"'ulysses'"):
+        HybridParallelStrategy(context_parallel_size=2, context_parallel_method="flash")

@@ -49,7 +49,8 @@ VERIFY = {"verify"}  # the setup check of rewritten blocks (lightning_par.verify
 ADDED = {DataParallelStrategy: SYNC,  # offload: zero stage 3's shards in host memory, on the core's dp axis too
          PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS, *VERIFY},  # the core's
          TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS, *VERIFY},  # blocks: AC's stack
-         HybridParallelStrategy: {"context_parallel_size", "offload", *SYNC, *HOOKS, *VERIFY}}  # the presets fix cp to 1
+         HybridParallelStrategy: {"context_parallel_size", "context_parallel_method", "offload", *SYNC, *HOOKS,
+                                  *VERIFY}}  # the presets fix cp to 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
 COMPOSITE = {DataParallelStrategy: options.DataParallelOptions}  # the others: CoreOptions
@@ -68,7 +69,7 @@ def test_the_hydra_schema_is_the_groups_fields_and_keeps_todays_flat_keys(cls):
     fixed, without, own = PRESET.get(cls, (None, None, None))
     expected = {name: ("auto" if name == own else param.default)
                 for name, (group, param) in composite.fields().items() if name != fixed and group != without
-                and not (fixed and name == "context_parallel_size")}
+                and not (fixed and name in ("context_parallel_size", "context_parallel_method"))}
     assert schema == expected
     assert set(schema) == set(TODAY[cls]) | ADDED.get(cls, set())
     assert {k: schema[k] for k in TODAY[cls]} == TODAY[cls]  # same names, same defaults
