@@ -11,6 +11,7 @@ import os
 from datetime import timedelta
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
+from lightning_par.compile import check_compile
 from lightning_par.dp import comm_hooks, fsdp, ft, local_sgd, lr_scaling, zero
 from lightning_par.memory.checkpointing import check_activation_checkpointing
 from lightning_par.nonfinite import check_nonfinite
@@ -124,11 +125,16 @@ class ShardingOptions:
 @dataclasses.dataclass(frozen=True)
 class BlockOptions:
     """The block stack (None: found, :func:`~lightning_par.pipeline.discovery.find_blocks`; or its dotted name):
-    the pipeline's cut points, the units activation checkpointing recomputes and FSDP shards."""
+    the pipeline's cut points, the units activation checkpointing recomputes, ``compile`` compiles and FSDP shards.
+    ``compile``: False | True (inductor) | a backend name | a dict of ``torch.compile`` keywords
+    (:mod:`lightning_par.compile`)."""
 
     blocks: Optional[str] = None
+    compile: Union[bool, str, Mapping[str, Any]] = False
+
     def __post_init__(self) -> None:
         check_blocks(self.blocks)
+        object.__setattr__(self, "compile", check_compile(self.compile))
 
 
 @dataclasses.dataclass(frozen=True)

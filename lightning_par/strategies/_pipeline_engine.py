@@ -75,6 +75,8 @@ class PipelineEngine(Engine):
     # -- setup ------------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
         s, g = self.s, self.groups
+        if self.runtime is None:
+            self.take_user_compile(s.lightning_module, self.options.blocks)  # before the trace reads the tree
         if trainer.state.fn == TrainerFn.FITTING and not s.lightning_module.automatic_optimization:
             raise ValueError(
                 f"{type(s).__name__} supports automatic optimization only: the schedule runs each "
@@ -180,6 +182,7 @@ class PipelineEngine(Engine):
             self.plan = plan.without(ghosts)
             parallelize(lm, self.plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
             rank_zero_info(f"{topo}\n{self.plan.describe(lm)}")
+        self.compile_blocks(lm, path)  # this stage's blocks, after TP and checkpointing, before FSDP
         needs = stage_needs(uses, rt.chunks, pp * v)  # this stage's blocks and the ends it needs: placed, weights=
         owned = lambda n: n.startswith(self.block_prefix) or needs(n)  # noqa: E731
         shards = None

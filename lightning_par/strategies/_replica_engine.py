@@ -58,7 +58,9 @@ class ReplicaEngine(Engine):
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
+        self.take_user_compile(self.s.lightning_module, self.options.blocks)  # before anything reads the tree
         self.checkpoint_blocks(self.s.lightning_module, self.options.blocks)  # before DDP / FSDP wrap the blocks
+        self.compile_blocks(self.s.lightning_module, self.options.blocks)  # after checkpointing, before DDP / FSDP
         if self.options.zero_stage < 2:
             self.host.lightning_setup(trainer)  # DDPStrategy.setup: place, wrap in DDP, optimizers
             self.start_periodic_sync(trainer)  # sync="local_sgd" | "diloco" while fitting

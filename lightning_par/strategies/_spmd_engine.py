@@ -64,6 +64,7 @@ class SpmdEngine(Engine):
 
     def setup(self, trainer) -> None:
         s = self.s
+        self.take_user_compile(s.lightning_module, self.options.blocks)  # before anything reads the tree
         s.accelerator.setup(trainer)
         s.precision_plugin.convert_module(s.model)
         move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
@@ -115,6 +116,7 @@ class SpmdEngine(Engine):
             broadcast_state(module, src=0)  # every rank starts from rank 0's weights
             self._sync_rng()
         parallelize(module, plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
+        self.compile_blocks(module, o.blocks)  # the DTensor blocks, before FSDP wraps them
         if g.sharded_replicas:  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis] (meta shards too)
             fsdp.shard_module(module, g.mesh["dp"], zero_stage=o.zero_stage, broadcast=False,
                               precision=s.precision_plugin.precision, offload=o.offload)
