@@ -112,9 +112,11 @@ def fit(tmp_path, model: str, layout: str, compile=False, *, user=None, tag="", 
 
 
 def eager(tmp_path, model: str, layout: str) -> list[dict]:
+    """The eager run's records (and, in ``_EAGER``, its ranks' layouts)."""
     if (model, layout) not in _EAGER:
-        _EAGER[(model, layout)] = fit(tmp_path, model, layout)
-    return _EAGER[(model, layout)]
+        records = fit(tmp_path, model, layout)
+        _EAGER[(model, layout)] = records, layouts(str(tmp_path / f"{layout}-False-None"), LAYOUTS[layout][2])
+    return _EAGER[(model, layout)][0]
 
 
 def assert_equal_runs(expected: list[dict], got: list[dict], steps: int = STEPS, **tol) -> None:
@@ -136,7 +138,7 @@ def assert_equal_runs(expected: list[dict], got: list[dict], steps: int = STEPS,
 def assert_compiled_as_eager(tmp_path, model, layout, got_dir_tag, ranks):
     """Every rank compiled each block it holds, holds the eager run's share of the parameters, under its names."""
     compiled = layouts(str(tmp_path / got_dir_tag), ranks)
-    plain = layouts(str(tmp_path / f"{layout}-False-None"), ranks)
+    plain = _EAGER[(model, layout)][1]
     for c, p in zip(compiled, plain):
         assert c["compiled"] and all(c["compiled"]), c["compiled"]
         assert not any(p["compiled"])
