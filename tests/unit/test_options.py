@@ -45,10 +45,11 @@ TODAY = {
 }
 SYNC = {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"}  # local SGD / DiLoCo on the data axis
 HOOKS = {"comm_hook", "powersgd_rank", "powersgd_start_iter"}  # DDP's communication hooks on the core's dp axis too
-ADDED = {DataParallelStrategy: SYNC,  # offload: zero stage 3's shards in host memory, on the core's dp axis too
-         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS},  # the core's, now taken
-         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS},  # blocks: the stack AC uses
-         HybridParallelStrategy: {"context_parallel_size", "offload", *SYNC, *HOOKS}}  # the presets fix cp to 1
+COMPILE = {"compile"}  # every strategy: each block compiled (lightning_par.compile)
+ADDED = {DataParallelStrategy: {*SYNC, *COMPILE},  # offload: zero stage 3's shards in host memory, on the core's dp axis too
+         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS, *COMPILE},  # the core's, now taken
+         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS, *COMPILE},  # blocks: the stack AC uses
+         HybridParallelStrategy: {"context_parallel_size", "offload", *SYNC, *HOOKS, *COMPILE}}  # the presets fix cp to 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
 COMPOSITE = {DataParallelStrategy: options.DataParallelOptions}  # the others: CoreOptions
