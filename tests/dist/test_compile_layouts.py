@@ -217,3 +217,40 @@ def test_checkpoints_saved_compiled_resume_eager_and_back(tmp_path, layout):
     resumed_eager = fit(tmp_path, "gpt", layout, False, tag="-resume", max_steps=3, ckpt_path=saved[AOT])
     resumed_compiled = fit(tmp_path, "gpt", layout, AOT, tag="-resume", max_steps=3, ckpt_path=saved[False])
     assert_equal_runs(resumed_eager, resumed_compiled, steps=1)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("layout", ["pp2_1f1b", pytest.param("dp2_zero3", marks=pytest.mark.slow)])
+def test_meta_build_with_weights_trains_compiled(tmp_path, layout):
+    """A module built on the meta device with ``weights=``: compiled (lazily, after the weights are placed), the
+    same run as eager."""
+    from safetensors.torch import save_file
+
+    from harness import Recorder, trainer_kwargs
+
+    path = str(tmp_path / "w.safetensors")
+    source = seeded(gpt)
+    save_file({k: v.contiguous() for k, v in source.state_dict().items() if k != "lm_head.weight"}, path)  # tied
+    cls, options, devices = LAYOUTS[layout]
+
+    def run(compile):
+        strategy = cls(compile=compile, weights=path, start_method="fork", timeout=120, **options)
+        out = str(tmp_path / f"meta-{compile is not False}")
+        trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, max_steps=STEPS,
+                                              callbacks=[Recorder(out)]))
+        with trainer.init_module(empty_init=True):
+            model = gpt()
+        assert all(p.is_meta for p in model.parameters())
+        trainer.fit(model, DataLoader(DATA.train_set, batch_size=8))
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(devices)]
+
+    assert_equal_runs(run(False), run(AOT))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_bf16_mixed_compiled_equals_eager(tmp_path):
+    """bf16-mixed on TP2: aot_eager traces under autocast and casts where eager casts, the same bf16 kernels on
+    the same values, so the runs agree as fp32 ones do (<= 1e-6)."""
+    expected = fit(tmp_path, "gpt", "tp2", tag="-bf16", precision="bf16-mixed")
+    got = fit(tmp_path, "gpt", "tp2", AOT, tag="-bf16", precision="bf16-mixed")
+    assert_equal_runs(expected, got)
