@@ -91,6 +91,7 @@ class PipelineEngine(Engine):
             s.accelerator.setup(trainer)
             self.host.install_precision(self.precision_hooks)  # given back at the last teardown
             self.checkpoint_blocks(s.lightning_module, self.block_prefix[:-1])  # taken out at teardown
+            self.compile_blocks(s.lightning_module, self.block_prefix[:-1])
             self._apply_context()  # taken out at teardown
             s.model_to_device()
             if trainer.state.fn == TrainerFn.FITTING:

@@ -107,6 +107,7 @@ class SpmdEngine(Engine):
         module = s.lightning_module
         register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
         if self._parallelized_before(module):
+            self.compile_blocks(module, o.blocks)  # this strategy's setting (an earlier one's compiled them)
             return
         # Pure: raises the same ValueError on every rank before any collective.
         plan = build_plan(module, s.topology.tensor_parallel_size, o.plan,
