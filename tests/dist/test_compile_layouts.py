@@ -204,18 +204,19 @@ class SaveAtEnd(pl.Callback):
 def test_checkpoints_saved_compiled_resume_eager_and_back(tmp_path, layout):
     """A checkpoint saved compiled equals one saved eager (names and values) and loads into a plain module;
     resuming it eager trains as resuming the eager one compiled."""
-    saved = {c: str(tmp_path / f"{c is not False}.ckpt") for c in (False, AOT)}
-    for c, path in saved.items():
-        fit(tmp_path, "gpt", layout, c, tag="-save", callbacks=[SaveAtEnd(path)])
-    plain, compiled = (torch.load(saved[c], weights_only=True)["state_dict"] for c in (False, AOT))
+    settings = {"eager": False, "compiled": AOT}
+    saved = {name: str(tmp_path / f"{name}.ckpt") for name in settings}
+    for name, path in saved.items():
+        fit(tmp_path, "gpt", layout, settings[name], tag="-save", callbacks=[SaveAtEnd(path)])
+    plain, compiled = (torch.load(saved[name], weights_only=True)["state_dict"] for name in ("eager", "compiled"))
     assert list(compiled) == list(plain) == list(seeded(gpt).state_dict())
     for name in plain:
         assert torch.equal(compiled[name], plain[name]), name
     from lightning_par.models import GPT
 
-    GPT.load_from_checkpoint(saved[AOT])  # strict: the module's own names
-    resumed_eager = fit(tmp_path, "gpt", layout, False, tag="-resume", max_steps=3, ckpt_path=saved[AOT])
-    resumed_compiled = fit(tmp_path, "gpt", layout, AOT, tag="-resume", max_steps=3, ckpt_path=saved[False])
+    GPT.load_from_checkpoint(saved["compiled"])  # strict: the module's own names
+    resumed_eager = fit(tmp_path, "gpt", layout, False, tag="-resume", max_steps=3, ckpt_path=saved["compiled"])
+    resumed_compiled = fit(tmp_path, "gpt", layout, AOT, tag="-resume", max_steps=3, ckpt_path=saved["eager"])
     assert_equal_runs(resumed_eager, resumed_compiled, steps=1)
 
 
