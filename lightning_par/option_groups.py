@@ -12,6 +12,7 @@ import os
 from datetime import timedelta
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
+from lightning_par.compile import check_compile
 from lightning_par.dp import comm_hooks, fsdp, ft, local_sgd, lr_scaling, zero
 from lightning_par.memory.checkpointing import check_activation_checkpointing
 from lightning_par.nonfinite import check_nonfinite
@@ -168,13 +169,21 @@ class ShardingOptions:
 @dataclasses.dataclass(frozen=True)
 class BlockOptions:
     """The block stack (None: found, :func:`~lightning_par.pipeline.discovery.find_blocks`; or its dotted name):
-    the pipeline's cut points, the units activation checkpointing recomputes and FSDP shards."""
+    the pipeline's cut points, the units activation checkpointing recomputes, ``compile`` compiles and FSDP shards.
+    ``compile``: False | True (inductor) | a backend name | a dict of ``torch.compile`` keywords
+    (:mod:`lightning_par.compile`)."""
 
     blocks: Optional[str] = None
     """The block stack's dotted name (`"model.layers"`): the pipeline's cut points, the units checkpointing recomputes
     and FSDP shards; `None`: found."""
+    compile: Union[bool, str, Mapping[str, Any]] = False
+    """`True` / `"aot_eager"` / a dict of `torch.compile` keywords: each block of the stack compiled in place after
+    the setup check, before FSDP / DDP wrap it; a module you `torch.compile`d is unwrapped and compiled the same way;
+    `False`: eager."""
+
     def __post_init__(self) -> None:
         check_blocks(self.blocks)
+        object.__setattr__(self, "compile", check_compile(self.compile))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,6 +111,8 @@ class CoreOptions(Options):
         check_hook_sharding(self.comm, self.sharding.zero_stage)
         check_core_fault_tolerance(self)
         check_core_sync(self)
+        check_compile_composes(self.stack.compile, context_parallel_size=self.layout.context_parallel_size,
+                               sync=self.sync.sync, fault_tolerance=self.fault_tolerance.fault_tolerance)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +146,7 @@ class DataParallelOptions(Options):
         ft.validate_fault_tolerance(f.fault_tolerance, f.min_replicas, f.ft_timeout, zero_stage=zero_stage,
                                     comm_hook=self.comm.comm_hook, static_graph=self.replicas.static_graph,
                                     lr_scaling=self.lr_scaling.lr_scaling)
+        check_compile_composes(self.stack.compile, sync=self.sync.sync, fault_tolerance=f.fault_tolerance)
 
     def core(self) -> CoreOptions:
         """The hybrid core's composite for these replicas: pp = tp = 1 (the layout's defaults), the groups both
@@ -151,6 +154,21 @@ class DataParallelOptions(Options):
         ``nonfinite="skip"``, where the core's check refuses it)."""
         return CoreOptions(sharding=self.sharding, stack=self.stack, memory=self.memory, weights=self.weights,
                            steps=self.steps, checkpointing=self.checkpointing, launch=self.launch)
+
+
+def check_compile_composes(compile: Any, *, context_parallel_size: int = 1, sync: str = "every_step",
+                           fault_tolerance: Optional[str] = None) -> None:
+    """What ``compile`` (:mod:`lightning_par.compile`) is not composed with yet: context parallel (its attention
+    hooks and ops inside the blocks), local SGD / DiLoCo and torchft (untested with compiled blocks)."""
+    if compile is False:
+        return
+    given = [f"{name}={value!r}" for name, value, off in (
+        ("context_parallel_size", context_parallel_size, 1), ("sync", sync, "every_step"),
+        ("fault_tolerance", fault_tolerance, None)) if value != off]
+    if given:
+        raise ValueError(f"`compile={compile!r}` is not composed with `{given[0]}` yet: the compiled blocks are "
+                         f"tested under data, pipeline, tensor and hybrid parallelism only. Use compile=False, or "
+                         f"leave {given[0].split('=')[0]} at its default.")
 
 
 def check_hook_sharding(comm: CommHookOptions, zero_stage: int) -> None:

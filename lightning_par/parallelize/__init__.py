@@ -6,7 +6,7 @@ function of its own, unit-testable alone.
 
 The order, one list for the three engines (a step an engine does not take is skipped where it would stand):
 
- 1. block stack and trace  (:func:`apply_block_stack`)         pipeline
+ 1. block stack and trace  (:func:`apply_block_stack`)         pipeline; one stage: cp's probe (:func:`check_context`)
  2. stage split            (:func:`apply_stage_split`)         pipeline
  3. tensor plan, found     (:func:`find_tensor_plan`)          pipeline, SPMD
     -- every refusal above is raised on every rank before any collective; then rank 0's weights go to every rank
@@ -15,7 +15,7 @@ The order, one list for the three engines (a step an engine does not take is ski
  5. tensor plan, applied   (:func:`apply_tensor_parallel`)
  6. expert parallel        (:func:`apply_expert_parallel`, a slot)
  7. setup check            (:func:`apply_setup_check`, a slot: the eager blocks checked before compile)
- 8. compile                (:func:`apply_compile`, a slot)
+ 8. compile                (:func:`apply_compile`)
  9. FSDP                   (:func:`apply_fsdp`; DataParallelStrategy's DDP at zero_stage 0 / 1 is Lightning's own)
 10. placement and weights  (:func:`apply_placement`)
 11. context parallel       (:func:`apply_context`)
@@ -59,11 +59,13 @@ from lightning_par.tensor.parallelize import broadcast_state
 def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Groups, rank: Rank, *,
                          sample: Callable, check_step: Callable, profile: Callable, place: Callable, reader: Any,
                          before_split: Optional[Callable] = None, syncs_periodically: bool = False,
-                         replica_average: Optional[Callable] = None, check: bool = False) -> Parallelized:
+                         replica_average: Optional[Callable] = None, check: bool = False,
+                         user_compile: Any = None) -> Parallelized:
     """The pipeline engine's order. ``sample`` / ``check_step`` / ``profile``: the user's step run on a micro-batch
     (the trace's, the check of a loss that couples samples, ``balance="time"``); ``before_split``: called once the
     module is known good, before any other stage's blocks go (recording one device's optimizer order); ``check``:
-    the setup check (``verify``) runs on the inputs the trace's micro-batch gives this stage's regions."""
+    the setup check (``verify``) runs on the inputs the trace's micro-batch gives this stage's regions;
+    ``user_compile``: the user's own ``torch.compile``, undone (:func:`lightning_par.compile.take_user_compile`)."""
     made = Parallelized(full_keys=list(module.state_dict().keys()))
     # 1. block stack and trace
     made.stack = stack = apply_block_stack(module, options.stack, rank, sample=sample,
@@ -97,10 +99,11 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
     made.plan = apply_tensor_parallel(module, plan, options.tensor, groups, ghosts=ghosts, check=check, inputs=inputs)
     if made.plan is not None:
         made.summary += f"\n{topo}\n{made.plan.describe(module)}"
-    # 6. expert parallel; 7. setup check; 8. compile
+    # 6. expert parallel; 7. setup check
     apply_expert_parallel(module, options, groups)
     apply_setup_check(module, options, groups)
-    apply_compile(module, options, groups)
+    # 8. compile: this stage's blocks
+    made.compiled = apply_compile(module, options.stack, rank, blocks=stack.path, user=user_compile)
     # 9. FSDP over the replicas: this stage's blocks and the ends it needs ([Note: FSDP under pipeline parallelism])
     needs = stage_needs(stack.uses, rt.chunks, len(split.counts))
     prefix = f"{stack.path}."
@@ -125,10 +128,12 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
 
 
 def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, rank: Rank, *, place: Callable,
-                     open_weights: Callable, fresh: bool, sample: Optional[Callable] = None) -> Parallelized:
+                     open_weights: Callable, fresh: bool, sample: Optional[Callable] = None,
+                     user_compile: Any = None) -> Parallelized:
     """The SPMD engine's order (one stage). ``fresh``: False for a module an earlier setup parallelized (it keeps
-    its shards and its weights: only the steps taken out at teardown are applied again). ``sample``: the user's
-    step on one micro-batch (None outside fit), whose inputs the setup check (``verify``) runs the regions on."""
+    its shards and its weights: only the steps taken out at teardown, and this setup's compile, are applied again).
+    ``sample()``: the user's step on one micro-batch (None: nothing to run), which context parallel's probe and the
+    setup check (``verify``) run; ``user_compile``: the user's own ``torch.compile``, undone."""
     made = Parallelized()
     reader = None
     # 1. the block stack: what context parallelism cannot serve, refused before any collective
@@ -148,10 +153,12 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
         inputs = (record_setup_inputs(module, made.plan, sample, rank.device)
                   if options.verify and sample is not None else None)
         apply_tensor_parallel(module, made.plan, options.tensor, groups, check=options.verify, inputs=inputs)
-        # 6. expert parallel; 7. setup check; 8. compile
+        # 6. expert parallel; 7. setup check
         apply_expert_parallel(module, options, groups)
         apply_setup_check(module, options, groups)
-        apply_compile(module, options, groups)
+    # 8. compile (on a module an earlier setup parallelized too: this setup's setting)
+    made.compiled = apply_compile(module, options.stack, rank, user=user_compile)
+    if fresh:
         # 9. FSDP over the replicas ([Note: ZeRO on the core's data axis], meta shards too)
         made.units = apply_fsdp(module, options.sharding, options.memory, groups, rank)
         # 10. placement and weights: a meta-built module's shards get storage, init, weights=
@@ -163,7 +170,8 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
 
 
 def parallelize_replicas(module: nn.Module, options: EngineOptions, groups: Groups, rank: Rank, *,
-                         place: Optional[Callable] = None, reader: Any = None, fresh: bool = True) -> Parallelized:
+                         place: Optional[Callable] = None, reader: Any = None, fresh: bool = True,
+                         user_compile: Any = None) -> Parallelized:
     """The replica engine's order (DataParallelStrategy: pp = tp = 1). At zero_stage 0 / 1 only step 4 is taken
     here: placement and DDP are Lightning's ``DDPStrategy.setup`` as it is (bit for bit Lightning's DDP); at 2 / 3
     FSDP2 over the ``dp`` axis, then placement into the shards (``fresh``: not sharded by an earlier setup)."""
@@ -171,10 +179,11 @@ def parallelize_replicas(module: nn.Module, options: EngineOptions, groups: Grou
     # 4. activation checkpointing, before DDP / FSDP wrap the blocks
     made.checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing,
                                                        blocks=options.blocks, owner=rank.owner)
-    # 6. expert parallel; 7. setup check; 8. compile
+    # 6. expert parallel; 7. setup check
     apply_expert_parallel(module, options, groups)
     apply_setup_check(module, options, groups)
-    apply_compile(module, options, groups)
+    # 8. compile, before DDP / FSDP wrap the blocks
+    made.compiled = apply_compile(module, options.stack, rank, user=user_compile)
     if options.zero_stage < 2:
         return made
     # 9. FSDP over every rank (DataParallelStrategy's groups: sharded_replicas at zero_stage 2 / 3, one device too),

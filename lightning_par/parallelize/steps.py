@@ -8,6 +8,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_par.compile import Compiled, UserCompile, compile_what, compiler_of
+from lightning_par.compile import apply_compile as compile_blocks
 from lightning_par.context.apply import apply_context_parallel
 from lightning_par.context.probe import check_context_parallel
 from lightning_par.dp import fsdp
@@ -177,10 +179,15 @@ def apply_setup_check(module: nn.Module, options: EngineOptions, groups: Groups)
     return None
 
 
-# -- 8. compile (a slot) --------------------------------------------------------------------------------------
-def apply_compile(module: nn.Module, options: EngineOptions, groups: Groups) -> Any:
-    """The slot of compile (per block, before FSDP wraps the blocks): nothing yet."""
-    return None
+# -- 8. compile ----------------------------------------------------------------------------------------------
+def apply_compile(module: nn.Module, stack: BlockOptions, rank: Rank, *, blocks: Optional[str] = None,
+                  user: Optional[UserCompile] = None) -> Compiled:
+    """``compile`` (else the compiler of the user's own ``torch.compile``, ``user``, undone at setup) on each block
+    of the stacks, in place: after the tensor plan, checkpointing and the setup check, before FSDP / DDP wrap the
+    blocks ([Note: the order] in :mod:`lightning_par.compile`); nothing to compile: an empty record."""
+    return compile_blocks(module, compiler_of(stack.compile, user.compiler if user is not None else None),
+                          blocks=blocks if blocks is not None else stack.blocks, what=compile_what(stack.compile, user),
+                          owner=rank.owner)
 
 
 # -- 9. FSDP --------------------------------------------------------------------------------------------------

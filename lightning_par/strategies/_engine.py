@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from lightning_par.dp import zero
+from lightning_par.compile import Compiled, UserCompile, compile_stacks, compile_what, take_user_compile
 from lightning_par.dp.comm_hooks import HookAverage
 from lightning_par.memory.checkpointing import Checkpointed, apply_activation_checkpointing
 from lightning_par.strategies._checkpoint import _unwrap
@@ -66,6 +67,8 @@ class Engine(PeriodicSyncHooks):
     stand_ins = None  # the trace's stand-ins of a meta-built module
     runner = None  # the schedule runner (the pipeline engine)
     checkpointed: Optional[Checkpointed] = None  # the blocks activation_checkpointing recomputes
+    compiled: Optional[Compiled] = None  # the blocks compile= (or the user's torch.compile) compiled
+    user_compile: Optional[UserCompile] = None  # the user's torch.compile, undone at setup
 
     def __init__(self, strategy, options: EngineOptions, groups: Groups, host: Host) -> None:
         self.strategy, self.options, self.groups, self.host = strategy, options, groups, host
@@ -102,6 +105,33 @@ class Engine(PeriodicSyncHooks):
         self.uncheckpoint_blocks()
         self.checkpointed = apply_activation_checkpointing(module, self.options.activation_checkpointing,
                                                            blocks=blocks, owner=type(self.strategy).__name__)
+
+    def take_user_compile(self, module: torch.nn.Module, blocks: Optional[str]) -> None:
+        """First thing in setup, before anything reads the module's tree: the user's ``torch.compile`` (of blocks, or
+        of the whole module through Lightning) undone, its compiler kept for :meth:`compile_blocks`; and the stack
+        ``compile`` needs checked, before any collective ([Note: a module the user compiled] in
+        :mod:`lightning_par.compile`)."""
+        from lightning.pytorch.utilities.compile import to_uncompiled
+
+        taken = take_user_compile(module)
+        if taken.whole_module:
+            to_uncompiled(module)  # its forward and *_step methods eager again (the ends stay eager)
+        if taken.compiler is not None:
+            self.user_compile = taken
+            if self.groups.cp is not None:  # as compile= itself (lightning_par.options.check_compile_composes)
+                raise ValueError(f"{type(module).__name__} was compiled with torch.compile, which is not composed "
+                                 f"with context parallel yet; pass the module uncompiled with "
+                                 f"context_parallel_size > 1.")
+        if self.user_compile is not None or self.options.stack.compile is not False:
+            compile_stacks(module, blocks, what=compile_what(self.options.stack.compile, self.user_compile),
+                           owner=type(self.strategy).__name__)
+
+    def compile_blocks(self, module: torch.nn.Module, blocks: Optional[str]) -> None:
+        """Step 8 of the parallelize order again, on a later setup of a module the engine keeps (its blocks)."""
+        from lightning_par.parallelize import apply_compile
+
+        self.compiled = apply_compile(module, self.options.stack, self.rank_values(), blocks=blocks,
+                                      user=self.user_compile)
 
     def uncheckpoint_blocks(self) -> None:
         if self.checkpointed is not None:

@@ -68,6 +68,8 @@ class PipelineEngine(Engine):
     # -- setup ------------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
         s, g = self.s, self.groups
+        if self.runtime is None:
+            self.take_user_compile(s.lightning_module, self.options.blocks)  # before the trace reads the tree
         if trainer.state.fn == TrainerFn.FITTING and not s.lightning_module.automatic_optimization:
             raise ValueError(
                 f"{type(s).__name__} supports automatic optimization only: the schedule runs each "
@@ -82,6 +84,7 @@ class PipelineEngine(Engine):
             s.accelerator.setup(trainer)
             self.host.install_precision(self.precision_hooks)  # given back at the last teardown
             self.checkpoint_blocks(s.lightning_module, self.block_prefix[:-1])  # taken out at teardown
+            self.compile_blocks(s.lightning_module, self.block_prefix[:-1])
             self._apply_context()  # taken out at teardown
             s.model_to_device()
             if trainer.state.fn == TrainerFn.FITTING:
@@ -125,11 +128,13 @@ class PipelineEngine(Engine):
             place=self.host.place_share, reader=self.host.open_weights(lm),  # checked against the whole module
             before_split=(self.host.record_one_device_order  # [Note: recording one device's order]
                           if lm.trainer.state.fn == TrainerFn.FITTING else None),
-            syncs_periodically=self.syncs_periodically, replica_average=self.replica_average, check=o.verify)
+            syncs_periodically=self.syncs_periodically, replica_average=self.replica_average, check=o.verify,
+            user_compile=self.user_compile)
         rank_zero_info(made.summary)
         self.full_keys, self.stand_ins, self.plan = made.full_keys, made.stack.stand_ins, made.plan
         self.block_prefix, self.stack_path = f"{made.stack.path}.", made.stack.path
         self.runtime, self.checkpointed, self.context = made.runtime, made.checkpointed, made.context
+        self.compiled = made.compiled
         self.runner, self.shared = made.schedule.runner, made.schedule.shared
         s.model = lm
         # Lightning's clipping and loss scaling see the whole model ([Note: precision subclasses])

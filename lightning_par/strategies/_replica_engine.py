@@ -58,10 +58,12 @@ class ReplicaEngine(Engine):
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
-        if self.options.zero_stage < 2:  # the order's step 4 (and its slots), then DDPStrategy.setup
+        self.take_user_compile(self.s.lightning_module, self.options.blocks)  # before anything reads the tree
+        if self.options.zero_stage < 2:  # the order's steps 4 to 8, then DDPStrategy.setup
             self.uncheckpoint_blocks()
-            self.checkpointed = parallelize_replicas(self.s.lightning_module, self.options, self.groups,
-                                                     self.rank_values()).checkpointed
+            made = parallelize_replicas(self.s.lightning_module, self.options, self.groups, self.rank_values(),
+                                        user_compile=self.user_compile)
+            self.checkpointed, self.compiled = made.checkpointed, made.compiled
             self.host.lightning_setup(trainer)  # DDPStrategy.setup: place, wrap in DDP, optimizers
             self.start_periodic_sync(trainer)  # sync="local_sgd" | "diloco" while fitting
             return
@@ -76,8 +78,9 @@ class ReplicaEngine(Engine):
             move_real(module, s.root_device)  # a meta-built module gets its shards' storage below
         self.uncheckpoint_blocks()
         made = parallelize_replicas(module, self.options, self.groups, self.rank_values(), place=self.host.place_share,
-                                    reader=reader, fresh=not sharded)  # each rank's FSDP shards: storage, init, weights=
-        self.checkpointed, self.units = made.checkpointed, made.units
+                                    reader=reader, fresh=not sharded,  # each rank's FSDP shards: storage, init, weights=
+                                    user_compile=self.user_compile)
+        self.checkpointed, self.units, self.compiled = made.checkpointed, made.units, made.compiled
         self.steps = fsdp.StepRunner(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:

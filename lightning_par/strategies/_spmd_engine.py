@@ -63,6 +63,7 @@ class SpmdEngine(Engine):
 
     def setup(self, trainer) -> None:
         s = self.s
+        self.take_user_compile(s.lightning_module, self.options.blocks)  # before anything reads the tree
         s.accelerator.setup(trainer)
         s.precision_plugin.convert_module(s.model)
         move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
@@ -72,8 +73,8 @@ class SpmdEngine(Engine):
         self.uncheckpoint_blocks()
         made = parallelize_spmd(module, self.options, self.groups, self.rank_values(), place=self.host.place_share,
                                 open_weights=self.host.open_weights, fresh=fresh,
-                                sample=lambda: sample_step(s, module, 1))
-        self.checkpointed, self.context = made.checkpointed, made.context
+                                sample=lambda: sample_step(s, module, 1), user_compile=self.user_compile)
+        self.checkpointed, self.context, self.compiled = made.checkpointed, made.context, made.compiled
         if fresh:
             self.plan, self.planned = made.plan, module
             if s.is_global_zero:

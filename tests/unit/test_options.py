@@ -46,11 +46,12 @@ TODAY = {
 SYNC = {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"}  # local SGD / DiLoCo on the data axis
 HOOKS = {"comm_hook", "powersgd_rank", "powersgd_start_iter"}  # DDP's communication hooks on the core's dp axis too
 VERIFY = {"verify"}  # the setup check of rewritten blocks (lightning_par.verify)
-ADDED = {DataParallelStrategy: SYNC,  # offload: zero stage 3's shards in host memory, on the core's dp axis too
-         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS, *VERIFY},  # the core's
-         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS, *VERIFY},  # blocks: AC's stack
+COMPILE = {"compile"}  # every strategy: each block compiled (lightning_par.compile)
+ADDED = {DataParallelStrategy: {*SYNC, *COMPILE},  # offload: zero stage 3's shards in host memory, on the core's dp axis
+         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS, *VERIFY, *COMPILE},  # the core's
+         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS, *VERIFY, *COMPILE},  # AC's stack
          HybridParallelStrategy: {"context_parallel_size", "context_parallel_method", "offload", *SYNC, *HOOKS,
-                                  *VERIFY}}  # the presets fix cp to 1
+                                  *VERIFY, *COMPILE}}  # the presets fix cp to 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
 COMPOSITE = {DataParallelStrategy: options.DataParallelOptions}  # the others: CoreOptions

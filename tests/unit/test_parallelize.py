@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lightning_par.parallelize as order
-from lightning_par.options import MemoryOptions, PipelineOptions, ShardingOptions, TensorOptions
+from lightning_par.options import BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, TensorOptions
 from lightning_par.parallelize import steps
 from lightning_par.topology import Topology
 
@@ -38,8 +38,21 @@ def test_each_order_calls_its_steps_in_the_written_order(apply_order):
 
 def test_the_slots_are_steps_that_make_nothing_yet():
     module = nn.Linear(2, 2)
-    for slot in (steps.apply_expert_parallel, steps.apply_setup_check, steps.apply_compile):
+    for slot in (steps.apply_expert_parallel, steps.apply_setup_check):
         assert slot(module, order.EngineOptions(), order.Groups()) is None
+
+
+def test_the_compile_step_compiles_each_block_of_the_stack_alone():
+    module = nn.Sequential(nn.Linear(4, 4), nn.Sequential(*(nn.Linear(4, 4) for _ in range(3))))
+    rank = order.Rank(device=torch.device("cpu"), rank=0, world_size=1, topology=Topology.resolve(1))
+    assert steps.apply_compile(module, BlockOptions(), rank).blocks == []  # compile=False: nothing
+    made = steps.apply_compile(module, BlockOptions(blocks="1", compile="aot_eager"), rank)
+    assert made.blocks == ["1.0", "1.1", "1.2"]
+    x = torch.randn(2, 4)
+    eager = module[1][2].__class__.forward(module[1][2], x)
+    torch.testing.assert_close(module[1][2](x), eager, atol=0, rtol=0)  # aot_eager: the same kernels
+    made.undo()
+    assert "forward" not in vars(module[1][0])
 
 
 def test_the_stage_split_balances_blocks_by_parameters():
