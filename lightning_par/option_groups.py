@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 from lightning_par.dp import comm_hooks, fsdp, ft, local_sgd, lr_scaling, zero
+from lightning_par.experts.layout import check_expert_options
 from lightning_par.memory.checkpointing import check_activation_checkpointing
 from lightning_par.nonfinite import check_nonfinite
 from lightning_par.pipeline.options import check_blocks, check_options
@@ -65,10 +66,13 @@ class LayoutOptions:
     tensor_parallel_size: Size = 1
     mesh_order: str = "pp_dp_tp"
     context_parallel_size: int = 1  # ranks sharing every sequence (lightning_par.context), just outside tp
+    expert_parallel_size: int = 1  # ranks dividing the routed experts, borrowed from dp x cp (lightning_par.experts)
+    experts: Optional[str] = None  # None: found; or a glob naming the experts containers
 
     def __post_init__(self) -> None:
         check_sizes(pipeline_parallel_size=self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size,
                     tensor_parallel_size=self.tensor_parallel_size, context_parallel_size=self.context_parallel_size)
+        check_expert_options(self.expert_parallel_size, self.experts)
         if self.mesh_order not in ORDERS:
             raise ValueError(f"`mesh_order={self.mesh_order!r}` must be one of {sorted(ORDERS)}: 'pp_dp_tp' "
                              f"(pipelines span nodes, as Megatron and torchtitan) or 'dp_pp_tp' (replicas span "

@@ -43,6 +43,7 @@ import inspect
 from typing import Any, Mapping, Optional, Sequence, get_type_hints
 
 from lightning_par.dp import fsdp, ft, local_sgd, lr_scaling
+from lightning_par.experts.layout import check_expert_composition
 from lightning_par.option_groups import (  # noqa: F401  (the groups are this module's names too)
     START_METHODS, BlockOptions, CheckpointOptions, CommHookOptions, FaultToleranceOptions, LaunchOptions,
     LayoutOptions, LrScalingOptions, MemoryOptions, PipelineOptions, ReplicaOptions, ShardingOptions, Size,
@@ -109,6 +110,9 @@ class CoreOptions(Options):
         check_hook_sharding(self.comm, self.sharding.zero_stage)
         check_core_fault_tolerance(self)
         check_core_sync(self)
+        check_expert_composition(self.layout.expert_parallel_size, zero_stage=self.sharding.zero_stage,
+                                 pipeline_parallel_size=self.layout.pipeline_parallel_size,
+                                 tensor_parallel_size=self.layout.tensor_parallel_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,3 +109,30 @@ def lm_loss(model, idx):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), idx[:, 1:].reshape(-1)) + 0.01 * aux
     out = model(input_ids=idx, labels=idx)
     return out.loss
+
+
+import lightning.pytorch as pl  # noqa: E402
+
+
+class MoEModule(pl.LightningModule):
+    """How a user wraps an MoE LM: nothing here knows of parallelism. The loss is the model's own (next-token
+    cross-entropy plus the router's auxiliary loss it computes); AdamW, or plain SGD where a gradient off by a
+    constant factor must show."""
+
+    def __init__(self, family: str = "mixtral", optimizer: str = "adamw", **kw):
+        super().__init__()
+        self.model = FACTORIES[family](**kw)
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        loss = lm_loss(self.model, batch[0])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+FACTORIES = {**FAMILIES, "list": ListMoELM}

@@ -102,6 +102,23 @@ class ExpertParallel:
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
 
+    def whole_state(self, state: dict) -> dict:
+        """``state`` (this rank's ``state_dict``) with each fused expert tensor gathered whole over the
+        expert-parallel group (every rank of it calls this, in the same order); a per-expert list's experts keep
+        their own names, which differ by rank, so a union of the ranks' states holds them all."""
+        names = {f"{c.name}.{t}" for c in self.containers for t in c.tensors}
+        out = dict(state)
+        for key in sorted(state):
+            short = next((n for n in names if key == n or key.endswith("." + n)), None)
+            if short is None:
+                continue
+            local = state[key].detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(self.ep)]
+            work = dist.all_gather(parts, local, group=self.group, async_op=True)
+            work.wait(self.timeout or timedelta(minutes=30))
+            out[key] = torch.cat(parts)
+        return out
+
     def remove(self) -> None:
         """Undo the forwards' interception (the parameters stay this rank's share)."""
         for undo in self._undo:
@@ -168,3 +185,65 @@ def apply_expert_parallel(module: nn.Module, group, replica_group, *, ep: int, r
                     applied.parameters.append((f"{c.name}.{lo + i}.{n}", p))
             applied._undo.append(served.remove)
     return applied
+
+
+_APPLIED = "_lightning_par_expert_parallel"
+
+
+def apply_experts(module: nn.Module, topology, rank: int, *, expert_parallel_size: int, experts: Optional[str] = None,
+                  timeout: Optional[timedelta] = None) -> Optional[ExpertParallel]:
+    """The parallelize order's expert-parallel step: None at ``expert_parallel_size=1``; else this rank's groups
+    (:func:`~lightning_par.experts.layout.expert_groups`, every rank calls this) and :func:`apply_expert_parallel`
+    with the replicas of [Note: the experts' gradients] (dp x cp). A module an earlier run divided keeps its
+    experts (the same ``ep`` only)."""
+    from lightning_par.experts.layout import expert_groups
+
+    ep = expert_parallel_size
+    if ep == 1:
+        return None
+    before = module.__dict__.get(_APPLIED)
+    if before is not None:
+        if before.ep != ep:
+            raise ValueError(f"{type(module).__name__}'s experts were divided by an earlier Trainer with "
+                             f"expert_parallel_size={before.ep}, and this strategy has expert_parallel_size={ep}. "
+                             f"Use expert_parallel_size={before.ep}, or build the module anew.")
+        return before
+    found = find_experts(module, experts)  # refused before any group is made: the same on every rank
+    check_expert_layout(found, ep, type(module).__name__, experts)
+    group, replica_group, index = expert_groups(topology, rank, ep, timeout)
+    applied = apply_expert_parallel(module, group, replica_group, ep=ep, rank=index,
+                                    replicas=topology.data_parallel_size * topology.context_parallel_size,
+                                    experts=experts, timeout=timeout)
+    module.__dict__[_APPLIED] = applied
+    return applied
+
+
+def clip_grad_norm_with_experts(parameters, max_norm: float, applied: ExpertParallel) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) over the whole model's gradients when this rank holds only its
+    experts: the experts' squares are summed over the expert-parallel group (each expert counted once; its
+    replicas hold the same averaged gradient), the rest are the same on every rank. Every rank then scales by the
+    same coefficient, as one device would."""
+    params = [p for p in parameters if p.grad is not None]
+    dense = [p.grad for p in params if not is_expert_parameter(p)]
+    experts = [p.grad for p in params if is_expert_parameter(p)]
+    zero = torch.zeros((), dtype=torch.float32, device=params[0].grad.device if params else "cpu")
+    sq_dense = sum((g.detach().float().pow(2).sum() for g in dense), zero)
+    sq_experts = sum((g.detach().float().pow(2).sum() for g in experts), zero.clone())
+    work = dist.all_reduce(sq_experts, group=applied.group, async_op=True)
+    work.wait(applied.timeout or timedelta(minutes=30))
+    total = (sq_dense + sq_experts).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def leave_experts_out(plan, module: nn.Module, *, expert_parallel_size: int, experts: Optional[str] = None):
+    """The tensor plan without the routed experts (divided whole over ep, not split over tp); refuses a module
+    without experts or an ``ep`` that does not divide them, before any collective. ``plan``: a
+    :class:`~lightning_par.tensor.plan.TensorPlan`."""
+    if expert_parallel_size == 1:
+        return plan
+    found = find_experts(module, experts)
+    check_expert_layout(found, expert_parallel_size, type(module).__name__, experts)
+    return plan.without([c.name for c in found])

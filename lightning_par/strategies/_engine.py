@@ -39,7 +39,8 @@ import torch
 from lightning_par.dp.comm_hooks import HookAverage
 from lightning_par.memory.checkpointing import Checkpointed, apply_activation_checkpointing
 from lightning_par.strategies._periodic_sync import PeriodicSyncHooks
-from lightning_par.options import (BlockOptions, CommHookOptions, MemoryOptions, PipelineOptions, ShardingOptions,
+from lightning_par.options import (BlockOptions, CommHookOptions, LayoutOptions, MemoryOptions, PipelineOptions,
+                                   ShardingOptions,
                                    SyncOptions, TensorOptions)
 
 
@@ -57,6 +58,7 @@ class EngineOptions:
     stages: int = 1  # the layout's pipeline_parallel_size
     sync: SyncOptions = SyncOptions()  # the replica engine's sync="local_sgd" | "diloco" (lightning_par.dp.local_sgd)
     comm: CommHookOptions = CommHookOptions()  # the pipeline / SPMD engines' (the replica engine's DDP has its own)
+    layout: LayoutOptions = LayoutOptions()  # expert_parallel_size / experts (lightning_par.experts)
 
     @property
     def microbatches(self) -> int:

@@ -39,6 +39,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_par._compat import optimizers_to_device
 from lightning_par.context.apply import apply_context_parallel
 from lightning_par.dp import fsdp
+from lightning_par.experts import apply_experts, is_expert_parameter
+from lightning_par.experts.apply import clip_grad_norm_with_experts, leave_experts_out
+from lightning_par.experts.layout import check_expert_checkpoints
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._engine import Engine, optimizer_params as _params
@@ -61,9 +64,12 @@ class SpmdEngine(Engine):
         self.planned = None  # the module this engine applied ``plan`` to
         self.steps = None  # zero_stage 2 / 3: runs each step through FSDP's root unit
         self.context = None  # context_parallel_size > 1: the block stack's hooks (lightning_par.context)
+        self.experts = None  # expert_parallel_size > 1: lightning_par.experts.ExpertParallel
 
     def setup(self, trainer) -> None:
         s = self.s
+        check_expert_checkpoints(self.options.layout.expert_parallel_size, saves=bool(trainer.checkpoint_callbacks),
+                                 resumes=trainer.ckpt_path is not None)
         s.accelerator.setup(trainer)
         s.precision_plugin.convert_module(s.model)
         move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
@@ -88,7 +94,14 @@ class SpmdEngine(Engine):
             fsdp.reshard(self.s.lightning_module)
 
     def clip_grad_norm(self, optimizer, clip_val) -> None:
+        if self.experts is not None:  # the experts' norm summed over the ranks that divide them
+            clip_grad_norm_with_experts(_params(optimizer), clip_val, self.experts)
+            return
         clip_grad_norm_(_params(optimizer), clip_val)
+
+    def owned_state(self):
+        """Under expert parallelism: the fused experts gathered whole (every rank calls it)."""
+        return None if self.experts is None else self.experts.whole_state(self.s.lightning_module.state_dict())
 
     def teardown(self) -> None:
         self.stop_periodic_sync()
@@ -110,18 +123,23 @@ class SpmdEngine(Engine):
         # Pure: raises the same ValueError on every rank before any collective.
         plan = build_plan(module, s.topology.tensor_parallel_size, o.plan,
                           sequence_parallel=o.sequence_parallel, loss_parallel=o.loss_parallel)
+        plan = leave_experts_out(plan, module, expert_parallel_size=o.layout.expert_parallel_size,  # divided over ep
+                                 experts=o.layout.experts)
         reader = self.host.open_weights(module)  # checked against the whole module before anything is sharded
         if s.world_size > 1:
             broadcast_state(module, src=0)  # every rank starts from rank 0's weights
             self._sync_rng()
         parallelize(module, plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
+        self.experts = apply_experts(module, s.topology, s.global_rank, timeout=g.timeout,  # expert parallel
+                                     expert_parallel_size=o.layout.expert_parallel_size, experts=o.layout.experts)
         if g.sharded_replicas:  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis] (meta shards too)
             fsdp.shard_module(module, g.mesh["dp"], zero_stage=o.zero_stage, broadcast=False,
                               precision=s.precision_plugin.precision, offload=o.offload)
         self.host.place_share(module, reader)  # a meta-built module's shards: storage, init, weights=
         self.plan, self.planned = plan, module
         if s.is_global_zero:
-            rank_zero_info(f"{s.topology}\n{plan.describe(module)}")
+            experts = f"\n{self.experts.describe()}" if self.experts is not None else ""
+            rank_zero_info(f"{s.topology}\n{plan.describe(module)}{experts}")
 
     def _parallelized_before(self, module) -> bool:
         """Whether an earlier setup parallelized ``module``: this engine's (a later fit / test of the same
@@ -204,6 +222,9 @@ class SpmdEngine(Engine):
             result = closure()
             params = list(s.lightning_module.parameters())
             reduce_partial_grads(params, self.groups.mesh["tp"].get_group())
+            if self.experts is not None:  # averaged over the ranks holding the same experts instead
+                params = [p for p in params if not is_expert_parameter(p)]
+                self.experts.finish_gradients()
             # [Note: gradients under context parallelism], [Note: ZeRO under context parallelism]
             if self.groups.cp is not None:
                 average_grads(params, self.groups.cp, s.topology.context_parallel_size)

@@ -34,6 +34,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 
 from lightning_par.context.layout import check_context_layout
 from lightning_par.dp import fsdp, zero
+from lightning_par.experts.layout import check_expert_sizes
 from lightning_par.options import CoreOptions, SyncOptions, takes_options
 from lightning_par.pipeline.options import check_layout
 from lightning_par.pipeline.stage import StageRuntime
@@ -146,6 +147,10 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
                              zero_stage=o.sharding.zero_stage, fault_tolerance=o.fault_tolerance.fault_tolerance,
                              sequence_parallel=o.tensor.sequence_parallel, loss_parallel=o.tensor.loss_parallel,
                              schedule=o.pipeline.schedule, stages_per_rank=o.pipeline.stages_per_rank)
+        check_expert_sizes(o.layout.expert_parallel_size, data_parallel_size=topo.data_parallel_size,  # experts
+                           context_parallel_size=topo.context_parallel_size,
+                           pipeline_parallel_size=topo.pipeline_parallel_size, pipelined=self._model_axis == "pp",
+                           tensor_parallel_size=topo.tensor_parallel_size)
         return topo
 
     def _configure_launcher(self) -> None:  # in the launching process: bad sizes fail before any process starts
@@ -171,7 +176,7 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         self._groups = groups = self._build_groups(pipelined)
         o = self._options
         options = EngineOptions(pipeline=o.pipeline, tensor=o.tensor, sharding=o.sharding, stack=o.stack,
-                                memory=o.memory, stages=pp, sync=self._sync_options(), comm=o.comm)
+                                memory=o.memory, stages=pp, sync=self._sync_options(), comm=o.comm, layout=o.layout)
         host = Host(open_weights=self._open_weights, place_share=self._place_share,
                     install_precision=self._install_precision, record_one_device_order=self._record_one_device_order,
                     lightning_setup=super().setup, lightning_teardown=super().teardown,

@@ -45,10 +45,11 @@ TODAY = {
 }
 SYNC = {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"}  # local SGD / DiLoCo on the data axis
 HOOKS = {"comm_hook", "powersgd_rank", "powersgd_start_iter"}  # DDP's communication hooks on the core's dp axis too
+EXPERTS = {"expert_parallel_size", "experts"}  # lightning_par.experts: the core and its presets
 ADDED = {DataParallelStrategy: SYNC,  # offload: zero stage 3's shards in host memory, on the core's dp axis too
-         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS},  # the core's, now taken
-         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS},  # blocks: the stack AC uses
-         HybridParallelStrategy: {"context_parallel_size", "offload", *SYNC, *HOOKS}}  # the presets fix cp to 1
+         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS, *EXPERTS},  # the core's, now taken
+         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS, *EXPERTS},  # blocks: AC's stack
+         HybridParallelStrategy: {"context_parallel_size", "offload", *SYNC, *HOOKS, *EXPERTS}}  # presets: cp = 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
 COMPOSITE = {DataParallelStrategy: options.DataParallelOptions}  # the others: CoreOptions

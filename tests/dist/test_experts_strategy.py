@@ -1,0 +1,136 @@
+"""HybridParallelStrategy(expert_parallel_size=...) through Lightning's Trainer on real gloo ranks: tiny Mixtral /
+Qwen2-MoE / DeepSeek-V3 (fused experts) and a per-expert ModuleList MoE under ep 2 (dp 2) equal Lightning's own
+DDPStrategy on the same ranks and batches (the reference is data parallel, not one device: a router's auxiliary
+loss is computed per replica, on its own tokens, and is not linear in the batch): the replicas' mean loss within
+2e-4 over 8 steps,
+the first two steps' gradients within 1e-5 (each rank's experts against their rows of the whole), the parameters
+after all steps; AdamW and plain SGD. The plan log names the containers; the refusals come before any collective."""
+import contextlib
+import functools
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from experts_models import MoEModule
+from lightning.pytorch.strategies import DDPStrategy
+
+from harness import TIMEOUT_S, fit_and_record, seeded, trainer_kwargs
+from models import corpus
+from lightning_par import HybridParallelStrategy
+
+DATA = corpus(train_sequences=32, seq_len=8)
+STEPS = 8
+
+
+def hybrid(**kw):
+    return HybridParallelStrategy(start_method="fork", timeout=120, **kw)
+
+
+def _share(name: str, full: torch.Tensor, got: torch.Tensor, index: int) -> torch.Tensor:
+    """The part of ``full`` a rank at ``index`` of its expert-parallel group holds: fused expert tensors' rows."""
+    if got.shape == full.shape:
+        return full
+    rows = got.shape[0]
+    return full[index * rows:(index + 1) * rows]
+
+
+def ddp_reference(factory, tmp_path, devices: int) -> dict:
+    """Lightning's DDPStrategy on ``devices`` ranks: its gradients and parameters (the same on every rank) and the
+    replicas' mean loss of every step."""
+    runs = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "ddp"),
+                          strategy=DDPStrategy(start_method="fork", timeout=__import__("datetime").timedelta(
+                              seconds=120)), devices=devices, max_steps=STEPS)
+    ref = dict(runs[0])
+    ref["losses"] = [sum(r["losses"][i] for r in runs) / len(runs) for i in range(STEPS)]
+    ref["train_loss"] = sum(r["metrics"]["train_loss"] for r in runs) / len(runs)
+    return ref
+
+
+def assert_matches(ref: dict, got: list[dict], ep: int, *, params_atol=2e-4):
+    for r, rec in enumerate(got):
+        index = r % ep  # dp-major ranks at tp = 1: the expert-parallel index is dp mod ep
+        torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), atol=2e-4, rtol=0)
+        assert len(rec["losses"]) == STEPS
+        for step in range(2):
+            ref_grads = ref["grads"][step]
+            assert set(rec["grads"][step]) <= set(ref_grads) and len(rec["grads"][step]) > 0
+            for name, grad in rec["grads"][step].items():
+                torch.testing.assert_close(grad, _share(name, ref_grads[name], grad, index), atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"rank {r} step {step} {name}: {m}")
+        for name, p in rec["params"].items():
+            torch.testing.assert_close(p, _share(name, ref["params"][name], p, index), atol=params_atol, rtol=0,
+                                       msg=lambda m: f"rank {r} {name}: {m}")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("family,optimizer", [("mixtral", "adamw"), ("qwen2_moe", "adamw"), ("deepseek_v3", "adamw"),
+                                              ("mixtral", "sgd"), ("list", "sgd")])
+def test_ep2_matches_data_parallel(tmp_path, family, optimizer):
+    factory = functools.partial(MoEModule, family, optimizer)
+    ref = ddp_reference(factory, tmp_path, 2)
+    with plan_log(tmp_path / "plan.log") as log:  # rank 0's plan, written by the forked rank
+        got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "e"),
+                             strategy=hybrid(expert_parallel_size=2), devices=2, max_steps=STEPS)
+    assert len(got) == 2
+    assert_matches(ref, got, 2)
+    for rec in got:  # every rank returns and logs the replicas' mean: the data-parallel run's loss
+        assert rec["metrics"]["train_loss"] == pytest.approx(ref["train_loss"], abs=2e-4)
+    text = log.read_text()
+    assert "Expert parallel: ep=2, this rank holds experts [0, 2) of each of" in text
+    container = "model.layers.1.experts: list, 4 experts (4 x ListExpert)" if family == "list" else \
+        "model.model.layers.1.mlp.experts: fused, 4 experts (gate_up_proj, down_proj)"
+    assert container in text
+
+
+@contextlib.contextmanager
+def plan_log(path):
+    """Lightning's rank-zero messages of the ranks forked inside, into ``path``."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    handler = logging.FileHandler(path)
+    logger.addHandler(handler)
+    try:
+        yield path
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(expert_parallel_size=0), r"`expert_parallel_size=0` must be a positive integer"),
+    (dict(expert_parallel_size=2, experts=""), r"`experts=''` must be a glob"),
+    (dict(expert_parallel_size=2, zero_stage=1), r"`expert_parallel_size=2` with zero_stage=1: ZeRO over the ranks"),
+    (dict(expert_parallel_size=2, zero_stage=3), r"`expert_parallel_size=2` with zero_stage=3"),
+    (dict(expert_parallel_size=2, tensor_parallel_size=2), r"with tensor_parallel_size=2: experts divided"),
+    (dict(expert_parallel_size=2, pipeline_parallel_size=2), r"with pipeline_parallel_size=2: expert parallelism"),
+])
+def test_bad_expert_options_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HybridParallelStrategy(**kwargs)
+
+
+def test_ep_not_dividing_dp_fails_at_trainer_construction():
+    with pytest.raises(ValueError, match=r"`expert_parallel_size=2` must divide data_parallel_size=3 \(3\)"):
+        pl.Trainer(**trainer_kwargs(devices=3, strategy=hybrid(expert_parallel_size=2)))
+
+
+def _fit(strategy, model, **kw):
+    trainer = pl.Trainer(**trainer_kwargs(devices=2, strategy=strategy, max_steps=1, **kw))
+    trainer.fit(model, DataLoader(DATA.train_set, batch_size=2))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("factory,kw,message", [
+    (lambda: MoEModule("mixtral", experts=3), {}, r"`expert_parallel_size=2` does not divide the 3 experts of "
+                                                  r"`model.model.layers.0.mlp.experts`"),
+    (lambda: __import__("models").tiny_gpt(), {}, r"`expert_parallel_size=2`: .* has no routed experts"),
+    (lambda: MoEModule("mixtral"), dict(experts="*.moe"), r"`experts='\*\.moe'` matches no module"),
+    (lambda: MoEModule("mixtral"), dict(checkpointing=True), r"with saving checkpoints \(a ModelCheckpoint"),
+])
+def test_bad_expert_layouts_are_refused_at_setup(factory, kw, message):
+    """Every rank raises the same error before any collective of the run."""
+    checkpointing = kw.pop("checkpointing", False)
+    with pytest.raises(Exception, match=message):
+        _fit(hybrid(expert_parallel_size=2, **kw), factory(), enable_checkpointing=checkpointing)
