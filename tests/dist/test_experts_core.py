@@ -146,5 +146,11 @@ def test_plain_sgd_under_ep2_equals_data_parallel(tmp_path, family):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+def test_dp4_ep2_sums_experts_over_their_replicas(tmp_path):
+    """4 ranks, ep 2: experts [0, 2) on ranks 0 and 2, [2, 4) on ranks 1 and 3; SGD shows a wrong divisor."""
+    _run(tmp_path, "mixtral", world=4, ep=2, opt="sgd")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
 def test_zero_token_rank_trains_on(tmp_path):
     _run(tmp_path, "mixtral", skew=True)

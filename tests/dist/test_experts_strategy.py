@@ -98,6 +98,30 @@ def plan_log(path):
         handler.close()
 
 
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("family", ["mixtral", "list"])
+def test_ep2_with_activation_checkpointing_matches_data_parallel(tmp_path, family):
+    """Every block recomputed in backward, its all-to-alls with it, in the same order on every rank."""
+    factory = functools.partial(MoEModule, family, "sgd")
+    ref = ddp_reference(factory, tmp_path, 2)
+    got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "e"),
+                         strategy=hybrid(expert_parallel_size=2, activation_checkpointing="full",
+                                         blocks="model.model.layers" if family != "list" else "model.layers"),
+                         devices=2, max_steps=STEPS, callbacks=[BlocksCheckpointed()])
+    assert_matches(ref, got, 2)
+
+
+class BlocksCheckpointed(pl.Callback):
+    """Fails the run unless every block of the stack recomputes its forward in backward."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning_par._compat import is_checkpointed
+
+        layers = pl_module.model.model.layers if hasattr(pl_module.model, "model") else pl_module.model.layers
+        if not all(is_checkpointed(b) for b in layers):
+            raise AssertionError("activation checkpointing is not applied to the blocks")
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(expert_parallel_size=0), r"`expert_parallel_size=0` must be a positive integer"),
     (dict(expert_parallel_size=2, experts=""), r"`experts=''` must be a glob"),
