@@ -22,9 +22,20 @@ gradient on its holder is already the sum over the expert-parallel group of ever
 the expert-replica group covers every rank once: g_expert = (1/R) sum over the replica group. An expert that
 received no token on a rank has no gradient there; it gets zeros (a fused tensor's unused rows are zeros on one
 device too) so that the replicas' flat buffers line up.
+
+[Note: expert tensors as DTensors]
+A fused container's expert-indexed tensors (``gate_up_proj [E, 2I, H]``, ...) become DTensors sharded on dim 0 over
+the ranks that divide them (a one-axis mesh ``ep`` over the expert-parallel group, or the tp mesh), holding this
+rank's rows. What reads parameters by name then sees the whole tensor's layout: the consolidated checkpoint gathers
+it (``full_tensor``), loading slices a whole tensor into the shard (any layout resumes any other), the optimizer
+steps DTensors by mesh, and gradient clipping's total norm sums the shards' squares over the mesh, as for the
+tensor-parallel layers. While the container's forward runs its tensors are swapped for their local shards
+(``to_local``, differentiable), so the module's own code computes on plain tensors. A per-expert list's experts
+stay whole modules: each rank simply holds fewer of them, under their own names.
 """
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,9 +44,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_par.experts.discovery import FUSED, ExpertContainer, describe, find_experts
-from lightning_par.experts.dispatch import dispatch_fused
+from lightning_par.experts.dispatch import dispatch_fused, divided_fused
 
 EXPERT_MARK = "_lightning_par_expert"
 
@@ -72,52 +85,54 @@ class ExpertParallel:
     timeout: Optional[timedelta] = None
     parameters: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     _undo: list = field(default_factory=list)
+    axis: str = "ep"  # "tp": divided over the tensor-parallel group ([Note: experts divided over the tensor-...])
 
     def describe(self) -> str:
         e0 = self.containers[0].num_experts // self.ep
-        return (f"Expert parallel: ep={self.ep}, this rank holds experts [{self.rank * e0}, {(self.rank + 1) * e0}) "
-                f"of each of {len(self.containers)} MoE layers; gradients summed over {self.replicas} replicas' "
-                f"holders\n{describe(self.containers)}\n  routed experts divided over ep: "
+        how = (f"gradients summed over {self.replicas} replicas' holders" if self.axis == "ep" else
+               "tokens kept, partial outputs summed over tp; gradients averaged over dp as the rest")
+        return (f"Expert parallel: {self.axis}={self.ep}, this rank holds experts [{self.rank * e0}, "
+                f"{(self.rank + 1) * e0}) of each of {len(self.containers)} MoE layers; {how}\n"
+                f"{describe(self.containers)}\n  routed experts divided over {self.axis}: "
                 f"{', '.join(n for n, _ in self.parameters[:4])}{' ...' if len(self.parameters) > 4 else ''} "
                 f"({len(self.parameters)} tensors); every other parameter keeps its axis")
 
-    def finish_gradients(self) -> None:
+    def _names(self) -> set[str]:
+        return {n for n, _ in self.parameters}
+
+    def dense_parameters(self, module: nn.Module) -> list:
+        """``module``'s parameters that the data-parallel average covers (under ``tp``: all of them). By name: a
+        later setup step may replace the parameter objects (placement, materialization)."""
+        names = set() if self.axis == "tp" else self._names()
+        return [p for n, p in module.named_parameters() if n not in names]
+
+    def finish_gradients(self, module: Optional[nn.Module] = None) -> None:
         """Experts' gradients summed over the expert-replica group and divided by ``replicas`` ([Note: the experts'
-        gradients]); one flat all-reduce."""
-        params = [p for _, p in self.parameters if p.requires_grad]
+        gradients]); one flat all-reduce. Under ``tp``: nothing (averaged over dp with the rest). ``module``: the
+        one :func:`apply_expert_parallel` was given (its parameters looked up by name), else the ones it made."""
+        if self.axis == "tp":
+            return
+        names = self._names()
+        found = ([p for n, p in module.named_parameters() if n in names] if module is not None
+                 else [p for _, p in self.parameters])
+        params = [p for p in found if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if not params:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         if self.replica_group is not None:
             work = dist.all_reduce(flat, group=self.replica_group, async_op=True)
             work.wait(self.timeout or timedelta(minutes=30))
         if self.replicas != 1:
             flat /= self.replicas
         offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
-
-    def whole_state(self, state: dict) -> dict:
-        """``state`` (this rank's ``state_dict``) with each fused expert tensor gathered whole over the
-        expert-parallel group (every rank of it calls this, in the same order); a per-expert list's experts keep
-        their own names, which differ by rank, so a union of the ranks' states holds them all."""
-        names = {f"{c.name}.{t}" for c in self.containers for t in c.tensors}
-        out = dict(state)
-        for key in sorted(state):
-            short = next((n for n in names if key == n or key.endswith("." + n)), None)
-            if short is None:
-                continue
-            local = state[key].detach().contiguous()
-            parts = [torch.empty_like(local) for _ in range(self.ep)]
-            work = dist.all_gather(parts, local, group=self.group, async_op=True)
-            work.wait(self.timeout or timedelta(minutes=30))
-            out[key] = torch.cat(parts)
-        return out
 
     def remove(self) -> None:
         """Undo the forwards' interception (the parameters stay this rank's share)."""
@@ -126,18 +141,35 @@ class ExpertParallel:
         self._undo.clear()
 
 
-def _slice_fused(c: ExpertContainer, lo: int, hi: int) -> list[tuple[str, nn.Parameter]]:
+def _slice_fused(c: ExpertContainer, lo: int, hi: int, mesh) -> list[tuple[str, nn.Parameter]]:
+    """Each expert-indexed tensor becomes a DTensor sharded on dim 0 over ``mesh`` ([Note: expert tensors as
+    DTensors]) holding this rank's rows ``[lo, hi)``."""
     out = []
     for n in c.tensors:
         p = getattr(c.module, n)
-        share = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
+        local = p.detach()[lo:hi].clone()
+        share = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
+                             requires_grad=p.requires_grad)
         setattr(share, EXPERT_MARK, True)
         setattr(c.module, n, share)
         out.append((f"{c.name}.{n}", share))
     return out
 
 
-def _serve_fused(c: ExpertContainer, group, ep: int, timeout) -> callable:
+@contextlib.contextmanager
+def _local_tensors(m: nn.Module, names: list[str]):
+    """``m``'s DTensor expert tensors seen as their local shards while its forward runs (differentiably)."""
+    saved = {n: m._parameters[n] for n in names}
+    try:
+        for n in names:
+            m._parameters[n] = saved[n].to_local()
+        yield
+    finally:
+        m._parameters.update(saved)
+
+
+def _serve_fused(c: ExpertContainer, group, ep: int, timeout, rank: Optional[int] = None) -> callable:
+    """``rank`` given: divided over a group holding the same tokens, without all-to-all (``divided_fused``)."""
     m, e = c.module, c.num_experts
     forward = type(m).forward  # for transformers 5: the experts interface's dispatch, as the config chose
     had = "num_experts" in m.__dict__ or hasattr(m, "num_experts")
@@ -148,8 +180,16 @@ def _serve_fused(c: ExpertContainer, group, ep: int, timeout) -> callable:
         if args or kwargs:
             raise TypeError(f"`{c.name}` was called with more than (hidden_states, top_k_index, top_k_weights); "
                             f"expert parallelism serves that call only. Leave it out of `experts=`.")
-        return dispatch_fused(self, forward, hidden_states, top_k_index, top_k_weights, num_experts=e,
-                              group=group, ep=ep, timeout=timeout)
+        if isinstance(hidden_states, DTensor):
+            raise TypeError(f"`{c.name}` received a DTensor: its MoE block is inside a tensor-parallel region of the "
+                            f"plan. Expert parallelism serves experts called on plain tensors; leave the MoE block "
+                            f"out of the plan (`plan=`) or drop expert_parallel_size.")
+        with _local_tensors(self, c.tensors):
+            if rank is not None:
+                return divided_fused(self, forward, hidden_states, top_k_index, top_k_weights, num_experts=e,
+                                     group=group, size=ep, rank=rank, timeout=timeout)
+            return dispatch_fused(self, forward, hidden_states, top_k_index, top_k_weights, num_experts=e,
+                                  group=group, ep=ep, timeout=timeout)
 
     m.forward = types.MethodType(ep_forward, m)
 
@@ -171,11 +211,14 @@ def apply_expert_parallel(module: nn.Module, group, replica_group, *, ep: int, r
     found = find_experts(module, experts)
     check_expert_layout(found, ep, type(module).__name__, experts)
     applied = ExpertParallel(found, ep, rank, group, replica_group, replicas, timeout)
+    mesh = None
     for c in found:
         local = c.num_experts // ep
         lo, hi = rank * local, (rank + 1) * local
         if c.kind == FUSED:
-            applied.parameters += _slice_fused(c, lo, hi)
+            if mesh is None:
+                mesh = _mesh_of(group, c.module)
+            applied.parameters += _slice_fused(c, lo, hi, mesh)
             applied._undo.append(_serve_fused(c, group, ep, timeout))
         else:
             served = serve_list(c, group, ep, rank, timeout)
@@ -191,8 +234,9 @@ _APPLIED = "_lightning_par_expert_parallel"
 
 
 def apply_experts(module: nn.Module, topology, rank: int, *, expert_parallel_size: int, experts: Optional[str] = None,
-                  timeout: Optional[timedelta] = None) -> Optional[ExpertParallel]:
-    """The parallelize order's expert-parallel step: None at ``expert_parallel_size=1``; else this rank's groups
+                  timeout: Optional[timedelta] = None, tp_group=None, tp_mesh=None) -> Optional[ExpertParallel]:
+    """The parallelize order's expert-parallel step. At ``expert_parallel_size=1``: with tensor parallelism
+    (``tp_group``), the fused experts divided over tp (:func:`apply_tensor_experts`), else None. Otherwise this rank's groups
     (:func:`~lightning_par.experts.layout.expert_groups`, every rank calls this) and :func:`apply_expert_parallel`
     with the replicas of [Note: the experts' gradients] (dp x cp). A module an earlier run divided keeps its
     experts (the same ``ep`` only)."""
@@ -200,7 +244,11 @@ def apply_experts(module: nn.Module, topology, rank: int, *, expert_parallel_siz
 
     ep = expert_parallel_size
     if ep == 1:
-        return None
+        tp = topology.tensor_parallel_size
+        if tp == 1 or tp_group is None:
+            return None
+        return apply_tensor_experts(module, tp_group, size=tp, rank=topology.coordinates(rank)["tp"],
+                                    experts=experts, timeout=timeout, mesh=tp_mesh)
     before = module.__dict__.get(_APPLIED)
     if before is not None:
         if before.ep != ep:
@@ -218,26 +266,6 @@ def apply_experts(module: nn.Module, topology, rank: int, *, expert_parallel_siz
     return applied
 
 
-def clip_grad_norm_with_experts(parameters, max_norm: float, applied: ExpertParallel) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` (2-norm) over the whole model's gradients when this rank holds only its
-    experts: the experts' squares are summed over the expert-parallel group (each expert counted once; its
-    replicas hold the same averaged gradient), the rest are the same on every rank. Every rank then scales by the
-    same coefficient, as one device would."""
-    params = [p for p in parameters if p.grad is not None]
-    dense = [p.grad for p in params if not is_expert_parameter(p)]
-    experts = [p.grad for p in params if is_expert_parameter(p)]
-    zero = torch.zeros((), dtype=torch.float32, device=params[0].grad.device if params else "cpu")
-    sq_dense = sum((g.detach().float().pow(2).sum() for g in dense), zero)
-    sq_experts = sum((g.detach().float().pow(2).sum() for g in experts), zero.clone())
-    work = dist.all_reduce(sq_experts, group=applied.group, async_op=True)
-    work.wait(applied.timeout or timedelta(minutes=30))
-    total = (sq_dense + sq_experts).sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
-    return total
-
-
 def leave_experts_out(plan, module: nn.Module, *, expert_parallel_size: int, experts: Optional[str] = None):
     """The tensor plan without the routed experts (divided whole over ep, not split over tp); refuses a module
     without experts or an ``ep`` that does not divide them, before any collective. ``plan``: a
@@ -247,3 +275,31 @@ def leave_experts_out(plan, module: nn.Module, *, expert_parallel_size: int, exp
     found = find_experts(module, experts)
     check_expert_layout(found, expert_parallel_size, type(module).__name__, experts)
     return plan.without([c.name for c in found])
+
+
+def _mesh_of(group, module: nn.Module) -> DeviceMesh:
+    """A one-axis ``DeviceMesh`` named ``ep`` over ``group``'s ranks, on the device type of ``module``'s tensors."""
+    device = next(iter(module.parameters())).device.type
+    return DeviceMesh.from_group(group, device, mesh_dim_names=("ep",))
+
+
+def apply_tensor_experts(module: nn.Module, group, *, size: int, rank: int, experts: Optional[str] = None,
+                         timeout: Optional[timedelta] = None, mesh=None) -> Optional[ExpertParallel]:
+    """Under tensor parallelism alone: each fused experts container's experts divided whole over the ``size`` ranks
+    of the tp ``group`` ([Note: experts divided over the tensor-parallel group]). None where the module has no fused
+    experts or ``size`` divides none of them (they stay as the tensor plan has them; a per-expert list is split
+    by the plan's colwise / rowwise styles). Every rank must hold the same weights before."""
+    before = module.__dict__.get(_APPLIED)
+    if before is not None:
+        return before
+    found = [c for c in find_experts(module, experts) if c.kind == FUSED and c.num_experts % size == 0]
+    if not found:
+        return None
+    applied = ExpertParallel(found, size, rank, group, None, 1, timeout, axis="tp")
+    mesh = mesh if mesh is not None else _mesh_of(group, found[0].module)
+    for c in found:
+        local = c.num_experts // size
+        applied.parameters += _slice_fused(c, rank * local, (rank + 1) * local, mesh)
+        applied._undo.append(_serve_fused(c, group, size, timeout, rank=rank))
+    module.__dict__[_APPLIED] = applied
+    return applied

@@ -107,3 +107,60 @@ def dispatch_fused(module, forward, hidden_states: torch.Tensor, top_k_index: to
     back = route.return_rows(y)
     out = torch.zeros((tokens,) + tuple(back.shape[1:]), dtype=back.dtype, device=back.device)
     return out.index_add(0, token_of, back).to(hidden_states.dtype)
+
+
+# [Note: experts divided over the tensor-parallel group]
+# Under tensor parallelism alone every rank of a tp group holds the same tokens (the MoE block sits outside the
+# tensor plan's regions, on plain replicated tensors). So nothing needs to travel: rank r keeps experts [r E/tp,
+# (r+1) E/tp), computes the (token, expert) pairs whose expert it holds, and the partial outputs are summed over the
+# group (Megatron's row-parallel "g": all-reduce forward, identity backward). The hidden states and routing weights
+# enter through Megatron's "f" (identity forward, all-reduce backward): each rank's gradient for them covers only its
+# experts' pairs, and the sum over the group is the whole. The experts' own gradients are complete on their rank
+# (it saw every token routed to them), so they are averaged over the data-parallel replicas like every plain
+# parameter.
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, timeout):
+        ctx.args = (group, timeout)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, timeout = ctx.args
+        grad = grad.contiguous().clone()
+        _wait(dist.all_reduce(grad, group=group, async_op=True), timeout)
+        return grad, None, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, timeout):
+        x = x.contiguous().clone()
+        _wait(dist.all_reduce(x, group=group, async_op=True), timeout)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def divided_fused(module, forward, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, *, num_experts: int, group, size: int, rank: int,
+                  timeout: Optional[timedelta] = None) -> torch.Tensor:
+    """``forward`` of a fused experts module holding experts ``[rank E/size, (rank+1) E/size)`` on tokens every rank
+    of ``group`` holds alike ([Note: experts divided over the tensor-parallel group])."""
+    tokens, k = top_k_index.shape
+    local = num_experts // size
+    lo = rank * local
+    hidden_states = _CopyToGroup.apply(hidden_states, group, timeout)
+    top_k_weights = _CopyToGroup.apply(top_k_weights, group, timeout)
+    flat = top_k_index.reshape(-1)
+    pairs = torch.nonzero((flat >= lo) & (flat < lo + local)).reshape(-1)
+    ids = flat[pairs]
+    order = torch.argsort(ids, stable=True)
+    pairs, ids = pairs[order], ids[order]
+    token_of = torch.div(pairs, k, rounding_mode="floor")
+    y = forward(module, hidden_states[token_of], (ids - lo).unsqueeze(1),
+                top_k_weights.reshape(-1)[pairs].unsqueeze(1))
+    out = torch.zeros((tokens,) + tuple(y.shape[1:]), dtype=y.dtype, device=y.device).index_add(0, token_of, y)
+    return _SumOverGroup.apply(out, group, timeout).to(hidden_states.dtype)

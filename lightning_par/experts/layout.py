@@ -49,10 +49,6 @@ def check_expert_composition(expert_parallel_size: int, *, pipeline_parallel_siz
         raise ValueError(f"`expert_parallel_size={ep}` with zero_stage={zero_stage}: ZeRO over the ranks holding "
                          f"the same experts (and over dp for the rest) is not built yet. Use zero_stage=0, or "
                          f"expert_parallel_size=1.")
-    if isinstance(tensor_parallel_size, int) and tensor_parallel_size > 1:
-        raise ValueError(f"`expert_parallel_size={ep}` with tensor_parallel_size={tensor_parallel_size}: experts "
-                         f"divided over ep beside tensor-parallel dense layers are not built yet. Use "
-                         f"tensor_parallel_size=1, or expert_parallel_size=1.")
 
 
 def expert_groups(topology, rank: int, ep: int, timeout=None) -> tuple[Any, Any, int]:

@@ -39,8 +39,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_par._compat import optimizers_to_device
 from lightning_par.context.apply import apply_context_parallel
 from lightning_par.dp import fsdp
-from lightning_par.experts import apply_experts, is_expert_parameter
-from lightning_par.experts.apply import clip_grad_norm_with_experts, leave_experts_out
+from lightning_par.experts import apply_experts
+from lightning_par.experts.apply import leave_experts_out
 from lightning_par.experts.layout import check_expert_checkpoints
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
@@ -94,14 +94,7 @@ class SpmdEngine(Engine):
             fsdp.reshard(self.s.lightning_module)
 
     def clip_grad_norm(self, optimizer, clip_val) -> None:
-        if self.experts is not None:  # the experts' norm summed over the ranks that divide them
-            clip_grad_norm_with_experts(_params(optimizer), clip_val, self.experts)
-            return
         clip_grad_norm_(_params(optimizer), clip_val)
-
-    def owned_state(self):
-        """Under expert parallelism: the fused experts gathered whole (every rank calls it)."""
-        return None if self.experts is None else self.experts.whole_state(self.s.lightning_module.state_dict())
 
     def teardown(self) -> None:
         self.stop_periodic_sync()
@@ -130,7 +123,8 @@ class SpmdEngine(Engine):
             broadcast_state(module, src=0)  # every rank starts from rank 0's weights
             self._sync_rng()
         parallelize(module, plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
-        self.experts = apply_experts(module, s.topology, s.global_rank, timeout=g.timeout,  # expert parallel
+        self.experts = apply_experts(module, s.topology, s.global_rank, timeout=g.timeout, tp_group=g.tp,  # experts
+                                     tp_mesh=g.mesh["tp"] if g.tp is not None else None,
                                      expert_parallel_size=o.layout.expert_parallel_size, experts=o.layout.experts)
         if g.sharded_replicas:  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis] (meta shards too)
             fsdp.shard_module(module, g.mesh["dp"], zero_stage=o.zero_stage, broadcast=False,
@@ -223,8 +217,8 @@ class SpmdEngine(Engine):
             params = list(s.lightning_module.parameters())
             reduce_partial_grads(params, self.groups.mesh["tp"].get_group())
             if self.experts is not None:  # averaged over the ranks holding the same experts instead
-                params = [p for p in params if not is_expert_parameter(p)]
-                self.experts.finish_gradients()
+                params = self.experts.dense_parameters(s.lightning_module)
+                self.experts.finish_gradients(s.lightning_module)
             # [Note: gradients under context parallelism], [Note: ZeRO under context parallelism]
             if self.groups.cp is not None:
                 average_grads(params, self.groups.cp, s.topology.context_parallel_size)

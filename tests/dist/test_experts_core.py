@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from experts_models import FAMILIES, ListMoELM, lm_loss, mixtral
 from harness import TIMEOUT_S, free_port, start_ranks
@@ -92,10 +93,9 @@ def _whole(model, what, fused, ep, group):
     state = {}
     for name, p in model.named_parameters():
         full = getattr(p, what).detach()
-        if name in fused:
-            parts = [torch.empty_like(full) for _ in range(ep)]
-            dist.all_gather(parts, full.contiguous(), group=group)
-            full = torch.cat(parts)
+        if name in fused:  # a DTensor sharded over the expert-parallel group
+            assert isinstance(full, DTensor) and full.to_local().shape[0] == full.shape[0] // ep
+            full = full.full_tensor()
         state[name] = full.clone()
     return state
 

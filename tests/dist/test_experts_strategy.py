@@ -127,7 +127,6 @@ class BlocksCheckpointed(pl.Callback):
     (dict(expert_parallel_size=2, experts=""), r"`experts=''` must be a glob"),
     (dict(expert_parallel_size=2, zero_stage=1), r"`expert_parallel_size=2` with zero_stage=1: ZeRO over the ranks"),
     (dict(expert_parallel_size=2, zero_stage=3), r"`expert_parallel_size=2` with zero_stage=3"),
-    (dict(expert_parallel_size=2, tensor_parallel_size=2), r"with tensor_parallel_size=2: experts divided"),
     (dict(expert_parallel_size=2, pipeline_parallel_size=2), r"with pipeline_parallel_size=2: expert parallelism"),
 ])
 def test_bad_expert_options_fail_at_construction(kwargs, message):
