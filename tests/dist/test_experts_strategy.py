@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from experts_models import MoEModule
 from lightning.pytorch.strategies import DDPStrategy
 
-from harness import TIMEOUT_S, fit_and_record, seeded, trainer_kwargs
+from harness import TIMEOUT_S, fit_and_record, one_process_fit, seeded, trainer_kwargs
 from models import corpus
 from lightning_par import HybridParallelStrategy
 
@@ -157,3 +157,43 @@ def test_bad_expert_layouts_are_refused_at_setup(factory, kw, message):
     checkpointing = kw.pop("checkpointing", False)
     with pytest.raises(Exception, match=message):
         _fit(hybrid(expert_parallel_size=2, **kw), factory(), enable_checkpointing=checkpointing)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_tp2_alone_divides_experts_and_matches_one_device(tmp_path):
+    """tensor_parallel_size=2, no ep: each tp rank holds 2 of the 4 experts of every layer (not replicated), the
+    dense layers are tensor-parallel as before; 8 AdamW steps equal one device on the same batches."""
+    factory = functools.partial(MoEModule, "mixtral", "adamw")
+    ref = one_process_fit(factory, DATA.train_set, 2, max_steps=STEPS)
+    with plan_log(tmp_path / "plan.log") as log:
+        got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "t"),
+                             strategy=hybrid(tensor_parallel_size=2), devices=2, max_steps=STEPS,
+                             callbacks=[HoldsExperts(2)])
+    assert_matches(ref, got, 1)  # the records hold the experts whole (gathered DTensors)
+    assert "Expert parallel: tp=2, this rank holds experts [0, 2) of each of 2 MoE layers" in log.read_text()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_ep2_by_tp2_matches_data_parallel(tmp_path):
+    """dp 2 x tp 2 with ep 2 (4 ranks): dense layers tensor-parallel, experts divided over the two replicas."""
+    factory = functools.partial(MoEModule, "qwen2_moe", "sgd")
+    ref = ddp_reference(factory, tmp_path, 2)
+    got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "e"),
+                         strategy=hybrid(expert_parallel_size=2, tensor_parallel_size=2), devices=4,
+                         max_steps=STEPS, callbacks=[HoldsExperts(2)])
+    assert len(got) == 4
+    assert_matches(ref, got, 1)
+
+
+class HoldsExperts(pl.Callback):
+    """Fails the run unless each fused experts tensor holds 1/``ways`` of the experts on this rank."""
+
+    def __init__(self, ways: int):
+        self.ways = ways
+
+    def on_train_start(self, trainer, pl_module):
+        from torch.distributed.tensor import DTensor
+
+        for name, p in pl_module.named_parameters():
+            if name.endswith("experts.gate_up_proj"):
+                assert isinstance(p, DTensor) and p.to_local().shape[0] * self.ways == p.shape[0], name
