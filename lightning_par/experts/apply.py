@@ -97,6 +97,22 @@ class ExpertParallel:
                 f"{', '.join(n for n, _ in self.parameters[:4])}{' ...' if len(self.parameters) > 4 else ''} "
                 f"({len(self.parameters)} tensors); every other parameter keeps its axis")
 
+    def expected_keys(self, keys: list[str]) -> list[str]:
+        """The whole module's state-dict keys from this rank's ``keys``: a per-expert list's experts held by other
+        ranks added under their own names (a fused tensor keeps its one name)."""
+        out = list(keys)
+        for c in self.containers:
+            if c.kind == FUSED:
+                continue
+            local = c.num_experts // self.ep
+            lo = self.rank * local
+            mine = [k for k in keys if k.startswith(f"{c.name}.{lo}.")]
+            suffixes = [k[len(f"{c.name}.{lo}."):] for k in mine]
+            have = set(out)
+            out += [f"{c.name}.{i}.{s}" for i in range(c.num_experts) for s in suffixes
+                    if f"{c.name}.{i}.{s}" not in have]
+        return out
+
     def _names(self) -> set[str]:
         return {n for n, _ in self.parameters}
 

@@ -76,13 +76,3 @@ def expert_groups(topology, rank: int, ep: int, timeout=None) -> tuple[Any, Any,
             rep = g
     return mine, rep, index
 
-
-def check_expert_checkpoints(expert_parallel_size: int, *, saves: bool, resumes: bool) -> None:
-    """Checkpoints of a run whose ranks hold different experts are not written or read yet: refused at setup."""
-    if expert_parallel_size == 1 or not (saves or resumes):
-        return
-    what = "saving checkpoints (a ModelCheckpoint callback)" if saves else "resuming from a checkpoint (ckpt_path)"
-    raise ValueError(f"`expert_parallel_size={expert_parallel_size}` with {what}: a checkpoint of experts divided "
-                     f"over ranks (their optimizer state included) is not written or read yet. Use "
-                     f"Trainer(enable_checkpointing=False) and no ckpt_path, or expert_parallel_size=1. (The "
-                     f"weights a fork / spawn launch hands back are gathered whole.)")

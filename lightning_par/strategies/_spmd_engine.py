@@ -41,7 +41,6 @@ from lightning_par.context.apply import apply_context_parallel
 from lightning_par.dp import fsdp
 from lightning_par.experts import apply_experts
 from lightning_par.experts.apply import leave_experts_out
-from lightning_par.experts.layout import check_expert_checkpoints
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._engine import Engine, optimizer_params as _params
@@ -68,8 +67,6 @@ class SpmdEngine(Engine):
 
     def setup(self, trainer) -> None:
         s = self.s
-        check_expert_checkpoints(self.options.layout.expert_parallel_size, saves=bool(trainer.checkpoint_callbacks),
-                                 resumes=trainer.ckpt_path is not None)
         s.accelerator.setup(trainer)
         s.precision_plugin.convert_module(s.model)
         move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
@@ -95,6 +92,12 @@ class SpmdEngine(Engine):
 
     def clip_grad_norm(self, optimizer, clip_val) -> None:
         clip_grad_norm_(_params(optimizer), clip_val)
+
+    def expected_keys(self):
+        """Under expert parallelism: the other ranks' per-expert modules' keys too (a checkpoint holds them)."""
+        if self.experts is None:
+            return None
+        return self.experts.expected_keys(list(self.s.lightning_module.state_dict()))
 
     def teardown(self) -> None:
         self.stop_periodic_sync()
@@ -123,6 +126,8 @@ class SpmdEngine(Engine):
             broadcast_state(module, src=0)  # every rank starts from rank 0's weights
             self._sync_rng()
         parallelize(module, plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
+        if o.layout.expert_parallel_size > 1 and module.trainer.state.fn == TrainerFn.FITTING:
+            self.host.record_one_device_order()  # a rank keeps only its experts: [Note: recording one device's order]
         self.experts = apply_experts(module, s.topology, s.global_rank, timeout=g.timeout, tp_group=g.tp,  # experts
                                      tp_mesh=g.mesh["tp"] if g.tp is not None else None,
                                      expert_parallel_size=o.layout.expert_parallel_size, experts=o.layout.experts)

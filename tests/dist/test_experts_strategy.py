@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 from experts_models import MoEModule
 from lightning.pytorch.strategies import DDPStrategy
 
-from harness import TIMEOUT_S, fit_and_record, one_process_fit, seeded, trainer_kwargs
+from harness import (TIMEOUT_S, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, one_process_fit,
+                     seeded, trainer_kwargs)
 from models import corpus
 from lightning_par import HybridParallelStrategy
 
@@ -150,13 +151,11 @@ def _fit(strategy, model, **kw):
                                                   r"`model.model.layers.0.mlp.experts`"),
     (lambda: __import__("models").tiny_gpt(), {}, r"`expert_parallel_size=2`: .* has no routed experts"),
     (lambda: MoEModule("mixtral"), dict(experts="*.moe"), r"`experts='\*\.moe'` matches no module"),
-    (lambda: MoEModule("mixtral"), dict(checkpointing=True), r"with saving checkpoints \(a ModelCheckpoint"),
 ])
 def test_bad_expert_layouts_are_refused_at_setup(factory, kw, message):
     """Every rank raises the same error before any collective of the run."""
-    checkpointing = kw.pop("checkpointing", False)
     with pytest.raises(Exception, match=message):
-        _fit(hybrid(expert_parallel_size=2, **kw), factory(), enable_checkpointing=checkpointing)
+        _fit(hybrid(expert_parallel_size=2, **kw), factory())
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -197,3 +196,32 @@ class HoldsExperts(pl.Callback):
         for name, p in pl_module.named_parameters():
             if name.endswith("experts.gate_up_proj"):
                 assert isinstance(p, DTensor) and p.to_local().shape[0] * self.ways == p.shape[0], name
+
+
+def _fit_named(family):
+    def fit(tmp, name, strategy, **kw):
+        factory = functools.partial(MoEModule, family, "adamw")
+        return fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp / name),
+                              strategy=strategy, devices=2, **kw)
+    return fit
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("family", ["mixtral", "list"])
+def test_checkpoint_under_ep2_resumes_exactly_and_under_ddp(tmp_path, family):
+    """A checkpoint written under ep 2 holds the whole module and optimizer state (one consolidated file): ep 2
+    resumes from it bit for bit, and Lightning's DDP resumed from the same file trains on as ep 2 does."""
+    fit = _fit_named(family)
+    whole, resumed, path = fit_whole_then_resumed(fit, tmp_path, lambda: hybrid(expert_parallel_size=2))
+    steps = len(whole[0]["losses"])
+    assert_resumed_exactly(whole, resumed, steps=steps, resumed_at=steps // 2)
+    saved = torch.load(path, weights_only=False)
+    ref = MoEModule(family).state_dict()
+    assert {k: v.shape for k, v in saved["state_dict"].items()} == {k: v.shape for k, v in ref.items()}
+    ddp = fit(tmp_path, "ddp", DDPStrategy(start_method="fork"), max_steps=-1, max_epochs=2, ckpt_path=path)
+    mean = [sum(r["losses"][i] for r in ddp) / 2 for i in range(steps // 2)]
+    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(mean), atol=2e-4, rtol=0)
+    held = {**resumed[1]["params"], **resumed[0]["params"]}  # a ModuleList's experts: each rank its own
+    assert held.keys() == ddp[0]["params"].keys()
+    for name, p in ddp[0]["params"].items():
+        torch.testing.assert_close(held[name], p, atol=2e-4, rtol=0, msg=lambda m: f"{name}: {m}")
