@@ -25,11 +25,14 @@ sentinel for a dropped token) are not sent, as the one-device loop skips them.
 """
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from lightning_par._compat import current_autograd_node
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -38,10 +41,47 @@ def _wait(work, timeout: Optional[timedelta]) -> None:
     work.wait(timeout or DEFAULT_TIMEOUT)
 
 
+class Traffic:
+    """Bytes this rank's all-to-alls sent to other ranks (its own rows excluded), by what they carried."""
+
+    def __init__(self):
+        self.bytes: dict[str, int] = {}
+
+    def add(self, what: str, n: int) -> None:
+        self.bytes[what] = self.bytes.get(what, 0) + n
+
+
+_TRAFFIC: list[Traffic] = []
+
+
+@contextlib.contextmanager
+def count_traffic():
+    """``with count_traffic() as t:`` every all-to-all of the dispatch adds its bytes to ``t.bytes`` (benchmarks)."""
+    t = Traffic()
+    _TRAFFIC.append(t)
+    try:
+        yield t
+    finally:
+        _TRAFFIC.remove(t)
+
+
+def _record(x: torch.Tensor, in_splits: list[int], group) -> None:
+    if not _TRAFFIC:
+        return
+    me = dist.get_rank(group)
+    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+    sent = sum(n for i, n in enumerate(in_splits) if i != me) * row
+    what = ("backward " if current_autograd_node() is not None else "forward ") + (
+        "rows" if x.dim() > 1 else ("counts" if x.dtype == torch.int64 else "weights"))
+    for t in _TRAFFIC:
+        t.add(what, sent)
+
+
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
                timeout: Optional[timedelta] = None) -> torch.Tensor:
     """Rows of ``x`` (``in_splits[i]`` of them to rank i of ``group``) exchanged; ``out_splits[i]`` rows come from
     rank i. Not differentiable (see :func:`all_to_all_grad`)."""
+    _record(x, in_splits, group)
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
     _wait(work, timeout)
