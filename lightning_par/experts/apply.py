@@ -294,8 +294,11 @@ def leave_experts_out(plan, module: nn.Module, *, expert_parallel_size: int, exp
 
 
 def _mesh_of(group, module: nn.Module) -> DeviceMesh:
-    """A one-axis ``DeviceMesh`` named ``ep`` over ``group``'s ranks, on the device type of ``module``'s tensors."""
+    """A one-axis ``DeviceMesh`` named ``ep`` over ``group``'s ranks, on the device type of ``module``'s tensors
+    (a meta-built module's: the group's backend's, NCCL's CUDA or gloo's CPU)."""
     device = next(iter(module.parameters())).device.type
+    if device == "meta":
+        device = "cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu"
     return DeviceMesh.from_group(group, device, mesh_dim_names=("ep",))
 
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from experts_models import MoEModule
 from lightning.pytorch.strategies import DDPStrategy
 
-from harness import (TIMEOUT_S, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, one_process_fit,
+from harness import (TIMEOUT_S, Recorder, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, one_process_fit,
                      seeded, trainer_kwargs)
 from models import corpus
 from lightning_par import HybridParallelStrategy
@@ -225,3 +225,27 @@ def test_checkpoint_under_ep2_resumes_exactly_and_under_ddp(tmp_path, family):
     assert held.keys() == ddp[0]["params"].keys()
     for name, p in ddp[0]["params"].items():
         torch.testing.assert_close(held[name], p, atol=2e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("family", ["mixtral", "list"])
+def test_meta_build_with_weights_under_ep2_matches_data_parallel(tmp_path, family):
+    """A module built on the meta device and given ``weights=`` (the module's own file, fused or per-expert
+    tensors): each rank materializes and reads only its experts and trains as DDP from the same weights does."""
+    from safetensors.torch import save_file
+
+    factory = functools.partial(MoEModule, family, "adamw")
+    source = seeded(factory)
+    path = str(tmp_path / "model.safetensors")
+    save_file({k: v.detach().clone().contiguous() for k, v in source.state_dict().items()}, path)
+    ref = ddp_reference(factory, tmp_path, 2)  # seeded(factory): the same weights as the file
+    trainer = pl.Trainer(**trainer_kwargs(strategy=hybrid(expert_parallel_size=2, weights=path), devices=2,
+                                          max_steps=STEPS, callbacks=[Recorder(str(tmp_path / "m")),
+                                                                      HoldsExperts(2 if family != "list" else 1)]))
+    torch.manual_seed(5)  # not the file's weights: they must come from the file
+    with trainer.init_module(empty_init=True):
+        module = factory()
+    assert all(p.is_meta for p in module.parameters())
+    trainer.fit(module, DataLoader(DATA.train_set, batch_size=2))
+    got = [torch.load(tmp_path / "m" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert_matches(ref, got, 2)
