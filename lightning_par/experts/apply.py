@@ -322,3 +322,18 @@ def apply_tensor_experts(module: nn.Module, group, *, size: int, rank: int, expe
         applied._undo.append(_serve_fused(c, group, size, timeout, rank=rank))
     module.__dict__[_APPLIED] = applied
     return applied
+
+
+def divided_before(module: nn.Module, expert_parallel_size: int) -> Optional[ExpertParallel]:
+    """What an earlier setup's :func:`apply_experts` made of ``module`` (it keeps its experts divided, as a
+    tensor-parallel module keeps its shards), or None; a different ``expert_parallel_size`` is refused."""
+    before = module.__dict__.get(_APPLIED)
+    if before is not None and before.axis == "ep" and before.ep != expert_parallel_size:
+        raise ValueError(f"{type(module).__name__}'s experts were divided by an earlier Trainer with "
+                         f"expert_parallel_size={before.ep}, and this strategy has expert_parallel_size="
+                         f"{expert_parallel_size}. Use expert_parallel_size={before.ep}, or build the module anew.")
+    if before is not None and before.axis == "tp" and expert_parallel_size != 1:
+        raise ValueError(f"{type(module).__name__}'s experts were divided over tensor_parallel_size={before.ep} by an "
+                         f"earlier Trainer, and this strategy has expert_parallel_size={expert_parallel_size}. Build "
+                         f"the module anew for this run.")
+    return before

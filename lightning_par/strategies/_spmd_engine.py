@@ -40,7 +40,7 @@ from lightning_par._compat import optimizers_to_device
 from lightning_par.context.apply import apply_context_parallel
 from lightning_par.dp import fsdp
 from lightning_par.experts import apply_experts
-from lightning_par.experts.apply import leave_experts_out
+from lightning_par.experts.apply import divided_before, leave_experts_out
 from lightning_par.materialize import move_real
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
 from lightning_par.strategies._engine import Engine, optimizer_params as _params
@@ -114,7 +114,9 @@ class SpmdEngine(Engine):
         s, o, g = self.s, self.options, self.groups
         module = s.lightning_module
         register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
-        if self._parallelized_before(module):
+        before = divided_before(module, o.layout.expert_parallel_size)  # experts divided by an earlier setup
+        self.experts = before if before is not None else self.experts
+        if self._parallelized_before(module) or before is not None:
             return
         # Pure: raises the same ValueError on every rank before any collective.
         plan = build_plan(module, s.topology.tensor_parallel_size, o.plan,

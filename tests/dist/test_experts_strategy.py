@@ -8,6 +8,7 @@ after all steps; AdamW and plain SGD. The plan log names the containers; the ref
 import contextlib
 import functools
 import logging
+import os
 
 import lightning.pytorch as pl
 import pytest
@@ -17,8 +18,8 @@ from torch.utils.data import DataLoader
 from experts_models import MoEModule
 from lightning.pytorch.strategies import DDPStrategy
 
-from harness import (TIMEOUT_S, Recorder, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, one_process_fit,
-                     seeded, trainer_kwargs)
+from harness import (TIMEOUT_S, Recorder, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, fork_as_torchrun,
+                     one_process_fit, seeded, trainer_kwargs)
 from models import corpus
 from lightning_par import HybridParallelStrategy
 
@@ -249,3 +250,48 @@ def test_meta_build_with_weights_under_ep2_matches_data_parallel(tmp_path, famil
     trainer.fit(module, DataLoader(DATA.train_set, batch_size=2))
     got = [torch.load(tmp_path / "m" / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert_matches(ref, got, 2)
+
+
+class ExpertsAt(pl.Callback):
+    """This rank's expert tensors (local shards, per-expert modules by name) at the end of fit and at its start."""
+
+    def __init__(self):
+        self.at = {}
+
+    def _take(self, pl_module):
+        from torch.distributed.tensor import DTensor
+
+        return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in pl_module.named_parameters() if ".experts." in n}
+
+    def on_train_start(self, trainer, pl_module):
+        self.at["start"] = self._take(pl_module)
+
+    def on_fit_end(self, trainer, pl_module):
+        self.at["end"] = self._take(pl_module)
+
+
+def _fit_twice(out_dir):
+    """One rank of a torchrun-like job: the same module fitted by two Trainers in this process."""
+    records = []
+    module = seeded(functools.partial(MoEModule, "list", "sgd"))
+    for i in range(2):
+        taken = ExpertsAt()
+        trainer = pl.Trainer(**trainer_kwargs(devices=2, strategy=HybridParallelStrategy(expert_parallel_size=2,
+                                                                                        timeout=120),
+                                              max_steps=2, callbacks=[taken]))
+        trainer.fit(module, DataLoader(DATA.train_set, batch_size=2))
+        records.append(taken.at)
+    torch.save(records, os.path.join(out_dir, f"twice{trainer.global_rank}.pt"))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_second_fit_keeps_the_experts_divided(tmp_path):
+    """Ranks that outlive a Trainer (torchrun's, popen's) fitting the same module again: each keeps its own experts
+    (nothing broadcasts one rank's experts over another's) and the second fit starts where the first ended."""
+    fork_as_torchrun(functools.partial(_fit_twice, str(tmp_path)), 2, str(tmp_path / "log"))
+    for r in range(2):
+        first, second = torch.load(tmp_path / f"twice{r}.pt", weights_only=False)
+        assert first["end"].keys() == second["start"].keys() and len(first["end"]) == 12  # 2 layers x 2 experts x 3
+        for name, t in first["end"].items():
+            torch.testing.assert_close(second["start"][name], t, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
