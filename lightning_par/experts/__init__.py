@@ -4,5 +4,6 @@ from lightning_par.experts.apply import (ExpertParallel, apply_expert_parallel, 
                                          is_expert_parameter)
 from lightning_par.experts.discovery import ExpertContainer, find_experts
 
-__all__ = ["ExpertContainer", "ExpertParallel", "apply_expert_parallel", "apply_experts", "check_expert_layout", "find_experts",
+__all__ = ["ExpertContainer", "ExpertParallel", "apply_expert_parallel", "apply_experts", "check_expert_layout",
+           "find_experts",
            "is_expert_parameter"]

@@ -252,7 +252,8 @@ _APPLIED = "_lightning_par_expert_parallel"
 def apply_experts(module: nn.Module, topology, rank: int, *, expert_parallel_size: int, experts: Optional[str] = None,
                   timeout: Optional[timedelta] = None, tp_group=None, tp_mesh=None) -> Optional[ExpertParallel]:
     """The parallelize order's expert-parallel step. At ``expert_parallel_size=1``: with tensor parallelism
-    (``tp_group``), the fused experts divided over tp (:func:`apply_tensor_experts`), else None. Otherwise this rank's groups
+    (``tp_group``), the fused experts divided over tp (:func:`apply_tensor_experts`), else None. Otherwise this
+    rank's groups
     (:func:`~lightning_par.experts.layout.expert_groups`, every rank calls this) and :func:`apply_expert_parallel`
     with the replicas of [Note: the experts' gradients] (dp x cp). A module an earlier run divided keeps its
     experts (the same ``ep`` only)."""

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 from experts_models import MoEModule
 from lightning.pytorch.strategies import DDPStrategy
 
-from harness import (TIMEOUT_S, Recorder, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed, fork_as_torchrun,
-                     one_process_fit, seeded, trainer_kwargs)
+from harness import (TIMEOUT_S, Recorder, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed,
+                     fork_as_torchrun, one_process_fit, seeded, trainer_kwargs)
 from models import corpus
 from lightning_par import HybridParallelStrategy
 
