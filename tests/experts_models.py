@@ -119,10 +119,12 @@ class MoEModule(pl.LightningModule):
     cross-entropy plus the router's auxiliary loss it computes); AdamW, or plain SGD where a gradient off by a
     constant factor must show."""
 
-    def __init__(self, family: str = "mixtral", optimizer: str = "adamw", **kw):
+    def __init__(self, family: str = "mixtral", optimizer: str = "adamw", aux: bool = True, **kw):
         super().__init__()
         self.model = FACTORIES[family](**kw)
         self.optimizer = optimizer
+        if not aux:  # no router loss: what it sees depends on how the tokens are split (context parallelism)
+            self.model.config.output_router_logits = False
 
     def training_step(self, batch, batch_idx):
         loss = lm_loss(self.model, batch[0])

@@ -19,7 +19,7 @@ from experts_models import MoEModule
 from lightning.pytorch.strategies import DDPStrategy
 
 from harness import (TIMEOUT_S, Recorder, assert_resumed_exactly, fit_and_record, fit_whole_then_resumed,
-                     fork_as_torchrun, one_process_fit, seeded, trainer_kwargs)
+                     SharesSequences, fork_as_torchrun, one_process_fit, seeded, trainer_kwargs)
 from models import corpus
 from lightning_par import HybridParallelStrategy
 
@@ -295,3 +295,15 @@ def test_a_second_fit_keeps_the_experts_divided(tmp_path):
         assert first["end"].keys() == second["start"].keys() and len(first["end"]) == 12  # 2 layers x 2 experts x 3
         for name, t in first["end"].items():
             torch.testing.assert_close(second["start"][name], t, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_cp2_ep2_matches_one_device(tmp_path):
+    """ep borrowed from cp: 2 ranks share every sequence (each runs the blocks on its half) and divide the experts;
+    without the router's auxiliary loss (computed on a rank's half of the tokens, it is not one device's)."""
+    factory = functools.partial(MoEModule, "mixtral", "sgd", False)
+    ref = one_process_fit(factory, DATA.train_set, 2, max_steps=STEPS)
+    got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "c"),
+                         strategy=hybrid(context_parallel_size=2, expert_parallel_size=2), devices=2,
+                         max_steps=STEPS, callbacks=[HoldsExperts(2), SharesSequences()])
+    assert_matches(ref, got, 1)
