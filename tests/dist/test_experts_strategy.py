@@ -141,6 +141,14 @@ def test_ep_not_dividing_dp_fails_at_trainer_construction():
         pl.Trainer(**trainer_kwargs(devices=3, strategy=hybrid(expert_parallel_size=2)))
 
 
+def test_the_pipeline_preset_refuses_ep_at_trainer_construction():
+    from lightning_par import PipelineParallelStrategy
+
+    strategy = PipelineParallelStrategy(expert_parallel_size=2, data_parallel_size=2, start_method="fork")
+    with pytest.raises(ValueError, match=r"`expert_parallel_size=2` with pipeline_parallel_size=2: expert"):
+        pl.Trainer(**trainer_kwargs(devices=4, strategy=strategy))
+
+
 def _fit(strategy, model, **kw):
     trainer = pl.Trainer(**trainer_kwargs(devices=2, strategy=strategy, max_steps=1, **kw))
     trainer.fit(model, DataLoader(DATA.train_set, batch_size=2))
