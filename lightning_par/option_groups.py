@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 from lightning_par.compile import check_compile
 from lightning_par.dp import comm_hooks, fsdp, ft, local_sgd, lr_scaling, zero
+from lightning_par.experts.layout import check_expert_options
 from lightning_par.memory.checkpointing import check_activation_checkpointing
 from lightning_par.nonfinite import check_nonfinite
 from lightning_par.pipeline.options import check_blocks, check_options
@@ -78,6 +79,11 @@ class LayoutOptions:
     context_parallel_method: str = "ring"  # "ring" | "allgather" | "ulysses" (docs/context-parallel.md)
     """`"ring"`: K/V passed around the cp group; `"allgather"`: K/V gathered whole once; `"ulysses"`: all-to-all from
     sequence to head shards around the module's own attention (any attention Hugging Face's interface serves)."""
+    expert_parallel_size: int = 1  # ranks dividing the routed experts, borrowed from dp x cp (lightning_par.experts)
+    """Ranks that divide each MoE layer's routed experts whole among themselves, borrowed from dp × cp (it must
+    divide dp × cp and each layer's experts); tokens travel to their experts by all-to-all."""
+    experts: Optional[str] = None  # None: found; or a glob naming the experts containers
+    """A glob naming the routed-experts containers (`"model.layers.*.mlp.experts"`); `None`: found."""
 
     def __post_init__(self) -> None:
         check_sizes(pipeline_parallel_size=self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size,
@@ -87,6 +93,7 @@ class LayoutOptions:
                              f"around the group, the default), 'allgather' (K/V gathered once) or 'ulysses' "
                              f"(all-to-all over heads around the module's own attention); see "
                              f"docs/context-parallel.md.")
+        check_expert_options(self.expert_parallel_size, self.experts)
         if self.mesh_order not in ORDERS:
             raise ValueError(f"`mesh_order={self.mesh_order!r}` must be one of {sorted(ORDERS)}: 'pp_dp_tp' "
                              f"(pipelines span nodes, as Megatron and torchtitan) or 'dp_pp_tp' (replicas span "

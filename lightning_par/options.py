@@ -44,6 +44,7 @@ import inspect
 from typing import Any, Mapping, Optional, Sequence, get_type_hints
 
 from lightning_par.dp import fsdp, ft, local_sgd, lr_scaling
+from lightning_par.experts.layout import check_expert_composition
 from lightning_par.option_groups import (  # noqa: F401  (the groups are this module's names too)
     START_METHODS, BlockOptions, CheckpointOptions, CommHookOptions, FaultToleranceOptions, LaunchOptions,
     LayoutOptions, LrScalingOptions, MemoryOptions, PipelineOptions, ReplicaOptions, ShardingOptions, Size,
@@ -112,7 +113,11 @@ class CoreOptions(Options):
         check_core_fault_tolerance(self)
         check_core_sync(self)
         check_compile_composes(self.stack.compile, context_parallel_size=self.layout.context_parallel_size,
-                               sync=self.sync.sync, fault_tolerance=self.fault_tolerance.fault_tolerance)
+                               sync=self.sync.sync, fault_tolerance=self.fault_tolerance.fault_tolerance,
+                               expert_parallel_size=self.layout.expert_parallel_size)
+        check_expert_composition(self.layout.expert_parallel_size, zero_stage=self.sharding.zero_stage,
+                                 pipeline_parallel_size=self.layout.pipeline_parallel_size,
+                                 tensor_parallel_size=self.layout.tensor_parallel_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,14 +162,15 @@ class DataParallelOptions(Options):
 
 
 def check_compile_composes(compile: Any, *, context_parallel_size: int = 1, sync: str = "every_step",
-                           fault_tolerance: Optional[str] = None) -> None:
+                           fault_tolerance: Optional[str] = None, expert_parallel_size: int = 1) -> None:
     """What ``compile`` (:mod:`lightning_par.compile`) is not composed with yet: context parallel (its attention
-    hooks and ops inside the blocks), local SGD / DiLoCo and torchft (untested with compiled blocks)."""
+    hooks and ops inside the blocks), expert parallel (its all-to-alls of data-dependent sizes inside the blocks),
+    local SGD / DiLoCo and torchft (untested with compiled blocks)."""
     if compile is False:
         return
     given = [f"{name}={value!r}" for name, value, off in (
-        ("context_parallel_size", context_parallel_size, 1), ("sync", sync, "every_step"),
-        ("fault_tolerance", fault_tolerance, None)) if value != off]
+        ("context_parallel_size", context_parallel_size, 1), ("expert_parallel_size", expert_parallel_size, 1),
+        ("sync", sync, "every_step"), ("fault_tolerance", fault_tolerance, None)) if value != off]
     if given:
         raise ValueError(f"`compile={compile!r}` is not composed with `{given[0]}` yet: the compiled blocks are "
                          f"tested under data, pipeline, tensor and hybrid parallelism only. Use compile=False, or "

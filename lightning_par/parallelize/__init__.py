@@ -99,8 +99,8 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
     made.plan = apply_tensor_parallel(module, plan, options.tensor, groups, ghosts=ghosts, check=check, inputs=inputs)
     if made.plan is not None:
         made.summary += f"\n{topo}\n{made.plan.describe(module)}"
-    # 6. expert parallel; 7. setup check
-    apply_expert_parallel(module, options, groups)
+    # 6. expert parallel: refused with several stages at construction (lightning_par.experts.layout)
+    # 7. setup check
     apply_setup_check(module, options, groups)
     # 8. compile: this stage's blocks
     made.compiled = apply_compile(module, options.stack, rank, blocks=stack.path, user=user_compile)
@@ -129,18 +129,19 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
 
 def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, rank: Rank, *, place: Callable,
                      open_weights: Callable, fresh: bool, sample: Optional[Callable] = None,
-                     user_compile: Any = None) -> Parallelized:
+                     user_compile: Any = None, before_experts: Optional[Callable] = None) -> Parallelized:
     """The SPMD engine's order (one stage). ``fresh``: False for a module an earlier setup parallelized (it keeps
     its shards and its weights: only the steps taken out at teardown, and this setup's compile, are applied again).
     ``sample()``: the user's step on one micro-batch (None: nothing to run), which context parallel's probe and the
-    setup check (``verify``) run; ``user_compile``: the user's own ``torch.compile``, undone."""
+    setup check (``verify``) run; ``user_compile``: the user's own ``torch.compile``, undone; ``before_experts``:
+    called before the experts are divided (recording one device's optimizer order)."""
     made = Parallelized()
     reader = None
     # 1. the block stack: what context parallelism cannot serve, refused before any collective
     check_context(module, groups, rank, method=options.context_parallel_method, blocks=options.blocks, sample=sample)
     if fresh:
         # 3. tensor plan, found (pure: the same ValueError on every rank before any collective)
-        made.plan = plan = find_tensor_plan(module, options.tensor, rank.topology)
+        made.plan = plan = find_tensor_plan(module, options.tensor, rank.topology, layout=options.layout)
         reader = open_weights(module)  # checked against the whole module before anything is sharded
         if rank.world_size > 1:  # every rank starts from rank 0's weights and random stream
             broadcast_state(module, src=0)
@@ -153,10 +154,18 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
         inputs = (record_setup_inputs(module, made.plan, sample, rank.device)
                   if options.verify and sample is not None else None)
         apply_tensor_parallel(module, made.plan, options.tensor, groups, check=options.verify, inputs=inputs)
-        # 6. expert parallel; 7. setup check
-        apply_expert_parallel(module, options, groups)
+        # 6. expert parallel (before it, one device's optimizer order: a rank keeps only its experts)
+        if before_experts is not None and options.layout.expert_parallel_size > 1:
+            before_experts()
+        made.experts = apply_expert_parallel(module, options.layout, groups, rank)
+        # 7. setup check
         apply_setup_check(module, options, groups)
     # 8. compile (on a module an earlier setup parallelized too: this setup's setting)
+    if made.experts is not None and (options.stack.compile is not False or user_compile is not None):
+        raise ValueError(f"{type(module).__name__}'s routed experts are divided over the tensor-parallel ranks, which "
+                         f"compile does not compose with yet (their all-to-alls have data-dependent sizes). Use "
+                         f"compile=False (and pass the module uncompiled), or blocks=... naming a stack without "
+                         f"experts.")
     made.compiled = apply_compile(module, options.stack, rank, user=user_compile)
     if fresh:
         # 9. FSDP over the replicas ([Note: ZeRO on the core's data axis], meta shards too)
@@ -164,6 +173,8 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
         # 10. placement and weights: a meta-built module's shards get storage, init, weights=
         apply_placement(module, place, reader)
         made.summary = f"{rank.topology}\n{made.plan.describe(module)}" if made.plan is not None else ""
+        if made.experts is not None:
+            made.summary += f"\n{made.experts.describe()}"
     # 11. context parallel
     made.context = apply_context(module, groups, blocks=options.blocks, method=options.context_parallel_method)
     return made
@@ -179,8 +190,8 @@ def parallelize_replicas(module: nn.Module, options: EngineOptions, groups: Grou
     # 4. activation checkpointing, before DDP / FSDP wrap the blocks
     made.checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing,
                                                        blocks=options.blocks, owner=rank.owner)
-    # 6. expert parallel; 7. setup check
-    apply_expert_parallel(module, options, groups)
+    # 6. expert parallel: not a DataParallelStrategy option
+    # 7. setup check
     apply_setup_check(module, options, groups)
     # 8. compile, before DDP / FSDP wrap the blocks
     made.compiled = apply_compile(module, options.stack, rank, user=user_compile)

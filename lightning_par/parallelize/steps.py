@@ -14,7 +14,10 @@ from lightning_par.context.apply import apply_context_parallel
 from lightning_par.context.probe import check_context_parallel
 from lightning_par.dp import fsdp
 from lightning_par.materialize import has_meta
-from lightning_par.options import BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, TensorOptions
+from lightning_par.experts import apply_experts
+from lightning_par.experts.apply import leave_experts_out
+from lightning_par.options import (BlockOptions, LayoutOptions, MemoryOptions, PipelineOptions, ShardingOptions,
+                                   TensorOptions)
 from lightning_par.parallelize.values import EngineOptions, Groups, Parallelized, Rank
 from lightning_par.pipeline.discovery import check_enough_blocks, find_blocks
 from lightning_par.pipeline.ends import first_owner
@@ -89,15 +92,17 @@ def apply_stage_split(stack: BlockStack, pipeline: PipelineOptions, topology: To
 
 # -- 3. tensor plan, found ------------------------------------------------------------------------------------
 def find_tensor_plan(module: nn.Module, tensor: TensorOptions, topology: Topology,
-                     stack: Optional[BlockStack] = None) -> Optional[TensorPlan]:
+                     stack: Optional[BlockStack] = None, layout: Optional[LayoutOptions] = None) -> Optional[TensorPlan]:
     """The tensor plan found on the whole module (pure: the same ValueError on every rank); None at tp = 1. Under
-    ``sequence_parallel`` a pipeline's stack is checked for sequence-sharded boundaries."""
+    ``sequence_parallel`` a pipeline's stack is checked for sequence-sharded boundaries; with ``layout``'s
+    ``expert_parallel_size > 1`` the routed experts are left out of it (a module without experts refused)."""
     tp = topology.tensor_parallel_size
-    if tp == 1:
-        return None
     plan = build_plan(module, tp, tensor.plan, sequence_parallel=tensor.sequence_parallel,
-                      loss_parallel=tensor.loss_parallel)
-    if stack is not None and tensor.sequence_parallel:  # [Note: sequence-sharded stage boundaries]
+                      loss_parallel=tensor.loss_parallel) if tp > 1 else None
+    if layout is not None:  # the routed experts are divided whole over ep instead (step 6)
+        plan = leave_experts_out(plan, module, expert_parallel_size=layout.expert_parallel_size,
+                                 experts=layout.experts)
+    if plan is not None and stack is not None and tensor.sequence_parallel:  # [Note: sequence-sharded stage boundaries]
         check_sequence_stack(plan, stack.path, len(stack.container), tp,
                              stack.flow.hidden_shape if stack.flow is not None else None)
     return plan
@@ -167,10 +172,15 @@ def record_setup_inputs(module: nn.Module, plan: Optional[TensorPlan], sample: C
         return None if step is None else record_inputs(module, probe_targets(module, plan), step)
 
 
-# -- 6. expert parallel (a slot) ------------------------------------------------------------------------------
-def apply_expert_parallel(module: nn.Module, options: EngineOptions, groups: Groups) -> Any:
-    """The slot of expert parallelism (the MoE experts over their own axis): nothing yet."""
-    return None
+# -- 6. expert parallel ---------------------------------------------------------------------------------------
+def apply_expert_parallel(module: nn.Module, layout: LayoutOptions, groups: Groups, rank: Rank) -> Any:
+    """The routed experts of every MoE layer divided whole: over ``expert_parallel_size`` ranks borrowed from dp × cp
+    (tokens sent to their experts by all-to-all), or with tensor parallelism alone over the tp group
+    (:func:`lightning_par.experts.apply_experts`); None where nothing is divided. After the tensor plan (which
+    leaves the experts out: :func:`find_tensor_plan`), before the setup check."""
+    return apply_experts(module, rank.topology, rank.rank, expert_parallel_size=layout.expert_parallel_size,
+                         experts=layout.experts, timeout=groups.timeout, tp_group=groups.tp,
+                         tp_mesh=groups.mesh["tp"] if groups.tp is not None else None)
 
 
 # -- 7. setup check (a slot) ----------------------------------------------------------------------------------

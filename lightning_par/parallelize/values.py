@@ -92,6 +92,7 @@ class Parallelized:
 
     checkpointed: Optional[Checkpointed] = None  # 4.
     plan: Optional[TensorPlan] = None  # 3. / 5.
+    experts: Any = None  # 6. lightning_par.experts.ExpertParallel
     compiled: Any = None  # 8. lightning_par.compile.Compiled
     units: Optional[list[str]] = None  # 9. FSDP's units
     context: Any = None  # 11.

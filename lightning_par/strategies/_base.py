@@ -8,6 +8,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from lightning_par.context.layout import check_context_layout
+from lightning_par.experts.layout import check_expert_sizes
 from lightning_par.parallelize import Groups
 from lightning_par.topology import Topology
 
@@ -32,6 +33,10 @@ def resolve_topology(options, world: int, *, model_axis: Optional[str], order, n
                          zero_stage=o.sharding.zero_stage, fault_tolerance=o.fault_tolerance.fault_tolerance,
                          sequence_parallel=o.tensor.sequence_parallel, loss_parallel=o.tensor.loss_parallel,
                          schedule=o.pipeline.schedule, stages_per_rank=o.pipeline.stages_per_rank)
+    check_expert_sizes(o.layout.expert_parallel_size, data_parallel_size=topo.data_parallel_size,
+                       context_parallel_size=topo.context_parallel_size,
+                       pipeline_parallel_size=topo.pipeline_parallel_size, pipelined=model_axis == "pp",
+                       tensor_parallel_size=topo.tensor_parallel_size)
     return topo
 
 

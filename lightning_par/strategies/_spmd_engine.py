@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par._compat import optimizers_to_device
 from lightning_par.dp import fsdp
+from lightning_par.experts.apply import divided_before
 from lightning_par.materialize import move_real
 from lightning_par.parallelize import parallelize_spmd
 from lightning_par.pipeline.routing import LogCapture, ResultRouter
@@ -60,6 +61,7 @@ class SpmdEngine(Engine):
         self.planned = None  # the module this engine applied ``plan`` to
         self.steps = None  # zero_stage 2 / 3: runs each step through FSDP's root unit
         self.context = None  # context_parallel_size > 1: the block stack's hooks (lightning_par.context)
+        self.experts = None  # expert_parallel_size > 1: lightning_par.experts.ExpertParallel
 
     def setup(self, trainer) -> None:
         s = self.s
@@ -69,14 +71,18 @@ class SpmdEngine(Engine):
         move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
         module = s.lightning_module
         register_rules()  # taken out at teardown: a later fit / test of the same module needs them again
-        fresh = not self._parallelized_before(module)
+        before = divided_before(module, self.options.layout.expert_parallel_size)  # experts an earlier setup divided
+        self.experts = before if before is not None else self.experts
+        fresh = not self._parallelized_before(module) and before is None
         self.uncheckpoint_blocks()
         made = parallelize_spmd(module, self.options, self.groups, self.rank_values(), place=self.host.place_share,
                                 open_weights=self.host.open_weights, fresh=fresh,
-                                sample=lambda: sample_step(s, module, 1), user_compile=self.user_compile)
+                                sample=lambda: sample_step(s, module, 1), user_compile=self.user_compile,
+                                before_experts=(self.host.record_one_device_order  # [Note: recording one device's
+                                                if trainer.state.fn == TrainerFn.FITTING else None))  # order]
         self.checkpointed, self.context, self.compiled = made.checkpointed, made.context, made.compiled
         if fresh:
-            self.plan, self.planned = made.plan, module
+            self.plan, self.planned, self.experts = made.plan, module, made.experts
             if s.is_global_zero:
                 rank_zero_info(made.summary)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -97,6 +103,12 @@ class SpmdEngine(Engine):
 
     def clip_grad_norm(self, optimizer, clip_val) -> None:
         clip_grad_norm_(_params(optimizer), clip_val)
+
+    def expected_keys(self):
+        """Under expert parallelism: the other ranks' per-expert modules' keys too (a checkpoint holds them)."""
+        if self.experts is None:
+            return None
+        return self.experts.expected_keys(list(self.s.lightning_module.state_dict()))
 
     def teardown(self) -> None:
         self.stop_periodic_sync()
@@ -178,6 +190,9 @@ class SpmdEngine(Engine):
             result = closure()
             params = list(s.lightning_module.parameters())
             reduce_partial_grads(params, self.groups.mesh["tp"].get_group())
+            if self.experts is not None:  # averaged over the ranks holding the same experts instead
+                params = self.experts.dense_parameters(s.lightning_module)
+                self.experts.finish_gradients(s.lightning_module)
             # [Note: gradients under context parallelism], [Note: ZeRO under context parallelism]
             if self.groups.cp is not None:
                 average_grads(params, self.groups.cp, s.topology.context_parallel_size)

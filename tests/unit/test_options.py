@@ -47,11 +47,13 @@ SYNC = {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"}  # loca
 HOOKS = {"comm_hook", "powersgd_rank", "powersgd_start_iter"}  # DDP's communication hooks on the core's dp axis too
 VERIFY = {"verify"}  # the setup check of rewritten blocks (lightning_par.verify)
 COMPILE = {"compile"}  # every strategy: each block compiled (lightning_par.compile)
+EXPERTS = {"expert_parallel_size", "experts"}  # lightning_par.experts: the core and its presets
 ADDED = {DataParallelStrategy: {*SYNC, *COMPILE},  # offload: zero stage 3's shards in host memory, on the core's dp axis
-         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS, *VERIFY, *COMPILE},  # the core's
-         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS, *VERIFY, *COMPILE},  # AC's stack
+         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS, *VERIFY, *COMPILE, *EXPERTS},  # the core's
+         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS, *VERIFY, *COMPILE,
+                                  *EXPERTS},  # blocks: AC's stack
          HybridParallelStrategy: {"context_parallel_size", "context_parallel_method", "offload", *SYNC, *HOOKS,
-                                  *VERIFY, *COMPILE}}  # the presets fix cp to 1
+                                  *VERIFY, *COMPILE, *EXPERTS}}  # the presets fix cp to 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
 COMPOSITE = {DataParallelStrategy: options.DataParallelOptions}  # the others: CoreOptions

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lightning_par.parallelize as order
-from lightning_par.options import BlockOptions, MemoryOptions, PipelineOptions, ShardingOptions, TensorOptions
+from lightning_par.options import BlockOptions, LayoutOptions, MemoryOptions, PipelineOptions, ShardingOptions, TensorOptions
 from lightning_par.parallelize import steps
 from lightning_par.topology import Topology
 
@@ -38,8 +38,9 @@ def test_each_order_calls_its_steps_in_the_written_order(apply_order):
 
 def test_the_slots_are_steps_that_make_nothing_yet():
     module = nn.Linear(2, 2)
-    for slot in (steps.apply_expert_parallel, steps.apply_setup_check):
-        assert slot(module, order.EngineOptions(), order.Groups()) is None
+    assert steps.apply_setup_check(module, order.EngineOptions(), order.Groups()) is None
+    rank = order.Rank(device=torch.device("cpu"), rank=0, world_size=1, topology=Topology.resolve(1))
+    assert steps.apply_expert_parallel(module, LayoutOptions(), order.Groups(), rank) is None  # nothing to divide
 
 
 def test_the_compile_step_compiles_each_block_of_the_stack_alone():
