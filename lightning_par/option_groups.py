@@ -152,10 +152,13 @@ class TensorOptions:
 @dataclasses.dataclass(frozen=True)
 class VerifyOptions:
     """The setup check of every rewritten block ([Note: the setup check] in :mod:`lightning_par.verify`): the
-    tensor plan leaves a region that differs replicated, context / expert parallelism refuse it. ``False`` for
-    users who know their model (saves one forward and backward per kind of block at setup)."""
+    tensor plan leaves a region that differs replicated, context parallelism refuses it. ``False`` for users who
+    know their model (saves one forward and backward per kind of block at setup)."""
 
     verify: bool = True
+    """`True`: at setup each kind of rewritten block runs rewritten and whole on a copy with perturbed weights, on one
+    recorded micro-batch; a tensor-parallel region that differs stays replicated (with a warning), a context-parallel
+    block that differs is refused by name; `False`: skipped."""
 
     def __post_init__(self) -> None:
         check_flags(verify=self.verify)
