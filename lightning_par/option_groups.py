@@ -118,6 +118,18 @@ class TensorOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class VerifyOptions:
+    """The setup check of every rewritten block ([Note: the setup check] in :mod:`lightning_par.verify`): the
+    tensor plan leaves a region that differs replicated, context / expert parallelism refuse it. ``False`` for
+    users who know their model (saves one forward and backward per kind of block at setup)."""
+
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        check_flags(verify=self.verify)
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardingOptions:
     """ZeRO over the data-parallel axis (:mod:`lightning_par.dp.zero`, :mod:`lightning_par.dp.fsdp`)."""
 

@@ -46,7 +46,7 @@ from lightning_par.dp import fsdp, ft, local_sgd, lr_scaling
 from lightning_par.option_groups import (  # noqa: F401  (the groups are this module's names too)
     START_METHODS, BlockOptions, CheckpointOptions, CommHookOptions, FaultToleranceOptions, LaunchOptions,
     LayoutOptions, LrScalingOptions, MemoryOptions, PipelineOptions, ReplicaOptions, ShardingOptions, Size,
-    StepOptions, SyncOptions, TensorOptions, WeightsOptions, as_timeout, check_flags, check_start_method,
+    StepOptions, SyncOptions, TensorOptions, VerifyOptions, WeightsOptions, as_timeout, check_flags, check_start_method,
     check_weights)
 
 
@@ -93,6 +93,7 @@ class CoreOptions(Options):
     layout: LayoutOptions = LayoutOptions()
     pipeline: PipelineOptions = PipelineOptions()
     tensor: TensorOptions = TensorOptions()
+    verify: VerifyOptions = VerifyOptions()  # the setup check of rewritten blocks (lightning_par.verify)
     sharding: ShardingOptions = ShardingOptions()
     stack: BlockOptions = BlockOptions()
     memory: MemoryOptions = MemoryOptions()

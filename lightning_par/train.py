@@ -46,7 +46,7 @@ from omegaconf.errors import OmegaConfBaseException
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par._compat import rich_available
 from lightning_par.callbacks import ParallelMetrics
-from lightning_par.cli_errors import UsageError, cwd_importable, run_cli, version_text
+from lightning_par.cli_errors import USAGE_EXIT, UsageError, cwd_importable, run_cli, version_text
 from lightning_par.config import CUSTOM, check_keys, composition_message, import_target, register_configs
 from lightning_par.paths import conf_dir
 from lightning_par.precision import precision_kwargs
@@ -223,6 +223,16 @@ def user_errors() -> Iterator[None]:
         raise UsageError(str(err).splitlines()[0]) from err
 
 
+class SetupFinished(pl.Callback):
+    """Whether the strategy's setup finished (``on_fit_start`` runs after it): a ``ValueError`` before that is a
+    layout the strategy refused (too few blocks for the stages, a size that does not divide), the user's to fix."""
+
+    reached = False
+
+    def on_fit_start(self, trainer, pl_module):
+        self.reached = True
+
+
 class StepsBoundedProgressBar(RichProgressBar):
     """Lightning's default (rich) bar, minus its ``Epoch 4/-2`` and ``v_num`` when ``max_steps`` bounds the run."""
 
@@ -359,12 +369,21 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> dict[str, float]:
             callbacks.append(ValidateAtLastStep())
         if cfg.metrics:
             callbacks.append(ParallelMetrics())
+        started = SetupFinished()
+        callbacks.append(started)
         trainer = pl.Trainer(strategy=strategy, **trainer_kw)
         with trainer.init_module(empty_init=True) if streamed else nullcontext():
             model = build_model(cfg.model, datamodule)
         if not streamed:
             check_context_before_launch(strategy, model, datamodule)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=resume_path(cfg))
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=resume_path(cfg))
+    except ValueError as err:  # a strategy refuses a layout at setup with a message naming the value and the fix
+        if started.reached:
+            raise
+        if trainer.global_rank != 0:  # every rank refuses alike; rank 0 says it once
+            raise SystemExit(USAGE_EXIT) from err
+        raise UsageError(str(err)) from err
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         _print_summary(metrics, getattr(datamodule, "loss_floor", None), run_dir)

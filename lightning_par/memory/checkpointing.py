@@ -40,6 +40,15 @@ keep every matmul output, not every second one: "selective" sits between off and
 "every k-th block" is the finer knob. ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with this
 policy is passed as the composable checkpoint's ``context_fn`` (checked on torch 2.13: the saved ops are not run
 again in backward).
+
+[Note: no key-value cache while recomputing]
+A Hugging Face model called in training with its default ``use_cache=True`` builds a key-value cache in forward
+(T5 appends each layer's keys and values); a checkpointed block's recompute appends them again, so torch's
+checkpoint sees a different number of saved tensors and raises ``CheckpointError`` in the first backward. Hugging
+Face's own ``gradient_checkpointing_enable()`` turns ``use_cache`` off while training, with one warning; so do we:
+every module of the tree that has a ``config.use_cache`` and takes ``use_cache`` gets a forward pre-hook that, in
+training mode with gradients on, calls it with ``use_cache=False`` (one warning per application), removed with the
+checkpointing (:func:`use_cache_off`). Evaluation and generation keep the cache.
 """
 from __future__ import annotations
 
@@ -166,8 +175,48 @@ def apply_activation_checkpointing(module: nn.Module, value: Value, *, blocks: O
                                    f"run that did not take it out); build a fresh module.")
             done._undos.append(composable_checkpoint(block, context_fn))
             done.blocks.append(name)
+    done._undos.append(use_cache_off(module))  # [Note: no key-value cache while recomputing]
     return done
 
 
+def use_cache_off(module: nn.Module) -> Callable[[], None]:
+    """[Note: no key-value cache while recomputing]: Hugging Face modules in ``module`` are called with
+    ``use_cache=False`` in training (one warning); returns the undo."""
+    import inspect
+    import warnings
+
+    warned: list[bool] = []
+
+    def pre(mod, args, kwargs):
+        if not (mod.training and torch.is_grad_enabled()):
+            return None
+        asked = kwargs.get("use_cache")
+        if asked is False or (asked is None and not getattr(mod.config, "use_cache", False)):
+            return None
+        if not warned:
+            warned.append(True)
+            warnings.warn(f"activation checkpointing: {type(mod).__name__} is called with use_cache=True, which is "
+                          f"incompatible with recomputing its blocks; it runs with use_cache=False while training "
+                          f"(as Hugging Face's gradient_checkpointing_enable() does). Pass use_cache=False to "
+                          f"silence this.", stacklevel=2)
+        return args, {**kwargs, "use_cache": False}
+
+    handles = []
+    for m in module.modules():
+        if not isinstance(getattr(getattr(m, "config", None), "use_cache", None), bool):
+            continue
+        try:
+            takes = "use_cache" in inspect.signature(m.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+
+    def undo():
+        for h in handles:
+            h.remove()
+    return undo
+
+
 __all__ = ["MODES", "SAVED_OPS", "Checkpointed", "apply_activation_checkpointing", "block_stacks",
-           "check_activation_checkpointing", "selective_contexts"]
+           "check_activation_checkpointing", "selective_contexts", "use_cache_off"]

@@ -39,6 +39,9 @@ def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.Mod
     for name, child in module.named_modules():
         if _is_stack(child) and (best is None or len(child) > len(best[1])):
             best = (name, child)
+    if best is None:  # a stack of one block (a one-layer model) is still the stack: its size is checked where used
+        best = next(((n, c) for n, c in module.named_modules() if isinstance(c, (nn.ModuleList, nn.Sequential))
+                     and len(c) == 1 and next(iter(c[0].children()), None) is not None), None)
     if best is None:
         raise ValueError(
             f"No block stack found in {type(module).__name__}: pipeline parallelism needs an nn.ModuleList or "
@@ -46,6 +49,26 @@ def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.Mod
             f"with `PipelineParallelStrategy(blocks='model.layers')`."
         )
     return best[0], best[1]  # type: ignore[return-value]
+
+
+def check_enough_blocks(path: str, container: nn.Module, pipeline_parallel_size: int, stages_per_rank: int = 1) -> None:
+    """Refuse a block stack with fewer blocks than pipeline stages, naming the stack and the numbers.
+
+    Example::
+
+        >>> check_enough_blocks("blocks", nn.ModuleList([nn.Linear(2, 2)]), 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: the block stack `blocks` holds 1 block; pipeline_parallel_size=2 needs at least 2 (2 pipeline ...
+    """
+    n, stages = len(container), pipeline_parallel_size * stages_per_rank
+    if n >= stages:
+        return
+    per_rank = f" × stages_per_rank={stages_per_rank}" if stages_per_rank > 1 else ""
+    raise ValueError(f"the block stack `{path}` holds {n} block{'s' if n != 1 else ''}; pipeline_parallel_size="
+                     f"{pipeline_parallel_size}{per_rank} needs at least {stages} ({stages} pipeline stages need at "
+                     f"least {stages} blocks, but the block stack has {n}). Use a model with more blocks, or fewer "
+                     f"stages (pipeline_parallel_size × stages_per_rank ≤ {n}).")
 
 
 def _is_stack(module: nn.Module) -> bool:

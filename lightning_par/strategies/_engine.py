@@ -40,7 +40,7 @@ from lightning_par.dp.comm_hooks import HookAverage
 from lightning_par.memory.checkpointing import Checkpointed, apply_activation_checkpointing
 from lightning_par.strategies._periodic_sync import PeriodicSyncHooks
 from lightning_par.options import (BlockOptions, CommHookOptions, MemoryOptions, PipelineOptions, ShardingOptions,
-                                   SyncOptions, TensorOptions)
+                                   SyncOptions, TensorOptions, VerifyOptions)
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class EngineOptions:
     stages: int = 1  # the layout's pipeline_parallel_size
     sync: SyncOptions = SyncOptions()  # the replica engine's sync="local_sgd" | "diloco" (lightning_par.dp.local_sgd)
     comm: CommHookOptions = CommHookOptions()  # the pipeline / SPMD engines' (the replica engine's DDP has its own)
+    check: VerifyOptions = VerifyOptions()  # the setup check (lightning_par.verify)
 
     @property
     def microbatches(self) -> int:
@@ -80,6 +81,7 @@ class EngineOptions:
     zero_stage = property(lambda self: self.sharding.zero_stage)
     activation_checkpointing = property(lambda self: self.memory.activation_checkpointing)
     offload = property(lambda self: self.memory.offload)
+    verify = property(lambda self: self.check.verify)
 
 
 @dataclass(frozen=True)

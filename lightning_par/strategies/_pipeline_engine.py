@@ -30,7 +30,7 @@ from lightning_par.context.apply import apply_context_parallel
 from lightning_par.dp import fsdp
 from lightning_par.pipeline.consolidate import owned_state
 from lightning_par.materialize import free_parameters, has_meta, move_real
-from lightning_par.pipeline.discovery import find_blocks
+from lightning_par.pipeline.discovery import check_enough_blocks, find_blocks
 from lightning_par.pipeline.ends import first_owner, stage_needs
 from lightning_par.pipeline.flow import trace_flow
 from lightning_par.pipeline.mailbox import ResultMailbox
@@ -130,6 +130,7 @@ class PipelineEngine(Engine):
         #    pipeline/stand_ins.py); a weights file is checked against the whole module first
         reader = self.host.open_weights(lm)
         path, container = find_blocks(lm, o.blocks)
+        check_enough_blocks(path, container, o.stages, o.stages_per_rank)  # before any collective
         self.stand_ins = StandIns(s.root_device) if has_meta(lm) else None
         with rng_fork(s.root_device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
             step = sample_step(s, lm, o.microbatches, record=container)
@@ -173,12 +174,14 @@ class PipelineEngine(Engine):
         )
         if s.world_size > 1:  # after every check that can refuse: every rank starts from rank 0's weights
             broadcast_state(lm, src=0)
+        inputs = self._recorded_inputs(lm, plan, step, path, len(container), virtual, bounds)
         rt.install()
         self.checkpoint_blocks(lm, path)  # after the stage's hooks (a block's RNG is saved reseeded), before TP / FSDP
         if plan is not None:  # a meta-built stage is parallelized as meta tensors: each rank then makes its shards
             ghosts = [f"{path}.{i}" for i, block in enumerate(container) if isinstance(block, Ghost)]
             self.plan = plan.without(ghosts)
-            parallelize(lm, self.plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
+            parallelize(lm, self.plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel, check=o.verify,
+                        inputs=inputs)
             rank_zero_info(f"{topo}\n{self.plan.describe(lm)}")
         needs = stage_needs(uses, rt.chunks, pp * v)  # this stage's blocks and the ends it needs: placed, weights=
         owned = lambda n: n.startswith(self.block_prefix) or needs(n)  # noqa: E731
@@ -218,6 +221,21 @@ class PipelineEngine(Engine):
             before_optimizer_hooks=self.sync_found_inf if getattr(s.precision_plugin, "scaler", None) else None,
             split_unscale=tensor)
         self.host.install_precision(self.precision_hooks)
+
+    def _recorded_inputs(self, lm, plan, step, path, n_blocks, virtual, bounds):
+        """The inputs of the first region of each kind among this rank's blocks, recorded in one more run of the
+        trace's micro-batch on the whole module ([Note: the setup check] in lightning_par/verify.py); None where
+        nothing is checked or nothing can run (a meta-built module)."""
+        from lightning_par.pipeline.flow import kept_state
+        from lightning_par.tensor.probe import probe_targets
+        from lightning_par.verify import record_inputs
+
+        if plan is None or step is None or not self.options.verify or has_meta(lm):
+            return None
+        mine = {i for k in virtual for i in range(*bounds[k])}
+        stage_plan = plan.without([f"{path}.{i}" for i in range(n_blocks) if i not in mine])
+        with rng_fork(self.s.root_device, True), kept_state(lm):
+            return record_inputs(lm, probe_targets(lm, stage_plan), step)
 
     def _apply_context(self) -> None:
         """cp hooks on this stage's blocks, after the stage's and the checkpointing's own ([Note: context

@@ -121,7 +121,8 @@ class SpmdEngine(Engine):
         if s.world_size > 1:
             broadcast_state(module, src=0)  # every rank starts from rank 0's weights
             self._sync_rng()
-        parallelize(module, plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel)
+        inputs = self._recorded_inputs(module, plan) if o.verify else None  # [Note: the setup check]
+        parallelize(module, plan, g.mesh["tp"], sequence_parallel=o.sequence_parallel, check=o.verify, inputs=inputs)
         if g.sharded_replicas:  # zero_stage 2 / 3: [Note: ZeRO on the core's data axis] (meta shards too)
             fsdp.shard_module(module, g.mesh["dp"], zero_stage=o.zero_stage, broadcast=False,
                               precision=s.precision_plugin.precision, offload=o.offload)
@@ -129,6 +130,22 @@ class SpmdEngine(Engine):
         self.plan, self.planned = plan, module
         if s.is_global_zero:
             rank_zero_info(f"{s.topology}\n{plan.describe(module)}")
+
+    def _recorded_inputs(self, module, plan):
+        """The inputs of the first region of each kind in one run of the user's step on one micro-batch of the
+        first batch, before anything is sharded (None for a meta-built module or outside fit)."""
+        from lightning_par.materialize import has_meta
+        from lightning_par.pipeline.flow import kept_state
+        from lightning_par.pipeline.runner import rng_fork
+        from lightning_par.strategies._pipeline_sample import sample_step
+        from lightning_par.tensor.probe import probe_targets
+        from lightning_par.verify import record_inputs
+
+        if has_meta(module) or self.s.lightning_module.trainer.state.fn != TrainerFn.FITTING or not plan.regions():
+            return None
+        with rng_fork(self.s.root_device, True), kept_state(module):  # the batch drawn too; buffers kept
+            step = sample_step(self.s, self.s.lightning_module, 1)
+            return None if step is None else record_inputs(module, probe_targets(module, plan), step)
 
     def _parallelized_before(self, module) -> bool:
         """Whether an earlier setup parallelized ``module``: this engine's (a later fit / test of the same

@@ -171,7 +171,8 @@ class HybridParallelStrategy(FaultTolerantReplicas, LayoutStrategy):
         self._groups = groups = self._build_groups(pipelined)
         o = self._options
         options = EngineOptions(pipeline=o.pipeline, tensor=o.tensor, sharding=o.sharding, stack=o.stack,
-                                memory=o.memory, stages=pp, sync=self._sync_options(), comm=o.comm)
+                                memory=o.memory, stages=pp, sync=self._sync_options(), comm=o.comm,
+                                check=o.verify)
         host = Host(open_weights=self._open_weights, place_share=self._place_share,
                     install_precision=self._install_precision, record_one_device_order=self._record_one_device_order,
                     lightning_setup=super().setup, lightning_teardown=super().teardown,

@@ -271,17 +271,18 @@ def parallelized_size(module: nn.Module) -> int | None:
 
 
 def parallelize(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
-                check: bool = True) -> nn.Module:
+                check: bool = True, inputs: dict | None = None) -> nn.Module:
     """Apply ``plan`` in place (parents before children) and return ``module``. With ``check``, every kind of
     region is first tried on a copy (:func:`~lightning_par.tensor.probe.check_regions`); one that fails is
-    left replicated with a warning (``plan`` is updated)."""
+    left replicated with a warning (``plan`` is updated); ``inputs``: the regions' recorded inputs it runs them on
+    ([Note: the setup check] in lightning_par/verify.py)."""
     from lightning_par import patches
     from lightning_par.tensor.rules import restore_rules
 
     ours = "dtensor-rules" not in patches.pending()  # registered by this call, not by a run still going on
     register_rules()
     try:
-        return _apply(module, plan, tp_mesh, sequence_parallel, check)
+        return _apply(module, plan, tp_mesh, sequence_parallel, check, inputs)
     except BaseException:
         if ours:  # a refused plan leaves DTensor's process-global tables as they were
             restore_rules()
@@ -289,11 +290,12 @@ def parallelize(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, *, seq
 
 
 def _apply(module: nn.Module, plan: TensorPlan, tp_mesh: DeviceMesh, sequence_parallel: bool,
-           check: bool) -> nn.Module:
+           check: bool, inputs: dict | None = None) -> nn.Module:
     from lightning_par.tensor.probe import check_regions
 
     if check:
-        check_regions(module, plan, tp_mesh, sequence_parallel=sequence_parallel)
+        check_regions(module, plan, tp_mesh, sequence_parallel=sequence_parallel,
+                      inputs=inputs)
     styles = torch_styles(plan, sequence_parallel=sequence_parallel)
     ties = _ties(module, [n for n, s in plan.styles.items() if s in ("colwise", "rowwise", FUSED, VOCAB_HEAD, VOCAB_EMBEDDING)])
     for name, style in styles.items():

@@ -5,24 +5,29 @@ the real module is touched, and compared with the same copy unsharded.
 The plan is built from the module tree alone; what a module's code does with its sharded outputs is only
 known by running it. A family nobody tried can still meet an op DTensor has no rule for, mix plain
 tensors and DTensors in a way [Note: one layout per region] does not foresee, or compute something else
-on shards than on the whole (a tensor built with a stored head count). So at setup, before the real module
-is parallelized, :func:`check_regions` takes one region of each kind (same class, parameter shapes and
-plan inside), copies it twice, shards one copy exactly as the plan would and runs both copies forward and
-backward on the same small random hidden state ``(2, 4, width)`` (and another for each further required
-positional input, such as a decoder layer's ``memory``) in eval mode (no dropout: the two runs must agree).
-The sharded copy must not raise and must give the same outputs, input gradient and parameter
-gradients as the whole one; otherwise every region of that kind is left replicated, with a warning that
-names it and says what failed. Under ``sequence_parallel=True`` a failure is refused instead (a replicated
-region cannot take a sequence-split residual stream). A region whose forward needs more than its hidden
-state (HF Llama's attention takes the rotary tables) cannot be called this way and is trusted; the plan
-says so (``TensorPlan.checked``). Every tensor-parallel rank runs the same check and the verdicts are
-agreed with one all-reduce, so all ranks keep the same plan.
+on shards than on the whole (a tensor built with a stored head count). So at setup, before the real module is parallelized, :func:`check_regions` takes one region of each kind (same
+class, parameter shapes and plan inside), copies it once, perturbs the copy's parameters (Hugging Face's zero
+biases and unit norms would hide a bias handled wrong), runs it whole, shards it exactly as the plan would and
+runs it again, forward and backward, on the inputs that region received in one run of the user's step on one
+micro-batch (recorded by the engine: rotary tables, masks, ALiBi, a residual all as in training), in eval mode
+(no dropout: the two runs must agree); see [Note: the setup check] in lightning_par/verify.py for the tolerance
+(rounding of a sum of ``width`` terms) and what is compared. Where no step could be run (a meta-built module,
+outside fit) the region gets a small random hidden state ``(2, 4, width)`` (and another for each further required
+positional input, such as a decoder layer's ``memory``); a region that cannot be called that way is trusted and
+the plan says so (``TensorPlan.checked``). The sharded copy must not raise and must give the same outputs, input
+gradients and parameter gradients as the whole one. A fused projection that fails split part by part is tried
+split plain column-wise (whole heads: Bloom's ``query_key_value`` interleaves q, k and v head by head) and kept
+so if that matches. Otherwise every region of that kind is left replicated, with a warning that names it and
+the largest difference or what raised. Under ``sequence_parallel=True`` a failure is refused instead (a
+replicated region cannot take a sequence-split residual stream). Every tensor-parallel rank runs the same check
+and the verdicts are agreed with one all-reduce, so all ranks keep the same plan.
 
-What it costs a rank is transient and comes before its share is materialized: the region's weights whole,
-their gradients (kept for the comparison) and the sharded copy's shards and gradients, about 2 × the region
-(a meta-built module's copy is its only copy and is sharded in place). Each rank compares its own shard of
-the sharded gradients with the same region of the whole ones (nothing is gathered whole again), and the
-copies are released on the way out: a parallelized copy refers to itself through its wrapped ``forward``,
+What it costs a rank is transient and comes before its share is materialized: one forward and backward of the
+region whole and one sharded, per kind of region (plus, where inputs are recorded, one forward of the user's step
+on one micro-batch without gradients); memory: the region's weights whole, their gradients (kept for the
+comparison) and the shards and their gradients, about 2 × the region (the copy is sharded in place). Each rank
+compares its own shard of the sharded gradients with the same region of the whole ones (nothing is gathered whole
+again), and the copies are released on the way out: a parallelized copy refers to itself through its wrapped ``forward``,
 so dropping it would free nothing until a garbage collection (measured: one whole MLP of HF Llama,
 12 MiB of a 68 MiB share, held into training).
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 import copy
 import gc
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -43,33 +49,92 @@ from lightning_par.tensor.mixed import reduce_partial_grads
 from lightning_par.tensor.plan import FUSED, PREPARE, TensorPlan
 from lightning_par.tensor.regions import add_islands
 from lightning_par.tensor.trace import required_positional
+from lightning_par.verify import compare, first_line, perturb_, run_block
 from lightning_par.weights.regions import dtensor_region, region_slices
 
 PROBE_SHAPE = (2, 4)  # batch, sequence of the probe's hidden state
 _OK, _TRUSTED, _FAILED = 0, 1, 2
 
 
-def check_regions(module: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *,
-                  sequence_parallel: bool = False) -> TensorPlan:
-    """Run [Note: the region probe] on ``module`` (unchanged) and update ``plan`` in place; returns it."""
-    kinds: dict[tuple, list[str]] = {}
-    for region in plan.regions():
-        kinds.setdefault(_kind(module, plan, region), []).append(region)
+def check_regions(module: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *, sequence_parallel: bool = False,
+                  inputs: Optional[dict] = None) -> TensorPlan:
+    """Run [Note: the region probe] on ``module`` (unchanged) and update ``plan`` in place; returns it.
+    ``inputs``: recorded inputs of regions ({region: (args, kwargs)}, :func:`lightning_par.verify.record_inputs`
+    on :func:`probe_targets`); a kind without them is run on random hidden states."""
+    kinds = region_kinds(module, plan)
     if not kinds:
         return plan
-    verdicts = [_probe(module, plan, regions[0], mesh) for regions in kinds.values()]
-    codes = torch.tensor([code for code, _ in verdicts], dtype=torch.int64, device=_device(module, mesh))
-    if mesh.size() > 1:
-        dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=mesh.get_group())
-    for (code, what), agreed, regions in zip(verdicts, codes.tolist(), kinds.values()):
-        if agreed == _FAILED and code != _FAILED:
+    inputs = inputs or {}
+    groups = list(kinds.values())
+
+    def agreed(verdicts):
+        codes = torch.tensor([code for code, _ in verdicts], dtype=torch.int64, device=_device(module, mesh))
+        if mesh.size() > 1:
+            dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        return codes.tolist()
+
+    def probe(p, regions):
+        target = next((r for r in regions if r in inputs), regions[0])
+        return _probe(module, p, target, mesh, inputs.get(target))
+
+    verdicts = [probe(plan, regions) for regions in groups]
+    codes = agreed(verdicts)
+    # a fused projection that fails split part by part may be head-interleaved (Bloom's query_key_value: q, k, v
+    # of head 0, then of head 1, ...): a plain column-wise split keeps whole heads, each with its q, k and v
+    retry = [i for i, code in enumerate(codes)
+             if code == _FAILED and any(plan.styles.get(n) == FUSED for n in _inside(plan, groups[i][0]))]
+    if retry:
+        tried = [_unfused(plan, groups[i]) for i in retry]
+        again = agreed([probe(t, groups[i]) for t, i in zip(tried, retry)])
+        for i, code in zip(retry, again):
+            if code == _OK:
+                for n in [n for r in groups[i] for n in _inside(plan, r) if plan.styles[n] == FUSED]:
+                    plan.styles[n] = "colwise"
+                    plan.parts.pop(n, None)
+                codes[i] = _OK
+                verdicts[i] = (_OK, MATCHES + " (its fused projection split by whole heads: the parts are "
+                                              "interleaved head by head)")
+    for (code, what), agreed_code, regions in zip(verdicts, codes, groups):
+        if agreed_code == _FAILED and code != _FAILED:
             what = "failed on another tensor-parallel rank"
         for region in regions:
-            plan.checked[region] = {_OK: "sharded copy matches the whole one", _TRUSTED: what}.get(agreed, what)
-        if agreed == _FAILED:
+            plan.checked[region] = what
+        if agreed_code == _FAILED:
             _leave_replicated(module, plan, regions, what, sequence_parallel)
     add_islands(plan, module)  # a region left replicated inside another one is now an island of it
     return plan
+
+
+MATCHES = "sharded copy matches the whole one"
+
+
+def region_kinds(module: nn.Module, plan: TensorPlan) -> dict[tuple, list[str]]:
+    """The plan's regions grouped by kind (same class, parameter shapes and plan inside), plan order."""
+    kinds: dict[tuple, list[str]] = {}
+    for region in plan.regions():
+        kinds.setdefault(_kind(module, plan, region), []).append(region)
+    return kinds
+
+
+def probe_targets(module: nn.Module, plan: TensorPlan) -> list[str]:
+    """The regions the check runs (the first of each kind): the ones whose inputs to record."""
+    return [regions[0] for regions in region_kinds(module, plan).values()]
+
+
+def _inside(plan: TensorPlan, region: str) -> list[str]:
+    return [n for n in plan.styles if n.startswith(region + ".")]
+
+
+def _unfused(plan: TensorPlan, regions: list[str]) -> TensorPlan:
+    """``plan`` with the fused projections inside ``regions`` split plain column-wise."""
+    out = TensorPlan(styles=dict(plan.styles), parts=dict(plan.parts), source=plan.source)
+    out.islands = dict(plan.islands)
+    for r in regions:
+        for n in _inside(plan, r):
+            if out.styles[n] == FUSED:
+                out.styles[n] = "colwise"
+                out.parts.pop(n, None)
+    return out
 
 
 def _kind(module: nn.Module, plan: TensorPlan, region: str) -> tuple:
@@ -90,10 +155,10 @@ def _sub_plan(plan: TensorPlan, region: str) -> TensorPlan:
     return sub
 
 
-def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -> tuple[int, str]:
+def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh, inputs=None) -> tuple[int, str]:
     copies: list[nn.Module] = []  # released on the way out: a parallelized copy is a cycle (see release)
     try:
-        return _probe_copies(module, plan, region, mesh, copies)
+        return _probe_copies(module, plan, region, mesh, copies, inputs)
     finally:
         for c in copies:
             release(c)
@@ -101,86 +166,57 @@ def _probe(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh) -
             gc.collect()
 
 
-def _probe_copies(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh, copies: list) -> tuple[int, str]:
-    from lightning_par.tensor.parallelize import parallelize
-
-    def copied(m: nn.Module) -> nn.Module:
-        copies.append(copy.deepcopy(m))
-        return copies[-1]
+def _probe_copies(module: nn.Module, plan: TensorPlan, region: str, mesh: DeviceMesh, copies: list,
+                  inputs) -> tuple[int, str]:
+    """One private copy of the region, perturbed ([Note: the setup check] in lightning_par/verify.py), run whole,
+    then sharded in place and run again on the same inputs."""
+    from lightning_par.tensor.parallelize import backward_context, parallelize, to_plain
 
     m = module.get_submodule(region)
-    private = has_meta(m)  # a meta-built module: the probe runs on a copy of the region given storage and init,
-    if private:  # which is its own to shard in place (one whole copy fewer: a meta-built model may barely fit)
-        m = copied(m)
+    copies.append(copy.deepcopy(m))
+    m = copies[-1]
+    if has_meta(m):  # a meta-built module: the copy of the region gets storage and init
         if initialize(m, materialize(m, torch.device(mesh.device_type)), seed=0):
             return _TRUSTED, "not checked (built on the meta device, and no init gives all of its weights)"
+    perturb_(m)
     sub = _sub_plan(plan, region)
     first = next((n for n, s in sub.styles.items() if s in ("colwise", FUSED)), None)  # reads the region's input
     weight = getattr(m.get_submodule(first), "weight", None) if first else None
     width = getattr(m.get_submodule(first), "in_features", None) if first else None
     if weight is None or not isinstance(width, int):
         return _TRUSTED, "not checked (no input width found)"
-    dtype = weight.dtype
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(*PROBE_SHAPE, width, generator=g).to(weight.device, dtype)
-    # further required positional inputs (a decoder layer's ``memory``) get other random hidden states
-    extra = [torch.randn(*PROBE_SHAPE, width, generator=g).to(x) for _ in range(required_positional(m) - 1)]
+    dtype, device = weight.dtype, weight.device
     del weight
+    recorded = inputs is not None
+    if not recorded:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(*PROBE_SHAPE, width, generator=g).to(device, dtype)
+        # further required positional inputs (a decoder layer's ``memory``) get other random hidden states
+        extra = [torch.randn(*PROBE_SHAPE, width, generator=g).to(x) for _ in range(required_positional(m) - 1)]
+        inputs = ((x, *extra), {})
     try:
-        whole = _run(m if private else copied(m), x, extra)
+        whole = run_block(m, inputs)
     except Exception as e:  # noqa: BLE001 -- any failure means "cannot be called with a hidden state alone"
-        return _TRUSTED, f"not checked (its forward needs more than a hidden state: {_first_line(e)})"
-    if private:
-        m.zero_grad(set_to_none=True)
+        if recorded:
+            return _TRUSTED, f"not checked (the whole module raised on its recorded inputs: {first_line(e)})"
+        return _TRUSTED, f"not checked (its forward needs more than a hidden state: {first_line(e)})"
+
+    def settle(sharded):
+        for name, p in sharded.named_parameters():
+            if isinstance(p, DTensor) and p.grad is not None and not isinstance(p.grad, DTensor):
+                raise RuntimeError(f"the DTensor parameter {name} got a plain gradient")
+        reduce_partial_grads(sharded.parameters(), mesh.get_group())  # as the strategy does after backward
+
     try:
-        sharded = parallelize(m if private else copied(m), sub, mesh, check=False)
-        got = _run(sharded, x, extra)
+        sharded = parallelize(m, sub, mesh, check=False)
+        got = run_block(sharded, inputs, plain=to_plain, after_backward=settle, context=backward_context)
     except Exception as e:  # noqa: BLE001 -- reported as the reason the region stays replicated
-        return _FAILED, f"the sharded module raised {_first_line(e)}"
-    return _compare(whole, got, dtype)
-
-
-def _run(m: nn.Module, x: torch.Tensor, extra: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    from lightning_par.tensor.parallelize import backward_context, to_plain
-
-    m.eval()
-    x = x.clone().requires_grad_(True)
-    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-        outputs = [t for t in _tensors(to_plain(m(x, *extra))) if t.is_floating_point()]
-    if not outputs:
-        raise ValueError("no floating-point output")
-    # a fixed random weighting of every output: each output element gets its own gradient
-    g = torch.Generator().manual_seed(1)
-    loss = sum((o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in outputs)
-    with backward_context():
-        loss.backward()
-    if any(isinstance(p, DTensor) for p in m.parameters()):
-        mesh = next(p.device_mesh for p in m.parameters() if isinstance(p, DTensor))
-        reduce_partial_grads(m.parameters(), mesh.get_group())  # as the strategy does after backward
-    found = {f"output {i}": o.detach() for i, o in enumerate(outputs)}
-    found["input gradient"] = x.grad
-    for name, p in m.named_parameters():
-        if isinstance(p, DTensor) and p.grad is not None and not isinstance(p.grad, DTensor):
-            raise RuntimeError(f"the DTensor parameter {name} got a plain gradient")
-        found[f"gradient of {name}"] = None if p.grad is None else p.grad.detach()  # a DTensor stays one
-    return found
-
-
-def _compare(whole: dict, got: dict, dtype: torch.dtype) -> tuple[int, str]:
-    """Each rank compares its own shard of the sharded copy's tensors with the same region of the whole copy's
-    (the verdicts are agreed over the ranks afterwards): no gradient is gathered whole a second time."""
-    rtol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
-    for key, ref in whole.items():
-        mine = got.get(key)
-        if ref is None:
-            continue
-        if mine is None or tuple(mine.shape) != tuple(ref.shape):
-            return _FAILED, f"the sharded module gives no {key} of shape {tuple(ref.shape)}"
-        mine, part = _local_part(mine, ref)
-        err = (mine.float() - part.float()).abs().max().item()
-        if err > rtol * (1.0 + ref.float().abs().max().item()):
-            return _FAILED, f"the sharded module's {key} differs from the whole module's by {err:.2e}"
-    return _OK, "sharded copy matches the whole one"
+        return _FAILED, f"the sharded module raised {first_line(e)}"
+    verdict = compare(whole, got, dtype, width, _local_part)
+    if verdict.ok:
+        return _OK, MATCHES
+    return _FAILED, (f"the sharded module's {verdict.key} differs from the whole module's by {verdict.error:.2e} "
+                     f"(rounding allows {verdict.allowed:.2e})")
 
 
 def _leave_replicated(module: nn.Module, plan: TensorPlan, regions: list[str], what: str, sequence_parallel: bool):
@@ -222,11 +258,6 @@ def _local_part(mine: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, to
     except ValueError:
         return mine.full_tensor(), ref
     return mine.to_local(), ref[region_slices(region)]
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
 def _device(module: nn.Module, mesh: DeviceMesh) -> torch.device:

@@ -45,11 +45,12 @@ TODAY = {
 }
 SYNC = {"sync", "sync_every", "outer_lr", "outer_momentum", "fragments"}  # local SGD / DiLoCo on the data axis
 HOOKS = {"comm_hook", "powersgd_rank", "powersgd_start_iter"}  # DDP's communication hooks on the core's dp axis too
+VERIFY = {"verify"}  # the setup check of rewritten blocks (lightning_par.verify)
 ADDED = {DataParallelStrategy: SYNC,  # offload: zero stage 3's shards in host memory, on the core's dp axis too
-         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS},  # the core's, now taken
-         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS},  # blocks: the stack AC uses
-         HybridParallelStrategy: {"context_parallel_size", "context_parallel_method", "offload", *SYNC,
-                                  *HOOKS}}  # the presets fix cp to 1
+         PipelineParallelStrategy: {"mesh_order", "offload", *SYNC, *HOOKS, *VERIFY},  # the core's
+         TensorParallelStrategy: {"mesh_order", "blocks", "offload", *SYNC, *HOOKS, *VERIFY},  # blocks: AC's stack
+         HybridParallelStrategy: {"context_parallel_size", "context_parallel_method", "offload", *SYNC, *HOOKS,
+                                  *VERIFY}}  # the presets fix cp to 1
 SCHEMAS = {DataParallelStrategy: config.DataParallelStrategyConfig, HybridParallelStrategy: config.HybridStrategyConfig,
            PipelineParallelStrategy: config.PipelineStrategyConfig, TensorParallelStrategy: config.TensorStrategyConfig}
 COMPOSITE = {DataParallelStrategy: options.DataParallelOptions}  # the others: CoreOptions
