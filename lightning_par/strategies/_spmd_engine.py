@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_par._compat import optimizers_to_device
 from lightning_par.context.apply import apply_context_parallel
 from lightning_par.context.probe import check_context_parallel
+from lightning_par.context.verify import block_kinds, check_context_blocks
 from lightning_par.strategies._pipeline_sample import sample_step
 from lightning_par.dp import fsdp
 from lightning_par.materialize import has_meta, move_real
@@ -69,11 +70,13 @@ class SpmdEngine(Engine):
         s.accelerator.setup(trainer)
         s.precision_plugin.convert_module(s.model)
         move_real(s.model, s.root_device)  # a meta-built module gets its shards' storage in _parallelize
-        self.checkpoint_blocks(s.lightning_module, self.options.blocks)  # inside the blocks TP and FSDP shard next
         cp_method = s._options.layout.context_parallel_method
         if self.groups.cp is not None and self.context is None:  # [Note: the setup check of context parallelism]
             check_context_parallel(s.lightning_module, None if has_meta(s.lightning_module) else sample_step(
                 s, s.lightning_module, 1), method=cp_method, blocks=self.options.blocks)
+            if self.options.verify:  # [Note: the setup check of a context-parallel block]: eager blocks, collective
+                check_context_blocks(s.lightning_module, self._recorded_blocks(), self.groups.cp, method=cp_method)
+        self.checkpoint_blocks(s.lightning_module, self.options.blocks)  # inside the blocks TP and FSDP shard next
         self._parallelize()
         if self.groups.cp is not None and self.context is None:  # context_parallel_size > 1
             self.context = apply_context_parallel(s.lightning_module, self.groups.cp, blocks=self.options.blocks,
@@ -146,6 +149,20 @@ class SpmdEngine(Engine):
         with rng_fork(self.s.root_device, True), kept_state(module):  # the batch drawn too; buffers kept
             step = sample_step(self.s, self.s.lightning_module, 1)
             return None if step is None else record_inputs(module, probe_targets(module, plan), step)
+
+    def _recorded_blocks(self):
+        """The inputs of the first block of each class in one run of the user's step on one micro-batch of the
+        first batch (None for a meta-built module or where there is no batch)."""
+        from lightning_par.pipeline.flow import kept_state
+        from lightning_par.pipeline.runner import rng_fork
+        from lightning_par.verify import record_inputs
+
+        lm = self.s.lightning_module
+        if has_meta(lm):
+            return None
+        with rng_fork(self.s.root_device, True), kept_state(lm):  # the batch drawn too; buffers kept
+            step = sample_step(self.s, lm, 1)
+            return None if step is None else record_inputs(lm, block_kinds(lm, self.options.blocks), step)
 
     def _parallelized_before(self, module) -> bool:
         """Whether an earlier setup parallelized ``module``: this engine's (a later fit / test of the same
