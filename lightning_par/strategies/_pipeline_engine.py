@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par._compat import ddp_ignore, optimizers_to_device
 from lightning_par.context.apply import apply_context_parallel
+from lightning_par.context.verify import block_kinds, check_context_blocks
 from lightning_par.dp import fsdp
 from lightning_par.pipeline.consolidate import owned_state
 from lightning_par.materialize import free_parameters, has_meta, move_real
@@ -175,6 +176,9 @@ class PipelineEngine(Engine):
         if s.world_size > 1:  # after every check that can refuse: every rank starts from rank 0's weights
             broadcast_state(lm, src=0)
         inputs = self._recorded_inputs(lm, plan, step, path, len(container), virtual, bounds)
+        if g.cp is not None and o.verify:  # [Note: the setup check of a context-parallel block]: eager, collective
+            check_context_blocks(lm, self._recorded_blocks(lm, step, path), g.cp,
+                                 method=s._options.layout.context_parallel_method)
         rt.install()
         self.checkpoint_blocks(lm, path)  # after the stage's hooks (a block's RNG is saved reseeded), before TP / FSDP
         if plan is not None:  # a meta-built stage is parallelized as meta tensors: each rank then makes its shards
@@ -236,6 +240,17 @@ class PipelineEngine(Engine):
         stage_plan = plan.without([f"{path}.{i}" for i in range(n_blocks) if i not in mine])
         with rng_fork(self.s.root_device, True), kept_state(lm):
             return record_inputs(lm, probe_targets(lm, stage_plan), step)
+
+    def _recorded_blocks(self, lm, step, path):
+        """The inputs of the first block of each class of the whole stack, recorded in one more run of the trace's
+        micro-batch on the whole module (None for a meta-built module or where no step ran)."""
+        from lightning_par.pipeline.flow import kept_state
+        from lightning_par.verify import record_inputs
+
+        if step is None or has_meta(lm):
+            return None
+        with rng_fork(self.s.root_device, True), kept_state(lm):
+            return record_inputs(lm, block_kinds(lm, path), step)
 
     def _apply_context(self) -> None:
         """cp hooks on this stage's blocks, after the stage's and the checkpointing's own ([Note: context

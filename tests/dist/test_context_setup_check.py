@@ -55,6 +55,14 @@ def test_a_block_that_mixes_positions_outside_attention_is_refused_at_setup(tmp_
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+def test_the_block_is_refused_inside_pipeline_stages_too(tmp_path):
+    # pp 2 × cp 2: the check runs on the whole module's eager blocks before the stages are cut
+    with pytest.raises(Exception, match=r"the setup check of 'blocks.0' \(RunningMeanBlock\) failed"):
+        fit_and_record(seeded(RunningMeanGPT), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "p"),
+                       strategy=hybrid(pipeline_parallel_size=2, microbatches=2), devices=4, max_steps=1)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
 def test_verify_false_skips_the_check(tmp_path):
     # unchecked, the block trains (differently from one device: not asserted, only that it runs)
     got = fit_and_record(seeded(RunningMeanGPT), DataLoader(DATA.train_set, batch_size=4), str(tmp_path / "v"),
