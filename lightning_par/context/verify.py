@@ -63,7 +63,7 @@ def check_context_blocks(module: nn.Module, inputs: Optional[dict[str, Inputs]],
     with ``method``; ``ValueError`` naming the block, the largest difference and the fix where one differs, on
     every rank of ``group`` alike. Collective: every rank of ``group`` calls it together. Returns the verdicts."""
     src = dist.get_global_rank(group, 0)
-    box = [inputs or {}]
+    box = [_on_cpu(inputs or {})]  # sent through the CPU: each rank's check moves them to its block's device
     dist.broadcast_object_list(box, src=src, group=group)  # every rank checks the same inputs
     inputs = box[0]
     cp = dist.get_world_size(group)
@@ -96,7 +96,7 @@ def check_context_blocks(module: nn.Module, inputs: Optional[dict[str, Inputs]],
             verdict = apply_setup_check(synced, rewrite, inputs[name], after_backward=average)
         finally:
             del synced
-        verdicts[name] = _agree(verdict, group)
+        verdicts[name] = _agree(verdict, group, next((p.device for p in block.parameters()), torch.device("cpu")))
         refuse_if_different(
             verdicts[name], name, block, f"context parallel (context_parallel_method={method!r})",
             f"`{name}` computes something else on this rank's piece of the sequence than on the whole (an operation "
@@ -113,15 +113,25 @@ def _ratio(v: Verdict) -> float:
     return math.inf if math.isnan(r) else max(r, 1.0 + 1e-6)
 
 
-def _agree(verdict: Verdict, group) -> Verdict:
+def _agree(verdict: Verdict, group, device: torch.device) -> Verdict:
     """The verdict of the group: this rank's where every rank's passed, else the worst rank's (every rank alike)."""
-    worst = torch.tensor([_ratio(verdict)], dtype=torch.float64)
+    worst = torch.tensor([_ratio(verdict)], dtype=torch.float32, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     if worst.item() <= 1.0:
         return verdict
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, verdict, group=group)
     return max(every, key=_ratio)
+
+
+def _on_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if type(obj) in (tuple, list):
+        return type(obj)(_on_cpu(o) for o in obj)
+    if type(obj) is dict:
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    return obj
 
 
 def _tensors(obj):

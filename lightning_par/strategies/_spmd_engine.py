@@ -152,13 +152,16 @@ class SpmdEngine(Engine):
 
     def _recorded_blocks(self):
         """The inputs of the first block of each class in one run of the user's step on one micro-batch of the
-        first batch (None for a meta-built module or where there is no batch)."""
+        first batch (None for a meta-built module, where there is no batch, or for a module sharded by an earlier
+        setup, whose blocks were checked then)."""
+        from torch.distributed.tensor import DTensor
+
         from lightning_par.pipeline.flow import kept_state
         from lightning_par.pipeline.runner import rng_fork
         from lightning_par.verify import record_inputs
 
         lm = self.s.lightning_module
-        if has_meta(lm):
+        if has_meta(lm) or any(isinstance(p, DTensor) for p in lm.parameters()):
             return None
         with rng_fork(self.s.root_device, True), kept_state(lm):  # the batch drawn too; buffers kept
             step = sample_step(self.s, lm, 1)
