@@ -278,4 +278,21 @@ def apply_context_parallel(module: nn.Module, group, *, blocks: str | None = Non
     return applied
 
 
-__all__ = ["ContextParallel", "apply_context_parallel", "check_sdpa"]
+def apply_context_parallel_to_block(block: nn.Module, name: str, group, *, method: str = "ring",
+                                    seq_dim: int = 1) -> ContextParallel:
+    """``block`` alone as a stack of one block under context parallelism (the hooks :func:`apply_context_parallel`
+    installs on a stack's first and last block): it cuts what it receives, routes its attention across ``group`` and
+    gathers its output back to the whole sequence, the gather's gradient scaled by the group's size. What the setup
+    check runs ([Note: the setup check of a context-parallel block] in :mod:`lightning_par.context.verify`)."""
+    if method not in CP_METHODS:
+        raise ValueError(f"context parallel `method={method!r}`: choose one of {CP_METHODS}.")
+    if method != "ulysses":
+        check_sdpa(block)
+    applied = ContextParallel(path=name, group=group, method=method, seq_dim=seq_dim)
+    applied._handles.append(block.register_forward_pre_hook(applied._pre(True, name, block), with_kwargs=True))
+    applied._handles.append(block.register_forward_hook(
+        applied._post(name, True, float(dist.get_world_size(group))), with_kwargs=True, always_call=True))
+    return applied
+
+
+__all__ = ["ContextParallel", "apply_context_parallel", "apply_context_parallel_to_block", "check_sdpa"]

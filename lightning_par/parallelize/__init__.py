@@ -6,7 +6,8 @@ function of its own, unit-testable alone.
 
 The order, one list for the three engines (a step an engine does not take is skipped where it would stand):
 
- 1. block stack and trace  (:func:`apply_block_stack`)         pipeline; one stage: cp's probe (:func:`check_context`)
+ 1. block stack and trace  (:func:`apply_block_stack`)         pipeline; one stage: cp's probe and check
+                                                                 (:func:`check_context`)
  2. stage split            (:func:`apply_stage_split`)         pipeline
  3. tensor plan, found     (:func:`find_tensor_plan`)          pipeline, SPMD
     -- every refusal above is raised on every rank before any collective; then rank 0's weights go to every rank
@@ -40,13 +41,15 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from lightning_par.dp import fsdp
-from lightning_par.materialize import free_parameters
+from lightning_par.context.verify import check_context_blocks
+from lightning_par.materialize import free_parameters, has_meta
 from lightning_par.memory.checkpointing import apply_activation_checkpointing
 from lightning_par.parallelize.steps import (BlockStack, Schedule, StageSplit, apply_block_stack, apply_compile,
                                              apply_context, apply_expert_parallel, apply_fsdp, apply_placement,
                                              apply_schedule, apply_setup_check, apply_stage, apply_stage_split,
                                              apply_tensor_parallel, check_context, find_tensor_plan, not_held,
-                                             record_setup_inputs, sync_rng, virtual_stages)
+                                             record_block_inputs, record_setup_inputs, sync_rng,
+                                             virtual_stages)
 from lightning_par.parallelize.values import EngineOptions, Groups, Parallelized, Rank
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.ends import stage_needs
@@ -90,6 +93,10 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
         mine = {i for k in virtual_stages(rank, options.pipeline) for i in range(*split.bounds[k])}
         stage_plan = plan.without([f"{stack.path}.{i}" for i in range(len(stack.container)) if i not in mine])
         inputs = record_setup_inputs(module, stage_plan, lambda: stack.step, rank.device)
+    if check and groups.cp is not None and stack.step is not None and not has_meta(module):
+        # context parallel's blocks checked whole against cp, on the whole stack before the stages are cut
+        check_context_blocks(module, record_block_inputs(module, stack.path, lambda: stack.step, rank.device),
+                             groups.cp, method=options.context_parallel_method)
     made.runtime = rt = apply_stage(module, stack, split, rank, groups, options.pipeline, options.tensor, plan)
     # 4. activation checkpointing
     made.checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing, blocks=stack.path,
@@ -138,7 +145,9 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
     made = Parallelized()
     reader = None
     # 1. the block stack: what context parallelism cannot serve, refused before any collective
-    check_context(module, groups, rank, method=options.context_parallel_method, blocks=options.blocks, sample=sample)
+    #    and, with verify, each kind of block checked whole against cp (the eager blocks, before anything is sharded)
+    check_context(module, groups, rank, method=options.context_parallel_method, blocks=options.blocks, sample=sample,
+                  verify=options.verify)
     if fresh:
         # 3. tensor plan, found (pure: the same ValueError on every rank before any collective)
         made.plan = plan = find_tensor_plan(module, options.tensor, rank.topology, layout=options.layout)

@@ -12,10 +12,11 @@ from lightning_par.compile import Compiled, UserCompile, compile_what, compiler_
 from lightning_par.compile import apply_compile as compile_blocks
 from lightning_par.context.apply import apply_context_parallel
 from lightning_par.context.probe import check_context_parallel
+from lightning_par.context.verify import block_kinds, check_context_blocks
 from lightning_par.dp import fsdp
-from lightning_par.materialize import has_meta
 from lightning_par.experts import apply_experts
 from lightning_par.experts.apply import leave_experts_out
+from lightning_par.materialize import has_meta
 from lightning_par.options import (BlockOptions, LayoutOptions, MemoryOptions, PipelineOptions, ShardingOptions,
                                    TensorOptions)
 from lightning_par.parallelize.values import EngineOptions, Groups, Parallelized, Rank
@@ -224,14 +225,39 @@ def apply_placement(module: nn.Module, place: Callable, reader: Any, owned: Opti
 
 # -- 11. context parallel -------------------------------------------------------------------------------------
 def check_context(module: nn.Module, groups: Groups, rank: Rank, *, method: str, blocks: Optional[str],
-                  sample: Optional[Callable[[], Any]]) -> Any:
+                  sample: Optional[Callable[[], Any]], verify: bool = False) -> Any:
     """``context_parallel_size > 1``: a module whose blocks make no attention call ``method`` serves, or whose block
     inputs have no sequence dimension to cut, refused by name before any collective ([Note: the setup check of
-    context parallelism] in lightning_par/context/probe.py); ``sample()``: the user's step on one micro-batch."""
+    context parallelism] in lightning_par/context/probe.py); then, with ``verify``, each kind of block run whole and
+    under context parallelism on the step's recorded inputs, and one that differs refused by name on every rank of
+    the cp group alike ([Note: the setup check of a context-parallel block] in lightning_par/context/verify.py:
+    collective over the cp group; the eager, unsharded blocks). ``sample()``: the user's step on one micro-batch."""
     if groups.cp is None or sample is None or has_meta(module):
         return None
     with rng_fork(rank.device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
-        return check_context_parallel(module, sample(), method=method, blocks=blocks)
+        seen = check_context_parallel(module, sample(), method=method, blocks=blocks)
+    if verify and not is_sharded(module):  # a module an earlier setup sharded was checked then
+        check_context_blocks(module, record_block_inputs(module, blocks, sample, rank.device), groups.cp,
+                             method=method)
+    return seen
+
+
+def record_block_inputs(module: nn.Module, blocks: Optional[str], sample: Callable[[], Any],
+                        device: torch.device) -> Optional[dict]:
+    """The inputs of the first block of each class of the stack ``blocks`` in one run of ``sample()`` (the user's
+    step on one micro-batch) on the whole module, its buffers and random stream kept; None without a step."""
+    from lightning_par.pipeline.flow import kept_state
+    from lightning_par.verify import record_inputs
+
+    with rng_fork(device, True), kept_state(module):  # the batch drawn too; buffers kept
+        step = sample()
+        return None if step is None else record_inputs(module, block_kinds(module, blocks), step)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def apply_context(module: nn.Module, groups: Groups, *, blocks: Optional[str],
