@@ -225,12 +225,13 @@ class PipelineEngine(Engine):
     def _recorded_inputs(self, lm, plan, step, path, n_blocks, virtual, bounds):
         """The inputs of the first region of each kind among this rank's blocks, recorded in one more run of the
         trace's micro-batch on the whole module ([Note: the setup check] in lightning_par/verify.py); None where
-        nothing is checked or nothing can run (a meta-built module)."""
+        nothing is checked or nothing can run (a meta-built module runs on the meta device: [Note: the setup
+        check])."""
         from lightning_par.pipeline.flow import kept_state
         from lightning_par.tensor.probe import probe_targets
         from lightning_par.verify import record_inputs
 
-        if plan is None or step is None or not self.options.verify or has_meta(lm):
+        if plan is None or step is None or not self.options.verify:
             return None
         mine = {i for k in virtual for i in range(*bounds[k])}
         stage_plan = plan.without([f"{path}.{i}" for i in range(n_blocks) if i not in mine])

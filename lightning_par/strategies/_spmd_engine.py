@@ -126,15 +126,15 @@ class SpmdEngine(Engine):
 
     def _recorded_inputs(self, module, plan):
         """The inputs of the first region of each kind in one run of the user's step on one micro-batch of the
-        first batch, before anything is sharded (None for a meta-built module or outside fit)."""
-        from lightning_par.materialize import has_meta
+        first batch, before anything is sharded (None outside fit); a meta-built module's run is on the meta
+        device, its inputs get seeded values in the check ([Note: the setup check])."""
         from lightning_par.pipeline.flow import kept_state
         from lightning_par.pipeline.runner import rng_fork
         from lightning_par.strategies._pipeline_sample import sample_step
         from lightning_par.tensor.probe import probe_targets
         from lightning_par.verify import record_inputs
 
-        if has_meta(module) or self.s.lightning_module.trainer.state.fn != TrainerFn.FITTING or not plan.regions():
+        if self.s.lightning_module.trainer.state.fn != TrainerFn.FITTING or not plan.regions():
             return None
         with rng_fork(self.s.root_device, True), kept_state(module):  # the batch drawn too; buffers kept
             step = sample_step(self.s, self.s.lightning_module, 1)

@@ -49,7 +49,7 @@ from lightning_par.tensor.mixed import reduce_partial_grads
 from lightning_par.tensor.plan import FUSED, PREPARE, TensorPlan
 from lightning_par.tensor.regions import add_islands
 from lightning_par.tensor.trace import required_positional
-from lightning_par.verify import compare, first_line, perturb_, run_block
+from lightning_par.verify import compare, first_line, perturb_, realize, run_block
 from lightning_par.weights.regions import dtensor_region, region_slices
 
 PROBE_SHAPE = (2, 4)  # batch, sequence of the probe's hidden state
@@ -188,7 +188,9 @@ def _probe_copies(module: nn.Module, plan: TensorPlan, region: str, mesh: Device
     dtype, device = weight.dtype, weight.device
     del weight
     recorded = inputs is not None
-    if not recorded:
+    if recorded:  # recorded on a meta-built module: seeded values ([Note: the setup check])
+        inputs = realize(inputs, device)
+    else:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(*PROBE_SHAPE, width, generator=g).to(device, dtype)
         # further required positional inputs (a decoder layer's ``memory``) get other random hidden states
