@@ -36,7 +36,10 @@ transformers' defaults otherwise (vocabulary 32000, MLP 11008: 673 MiB, the unti
 (2-core CPU, setup check on; net peak MiB, / held, / one device): one device eager + the loaded file 1346 (2.00);
 one device meta + ``weights=`` (``one_meta``, DDP) 1194 (1.77, tensors 2.00); pp2 338 / 400 (1.00; 0.25 / 0.30
 of the eager one, 0.50 / 0.59 of the model's own bytes); tp2 400 / 400 (1.00; 0.30, 0.59), tensors / held on tp2
-rank 0 1.05-1.11 between runs (a whole MLP weight of the check's copies, freed by a later collection).
+rank 0 1.05-1.11 between runs. With the attention checked too (a meta build's step run on the meta device, its
+inputs given seeded values): pp2 unchanged, tp2 405 / 405 (1.02; 0.30 of the eager one, 0.60 of the model's own
+bytes), tensors / held on rank 0 1.16: one to three whole MLP weights of the check's copy (21.5 MiB each) are
+still allocated when rank 0's share is, rank 1 never (cause not found).
 """
 from __future__ import annotations
 
