@@ -167,7 +167,8 @@ def world_size(trainer_cfg: DictConfig) -> Optional[int]:
 def check_sizes(cfg: DictConfig) -> None:
     """The strategy's parallel sizes against ``trainer.devices`` × ``trainer.num_nodes``, before any process
     starts; the message names only the sizes this strategy option takes."""
-    sizes = {k: v for k, v in cfg.strategy.items() if k.endswith("_parallel_size")}
+    sizes = {k: v for k, v in cfg.strategy.items()  # expert parallelism borrows its ranks: no factor of the world
+             if k.endswith("_parallel_size") and k != "expert_parallel_size"}
     world = world_size(cfg.trainer)
     if not sizes or world is None:
         return

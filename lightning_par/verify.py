@@ -16,8 +16,13 @@ do, each of which lets such a difference through:
   residual); called with a random hidden state alone it fails, and was trusted unchecked. :func:`record_inputs`
   keeps the positional and keyword inputs of the first call of each named block during one run of the user's
   step on one micro-batch (the pipeline's setup trace, or the SPMD engine's one micro-batch at setup); the
-  check runs the block on exactly those. A random hidden state remains the fallback where no step could be run
-  (a meta-built module has no weights to run).
+  check runs the block on exactly those. A random hidden state remains the fallback where no step could be run.
+  A meta-built module runs its step on the meta device (no weights, no memory): that records the inputs'
+  shapes, dtypes and the objects beside them, and :func:`realize` gives each meta tensor seeded values
+  (floating point: standard normal, rotary tables and additive masks included; integers: positions along the
+  last dimension; booleans: true). Both runs get the same values, so a split that computes something else on
+  them is caught as on recorded values; a block that indexes with such an integer beyond its range raises in
+  the whole run and is reported not checked.
 - *A tolerance from the arithmetic.* Two correct computations of a block differ by rounding only: a sum of
   ``n`` products rounds by about ``sqrt(n)`` units of the format's epsilon relative to its magnitude, and a
   block chains a few such sums (projections, attention, the output projection) and their backward.
@@ -134,6 +139,35 @@ def fresh(inputs: Inputs, device: Optional[torch.device] = None) -> tuple[tuple,
 
     args, kwargs = inputs
     return go(args), go(kwargs), leaves
+
+
+def realize(inputs: Inputs, device: Optional[torch.device] = None, seed: int = 0) -> Inputs:
+    """``inputs`` recorded on a meta-built module with every meta tensor given seeded values on ``device``
+    (see [Note: the setup check]); other tensors and objects as they are. The same values on every rank."""
+    g = torch.Generator().manual_seed(seed)
+
+    def go(obj):
+        if isinstance(obj, torch.Tensor):
+            if not obj.is_meta:
+                return obj
+            if obj.is_floating_point():
+                t = torch.randn(obj.shape, generator=g)
+            elif obj.dtype == torch.bool:
+                t = torch.ones(obj.shape, dtype=torch.bool)
+            else:
+                last = obj.shape[-1] if obj.dim() else 1
+                t = torch.arange(last).expand(obj.shape) if obj.dim() else torch.tensor(0)
+            return t.to(device or "cpu", obj.dtype)
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(go(o) for o in obj)
+        if isinstance(obj, list):
+            return [go(o) for o in obj]
+        if isinstance(obj, dict):
+            return {k: go(v) for k, v in obj.items()}
+        return obj
+
+    args, kwargs = inputs
+    return go(args), go(kwargs)
 
 
 # -- running and comparing -----------------------------------------------------------------------------

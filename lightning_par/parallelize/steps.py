@@ -160,13 +160,13 @@ def record_setup_inputs(module: nn.Module, plan: Optional[TensorPlan], sample: C
                         device: torch.device) -> Optional[dict]:
     """The inputs of the first region of each kind of ``plan`` in one run of the user's step on one micro-batch
     (``sample()``: that step, drawn here) on the whole module, its buffers and random stream kept ([Note: the setup
-    check] in lightning_par/verify.py); None where nothing is checked or nothing can run (no plan, no step, a
-    meta build)."""
+    check] in lightning_par/verify.py: a meta-built module's step runs on the meta device, and the check gives
+    its inputs seeded values); None where nothing is checked (no plan, no step)."""
     from lightning_par.pipeline.flow import kept_state
     from lightning_par.tensor.probe import probe_targets
     from lightning_par.verify import record_inputs
 
-    if plan is None or has_meta(module) or not plan.regions():
+    if plan is None or not plan.regions():
         return None
     with rng_fork(device, True), kept_state(module):  # the batch drawn too; buffers kept
         step = sample()

@@ -11,8 +11,9 @@ biases and unit norms would hide a bias handled wrong), runs it whole, shards it
 runs it again, forward and backward, on the inputs that region received in one run of the user's step on one
 micro-batch (recorded by the engine: rotary tables, masks, ALiBi, a residual all as in training), in eval mode
 (no dropout: the two runs must agree); see [Note: the setup check] in lightning_par/verify.py for the tolerance
-(rounding of a sum of ``width`` terms) and what is compared. Where no step could be run (a meta-built module,
-outside fit) the region gets a small random hidden state ``(2, 4, width)`` (and another for each further required
+(rounding of a sum of ``width`` terms) and what is compared. A meta-built module's step runs on the meta device
+(no memory): its recorded inputs are shapes, given seeded values (``realize`` there). Where no step could be run
+(outside fit) the region gets a small random hidden state ``(2, 4, width)`` (and another for each further required
 positional input, such as a decoder layer's ``memory``); a region that cannot be called that way is trusted and
 the plan says so (``TensorPlan.checked``). The sharded copy must not raise and must give the same outputs, input
 gradients and parameter gradients as the whole one. A fused projection that fails split part by part is tried
@@ -49,7 +50,7 @@ from lightning_par.tensor.mixed import reduce_partial_grads
 from lightning_par.tensor.plan import FUSED, PREPARE, TensorPlan
 from lightning_par.tensor.regions import add_islands
 from lightning_par.tensor.trace import required_positional
-from lightning_par.verify import compare, first_line, perturb_, run_block
+from lightning_par.verify import compare, first_line, perturb_, realize, run_block
 from lightning_par.weights.regions import dtensor_region, region_slices
 
 PROBE_SHAPE = (2, 4)  # batch, sequence of the probe's hidden state
@@ -188,7 +189,9 @@ def _probe_copies(module: nn.Module, plan: TensorPlan, region: str, mesh: Device
     dtype, device = weight.dtype, weight.device
     del weight
     recorded = inputs is not None
-    if not recorded:
+    if recorded:  # recorded on a meta-built module: seeded values ([Note: the setup check])
+        inputs = realize(inputs, device)
+    else:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(*PROBE_SHAPE, width, generator=g).to(device, dtype)
         # further required positional inputs (a decoder layer's ``memory``) get other random hidden states

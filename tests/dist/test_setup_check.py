@@ -3,13 +3,15 @@ layer that adds its bias once per rank (the hypothesis for StarCoder2's drift, r
 setup on the recorded inputs, the region is left replicated with the module and the difference named, and the
 model still trains equal to one process; the same check passes the correct rewrite."""
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, assert_close_records, fit_and_record, free_port, one_process_fit, seeded, start_ranks
+from harness import (TIMEOUT_S, Recorder, assert_close_records, fit_and_record, free_port, one_process_fit, seeded,
+                     start_ranks, trainer_kwargs)
 from lightning_par.tensor import parallelize as tp_parallelize
 from lightning_par.tensor.transposed import RowwiseParallel
 from test_setup_check_families import DATA, MATCHES, PlanRecorder, starcoder2, starcoder2_adamw, tp2
@@ -148,3 +150,35 @@ def test_verify_false_skips_the_check(tmp_path):
         assert_close_records(ref, rec)
     plan = torch.load(plan_file, weights_only=False)
     assert plan["checked"] == {} and plan["styles"]["model.model.layers.0.mlp.c_proj"] == "rowwise"
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("broken", [False, True], ids=["correct", "bias_once_per_rank"])
+def test_a_meta_built_module_checks_its_attention_on_seeded_inputs(tmp_path, monkeypatch, broken):
+    """A meta-built StarCoder2 with ``weights=``: its step runs on the meta device at setup, the attention's inputs
+    (rotary tables, mask) are recorded as shapes and given seeded values, so the attention is checked as on an eager
+    build (it was "not checked": its forward needs more than a hidden state); the broken split is caught there and
+    left replicated, and training equals one process on the same weights."""
+    from safetensors.torch import save_file
+
+    if broken:  # forked ranks inherit the patch
+        monkeypatch.setattr(tp_parallelize, "RowwiseParallel", BiasOncePerRank)
+    path = str(tmp_path / "weights.safetensors")
+    save_file({k[len("model."):]: v.contiguous() for k, v in seeded(starcoder2_adamw).state_dict().items()
+               if k != "model.lm_head.weight"}, path)  # tied to the embedding: stored once, as Hugging Face writes it
+    ref = one_process_fit(starcoder2_adamw, DATA.train_set, 4, max_steps=3)
+    plan_file = str(tmp_path / "plan.pt")
+    trainer = pl.Trainer(**trainer_kwargs(strategy=tp2(weights=path, weights_prefix="model."), devices=2, max_steps=3,
+                                          callbacks=[Recorder(str(tmp_path / "tp")), PlanRecorder(plan_file)]))
+    with trainer.init_module(empty_init=True):
+        module = starcoder2_adamw()
+    trainer.fit(module, DataLoader(DATA.train_set, batch_size=4))
+    for rank in range(2):
+        assert_close_records(ref, torch.load(str(tmp_path / "tp" / f"rank{rank}.pt"), weights_only=False))
+    checked = torch.load(plan_file, weights_only=False)["checked"]
+    for i in range(2):
+        what = checked[f"model.model.layers.{i}.self_attn"]
+        if broken:
+            assert what.startswith("the sharded module's output 0 differs from the whole module's by "), what
+        else:
+            assert what == MATCHES

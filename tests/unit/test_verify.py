@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_par.memory.checkpointing import apply_activation_checkpointing, use_cache_off
-from lightning_par.verify import apply_setup_check, perturb_, record_inputs, refuse_if_different, tolerance
+from lightning_par.verify import apply_setup_check, perturb_, realize, record_inputs, refuse_if_different, tolerance
 
 
 class Block(nn.Module):
@@ -45,6 +45,20 @@ def test_record_inputs_keeps_positional_and_keyword_inputs_of_the_first_call():
     (x, mask), kwargs = found["blocks.1"]
     assert x.shape == (2, 4, 16) and mask.shape == (2, 4, 1) and kwargs == {"scale": 0.5}
     assert not x.requires_grad and all(p.grad is None for p in net.parameters())
+
+
+def test_realize_gives_meta_inputs_seeded_values_and_keeps_real_ones():
+    real = torch.ones(2)
+    cos = torch.empty(1, 4, 8, device="meta")
+    inputs = ((torch.empty(1, 4, 8, device="meta"),),
+              {"position_embeddings": (cos, cos), "position_ids": torch.empty(1, 4, dtype=torch.long, device="meta"),
+               "mask": torch.empty(4, dtype=torch.bool, device="meta"), "kept": real, "flag": True})
+    (x,), kw = realize(inputs)
+    assert x.device.type == "cpu" and x.shape == (1, 4, 8) and x.std() > 0.5
+    assert torch.equal(kw["position_ids"], torch.arange(4).unsqueeze(0)) and kw["mask"].all()
+    assert kw["kept"] is real and kw["flag"] is True and kw["position_embeddings"][0].shape == cos.shape
+    (again,), _ = realize(inputs)
+    assert torch.equal(again, x)  # seeded: every rank runs the check on the same values
 
 
 def test_perturb_makes_zero_biases_non_zero_and_draws_the_same_on_every_call():
