@@ -199,7 +199,7 @@ def run_block(m: nn.Module, inputs: Inputs, *, plain: Callable[[Any], Any] = lam
     m.zero_grad(set_to_none=True)
     with context(), torch.enable_grad(), \
             torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
-        outputs = [t for t in _tensors(plain(m(*args, **kwargs))) if t.is_floating_point() and t.requires_grad]
+        outputs = [t for t in tensors_in(plain(m(*args, **kwargs))) if t.is_floating_point() and t.requires_grad]
         if not outputs:
             raise ValueError("no floating-point output that depends on its inputs or parameters")
         g = torch.Generator().manual_seed(1)
@@ -259,7 +259,7 @@ def apply_setup_check(original: nn.Module, rewrite: Callable[[nn.Module], nn.Mod
             perturb_(base)
         dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
         if width is None:
-            width = max((t.shape[-1] for t in _tensors(inputs) if t.is_floating_point() and t.dim()), default=1)
+            width = max((t.shape[-1] for t in tensors_in(inputs) if t.is_floating_point() and t.dim()), default=1)
         whole = run_block(copy.deepcopy(base), inputs)
         try:
             rewritten = rewrite(base)
@@ -287,18 +287,19 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
-def _tensors(obj):
+def tensors_in(obj):
+    """Every tensor inside ``obj`` (tuples, lists, dicts and Hugging Face ``ModelOutput``s, depth first)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
         for o in obj:
-            yield from _tensors(o)
+            yield from tensors_in(o)
     elif isinstance(obj, dict):
         for o in obj.values():
-            yield from _tensors(o)
+            yield from tensors_in(o)
     elif hasattr(obj, "to_tuple"):  # a Hugging Face ModelOutput
-        yield from _tensors(obj.to_tuple())
+        yield from tensors_in(obj.to_tuple())
 
 
 __all__ = ["Inputs", "Verdict", "apply_setup_check", "compare", "first_line", "fresh", "perturb_", "record_inputs",
-           "refuse_if_different", "run_block", "tolerance"]
+           "refuse_if_different", "run_block", "tensors_in", "tolerance"]

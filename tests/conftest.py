@@ -130,6 +130,19 @@ def _no_patch_left():
         pytest.fail(f"the test left patches installed in the pytest process: {left}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _inductor_cache(tmp_path_factory):
+    """One inductor cache directory for the test session: kernels compiled by one test (or rank) are reused by the
+    next, so the few inductor tests pay each compile once."""
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "inductor-cache")
+    yield
+    if old is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """Each test sees the environment the session started with, whatever an earlier test's launch set

@@ -41,7 +41,7 @@ from torch import nn
 
 from lightning_par.context.apply import apply_context_parallel_to_block
 from lightning_par.pipeline.discovery import find_blocks
-from lightning_par.verify import Inputs, Verdict, apply_setup_check, refuse_if_different
+from lightning_par.verify import Inputs, Verdict, apply_setup_check, refuse_if_different, tensors_in
 
 
 def block_kinds(module: nn.Module, blocks: Optional[str] = None) -> list[str]:
@@ -79,7 +79,7 @@ def check_context_blocks(module: nn.Module, inputs: Optional[dict[str, Inputs]],
             leaves: list[torch.Tensor] = []
 
             def keep_leaves(mod, args, kwargs):
-                leaves.extend(t for t in _tensors((args, kwargs)) if t.is_leaf and t.requires_grad)
+                leaves.extend(t for t in tensors_in((args, kwargs)) if t.is_leaf and t.requires_grad)
 
             def rewrite(b):
                 b.register_forward_pre_hook(keep_leaves, with_kwargs=True)  # runs before cp's cut
@@ -132,17 +132,6 @@ def _on_cpu(obj):
     if type(obj) is dict:
         return {k: _on_cpu(v) for k, v in obj.items()}
     return obj
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 __all__ = ["block_kinds", "check_context_blocks"]

@@ -150,7 +150,7 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
                   verify=options.verify)
     if fresh:
         # 3. tensor plan, found (pure: the same ValueError on every rank before any collective)
-        made.plan = plan = find_tensor_plan(module, options.tensor, rank.topology, layout=options.layout)
+        made.plan = find_tensor_plan(module, options.tensor, rank.topology, layout=options.layout)
         reader = open_weights(module)  # checked against the whole module before anything is sharded
         if rank.world_size > 1:  # every rank starts from rank 0's weights and random stream
             broadcast_state(module, src=0)

@@ -31,7 +31,7 @@ from lightning_par.pipeline.shared import SharedParameters
 from lightning_par.pipeline.stage import StageRuntime
 from lightning_par.pipeline.stand_ins import StandIns
 from lightning_par.tensor.boundary import StageBoundary, check_sequence_stack
-from lightning_par.tensor.parallelize import broadcast_state, parallelize
+from lightning_par.tensor.parallelize import parallelize
 from lightning_par.tensor.plan import TensorPlan, build_plan
 from lightning_par.topology import Topology
 

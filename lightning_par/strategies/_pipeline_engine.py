@@ -115,7 +115,7 @@ class PipelineEngine(Engine):
         if self.runtime is not None:  # installed by model_to_device already
             return
         s, o, g = self.s, self.options, self.groups
-        lm, topo = s.lightning_module, s.topology
+        lm = s.lightning_module
         if any(isinstance(m, Ghost) for m in lm.modules()):
             raise RuntimeError(
                 f"This {type(lm).__name__} was already split into pipeline stages by another Trainer in this "

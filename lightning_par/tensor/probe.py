@@ -240,17 +240,6 @@ def _leave_replicated(module: nn.Module, plan: TensorPlan, regions: list[str], w
                   f"{what}. Every rank computes it whole; give `plan` entries to shard it differently.", stacklevel=4)
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
 def _local_part(mine: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A DTensor's local shard and the region of the plain ``ref`` it covers (a strided shard, several blocks of
     the full tensor, is compared whole); plain tensors as they are."""

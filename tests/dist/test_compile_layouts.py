@@ -25,18 +25,6 @@ AOT = {"backend": "aot_eager"}
 gpt = gpt_factory(n_layer=4)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def inductor_cache(tmp_path_factory):
-    """One inductor cache directory for the test session (compiled kernels reused across tests and ranks)."""
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "inductor-cache")
-    yield
-    if old is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
-
-
 def llama():
     return CausalLM(hf_model("llama", num_hidden_layers=4), call={"use_cache": False})
 

@@ -3,7 +3,6 @@ from the Hydra app, one graph serving every block of one class (one per class wh
 parameter names and state dicts unchanged, the user's ``torch.compile`` undone and reapplied per block, the
 refusals naming the value."""
 import copy
-import os
 
 import pytest
 import torch
@@ -19,18 +18,6 @@ from lightning_par.compile import (apply_compile, check_compile, compile_keyword
 from lightning_par.memory.checkpointing import apply_activation_checkpointing
 
 STRATEGIES = [DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def inductor_cache(tmp_path_factory):
-    """One inductor cache directory for the test session."""
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "inductor-cache")
-    yield
-    if old is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
 @pytest.fixture()
