@@ -107,28 +107,46 @@ def hf_model(family: str, **overrides) -> nn.Module:
 
 class CausalLM(pl.LightningModule):
     """How a user wraps a Hugging Face causal LM: nothing in it knows about parallelism; its parameters live in
-    ``self.model`` and its step never calls ``self(...)``. The loss is the cross-entropy of the logits; AdamW
-    (torch's defaults unless given). ``call`` holds further keywords of the model's forward (``use_cache=False``)."""
+    ``self.model`` (``attr``: another attribute, the prefix of every parameter name) and its step never calls
+    ``self(...)``. AdamW (torch's defaults unless given). ``call`` holds further keywords of the model's forward
+    (``use_cache=False``). ``loss``: ``"logits"``, the cross-entropy of the logits against the batch's targets;
+    ``"labels"``, the model's own loss with ``labels=`` the targets; ``"inputs"``, the model's own loss with
+    ``labels=`` the input ids (the model shifts them). ``log``: the training step logs ``train_loss``;
+    ``sync_dist``: that of the validation step's ``val_loss``."""
+
+    LOSSES = ("logits", "labels", "inputs")
 
     def __init__(self, model: nn.Module, *, lr: float = 1e-3, weight_decay: float = 0.01, eps: float = 1e-8,
-                 call: dict | None = None):
+                 call: dict | None = None, loss: str = "logits", log: bool = True, sync_dist: bool = True,
+                 attr: str = "model"):
         super().__init__()
-        self.model = model
+        if loss not in self.LOSSES:
+            raise ValueError(f"loss={loss!r}: one of {self.LOSSES}")
+        self.attr = attr
+        setattr(self, attr, model)
         self.lr, self.weight_decay, self.eps = lr, weight_decay, eps
         self.call_kw = dict(call or {})
+        self.loss_kind, self.log_train, self.sync_dist = loss, log, sync_dist
 
     def loss(self, batch):
         idx, targets = batch
-        logits = self.model(input_ids=idx, **self.call_kw).logits
+        model = getattr(self, getattr(self, "attr", "model"))
+        kind = getattr(self, "loss_kind", "logits")
+        if kind == "labels":
+            return model(input_ids=idx, labels=targets, **self.call_kw).loss
+        if kind == "inputs":
+            return model(input_ids=idx, labels=idx, **self.call_kw).loss
+        logits = model(input_ids=idx, **self.call_kw).logits
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
-        self.log("train_loss", loss)
+        if getattr(self, "log_train", True):
+            self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.loss(batch), sync_dist=True)
+        self.log("val_loss", self.loss(batch), sync_dist=getattr(self, "sync_dist", True))
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, eps=self.eps)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from harness import TIMEOUT_S, seeded, trainer_kwargs
+from models import CausalLM
 from lightning_par import HybridParallelStrategy, PipelineParallelStrategy
 from lightning_par.models import GPT
 from lightning_par.pipeline.coupling import measure_coupling, no_dropout
@@ -44,19 +45,11 @@ class LitCLIP(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-class LitLlama(pl.LightningModule):
+class LitLlama(CausalLM):
     def __init__(self):
-        super().__init__()
-        self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        super().__init__(transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=SEQ, attention_dropout=0.1))
-
-    def training_step(self, batch, batch_idx):
-        ids, _ = batch
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+            num_key_value_heads=2, max_position_embeddings=SEQ, attention_dropout=0.1)), loss="inputs", log=False)
 
 
 class GPTOnPairs(GPT):

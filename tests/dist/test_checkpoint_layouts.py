@@ -16,12 +16,11 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, reference_loader, seeded, trainer_kwargs
-from models import corpus, deep_warm_gpt
+from models import CausalLM, corpus, deep_warm_gpt
 from lightning_par import DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_par.checkpoint import cli as checkpoint_cli
 from lightning_par.models import GPT
@@ -32,30 +31,16 @@ BATCH = 8  # global batch: 2 steps per epoch
 
 
 
-class LlamaLM(pl.LightningModule):
+class LlamaLM(CausalLM):
     """A Hugging Face Llama (from a config) trained with AdamW, two parameter groups and a warmup schedule."""
 
     def __init__(self):
-        super().__init__()
         import transformers
 
         cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
                                        attn_implementation="sdpa")
-        self.net = transformers.LlamaForCausalLM(cfg)
-
-    def _loss(self, batch):
-        idx, targets = batch
-        logits = self.net(input_ids=idx, use_cache=False).logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch), sync_dist=True)
+        super().__init__(transformers.LlamaForCausalLM(cfg), attr="net", call={"use_cache": False})
 
     def configure_optimizers(self):
         norms = [p for n, p in self.named_parameters() if p.dim() < 2]

@@ -12,12 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from harness import TIMEOUT_S, fit_and_record, free_port, one_process_fit, SavePredictions, seeded, start_ranks
-from models import CausalLM, hf_model
+from harness import (TIMEOUT_S, assert_matches, fit_and_record, free_port, hybrid, one_process_fit, SavePredictions,
+                     seeded, start_ranks)
+from models import CausalLM, deep_gpt, hf_model
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.pipeline.p2p import _HEADER_BYTES
 from lightning_par.tensor.boundary import StageBoundary
-from test_hybrid import DATA, assert_matches, hybrid, tiny_gpt
+from test_hybrid import DATA
 
 FLAGS = {"sp": dict(sequence_parallel=True), "lp": dict(loss_parallel=True),
          "sp+lp": dict(sequence_parallel=True, loss_parallel=True)}
@@ -33,7 +34,7 @@ class LitLlama(CausalLM):
                                   attn_implementation="sdpa"), call={"use_cache": False})
 
 
-MODELS = {"gpt": tiny_gpt, "llama": LitLlama}
+MODELS = {"gpt": deep_gpt, "llama": LitLlama}
 
 
 def _largest_loss_gap(ref: dict, got: list[dict]) -> float:
@@ -69,8 +70,8 @@ def test_pp2_tp2_matches_one_process(tmp_path, model, schedule, flags):
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
 def test_other_schedules_match_one_process(tmp_path, schedule):
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 8)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 8)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
                                          microbatches=4, schedule=schedule, **FLAGS["sp+lp"]), devices=4)
     assert_matches(ref, got)
@@ -92,7 +93,7 @@ def test_checkpoint_validate_and_predict_under_sequence_and_loss_parallel(tmp_pa
                       **FLAGS["sp+lp"])
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=16), str(tmp_path / "fit"),
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=16), str(tmp_path / "fit"),
                          strategy=strategy(), devices=4, max_steps=-1, max_epochs=1, callbacks=[ckpt],
                          enable_checkpointing=True)
     path = str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
@@ -118,8 +119,8 @@ def test_checkpoint_validate_and_predict_under_sequence_and_loss_parallel(tmp_pa
 @pytest.mark.timeout(TIMEOUT_S)
 def test_dp2_pp2_tp2_sequence_and_loss_parallel_match_one_process(tmp_path):
     """8 ranks, each replica half of the global batch of 16, gradients clipped at the global norm."""
-    ref = one_process_fit(tiny_gpt, DATA.train_set, 16, max_steps=3, gradient_clip_val=0.05)
-    got = fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
+    ref = one_process_fit(deep_gpt, DATA.train_set, 16, max_steps=3, gradient_clip_val=0.05)
+    got = fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=8), str(tmp_path / "h"),
                          strategy=hybrid(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
                                          microbatches=2, sequence_parallel=True, loss_parallel=True),
                          devices=8, max_steps=3, gradient_clip_val=0.05)
@@ -161,7 +162,7 @@ def test_sequence_parallel_sends_one_tp_th_of_the_activation_bytes(tmp_path):
         out.mkdir()
         strategy = hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
                           microbatches=microbatches, sequence_parallel=sp)
-        fit_and_record(seeded(tiny_gpt), DataLoader(DATA.train_set, batch_size=8), str(out / "rec"),
+        fit_and_record(seeded(deep_gpt), DataLoader(DATA.train_set, batch_size=8), str(out / "rec"),
                        strategy=strategy, devices=4, max_steps=2, callbacks=[StageSends(str(out))])
         sent[sp] = [torch.load(out / f"sends{r}.pt") for r in range(4)]
     for r in (0, 1):  # stage 0: activations only, one frame (header + data) per micro-batch

@@ -16,7 +16,7 @@ from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, fit_and_record, free_port, one_process_fit, seeded, trainer_kwargs, start_ranks
-from models import hf_model
+from models import CausalLM, hf_model
 from lightning_par.data import SyntheticCorpus
 from lightning_par.pipeline import p2p
 from lightning_par.pipeline.discovery import find_blocks
@@ -73,14 +73,9 @@ class LitDemoTransformer(LitLM):
         return F.nll_loss(self.model(inputs, target), target.view(-1))
 
 
-class LitGPT2(LitLM):
+class LitGPT2(CausalLM):
     def __init__(self):
-        super().__init__()
-        self.model = hf_model("gpt2")
-
-    def loss(self, batch):
-        idx, targets = batch
-        return F.cross_entropy(self.model(input_ids=idx).logits.flatten(0, 1), targets.flatten())
+        super().__init__(hf_model("gpt2"), eps=1e-6, sync_dist=False)  # eps: see LitLM
 
 
 class LitBert(LitLM):

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, seeded, trainer_kwargs
-from models import corpus
+from models import CausalLM, corpus
 from lightning_par.comm import CommCounter, count_comm
 from lightning_par.models import GPT
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
@@ -106,22 +106,13 @@ def test_loss_parallel_never_gathers_logits(tmp_path):
             assert counts == {"all_reduce": 4 * N_LAYER + 5}, counts
 
 
-class QwenLM(pl.LightningModule):
+class QwenLM(CausalLM):
     def __init__(self):
-        super().__init__()
         import transformers
 
         cfg = transformers.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=N_LAYER,
                                        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-        self.model = transformers.Qwen2ForCausalLM(cfg)
-
-    def training_step(self, batch, batch_idx):
-        idx, targets = batch
-        logits = self.model(input_ids=idx, use_cache=False).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        super().__init__(transformers.Qwen2ForCausalLM(cfg), call={"use_cache": False}, log=False)
 
 
 @pytest.mark.timeout(TIMEOUT_S)

@@ -7,10 +7,10 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from harness import TIMEOUT_S, assert_close_records, fit_and_record, one_process_fit, seeded
+from models import CausalLM
 from lightning_par.data import SyntheticCorpus
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.tensor.plan import build_plan
@@ -22,31 +22,16 @@ transformers = pytest.importorskip("transformers")
 DATA = SyntheticCorpus(vocab_size=128, seq_len=16, train_sequences=32, val_sequences=8)
 
 
-class GPT2LM(pl.LightningModule):
-    """How a user wraps GPT-2: nothing in it knows about parallelism."""
+class GPT2LM(CausalLM):
+    """How a user wraps GPT-2: nothing in it knows about parallelism; the default call (use_cache=True: a KV cache
+    is built)."""
 
     def __init__(self):
-        super().__init__()
         # dropout off: the comparison with one process is exact only without random masks
         cfg = transformers.GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_head=4, n_layer=N_LAYER,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
                                       bos_token_id=0, eos_token_id=0)
-        self.model = transformers.GPT2LMHeadModel(cfg)
-
-    def training_step(self, batch, batch_idx):
-        idx, targets = batch
-        logits = self.model(input_ids=idx).logits  # the default call: use_cache=True, a KV cache is built
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        idx, targets = batch
-        logits = self.model(input_ids=idx).logits
-        self.log("val_loss", F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)))
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        super().__init__(transformers.GPT2LMHeadModel(cfg), sync_dist=False)
 
 
 class Placements(pl.Callback):
