@@ -85,6 +85,9 @@ def test_ep2_matches_data_parallel(tmp_path, family, optimizer):
     container = "model.layers.1.experts: list, 4 experts (4 x ListExpert)" if family == "list" else \
         "model.model.layers.1.mlp.experts: fused, 4 experts (gate_up_proj, down_proj)"
     assert container in text
+    layer = {"list": "model.layers.0", "deepseek_v3": "model.model.layers.1.mlp"}.get(family,  # its first MoE layer
+                                                                                        "model.model.layers.0.mlp")
+    assert f"setup check: {layer} divided match whole" in text  # the setup check ran and passed
 
 
 @contextlib.contextmanager
