@@ -1,7 +1,8 @@
 """The setup check of expert parallelism ([Note: the setup check of an expert-parallel MoE layer]) through
 Lightning's Trainer on two gloo ranks: an MoE layer whose experts module renormalizes its top-k routing weights
 itself (the dispatch hands it one (token, expert) pair a row, so it would see one weight and set it to 1: a silently
-different model) is refused at setup on every rank, naming the layer; ``verify=False`` skips the check. That the
+different model) is refused at setup on every rank, naming the layer, and so is a dispatch that drops the routing
+weights' gradient (monkeypatched); ``verify=False`` skips the check. That the
 check passes on Mixtral under ep 2, which still equals data parallel, is test_experts_strategy.py's
 test_ep2_matches_data_parallel (the check on by default; its plan log names the checked layers)."""
 import lightning.pytorch as pl
@@ -86,6 +87,22 @@ def test_an_moe_layer_the_dispatch_changes_is_refused_at_setup(tmp_path):
                                         r"'layers\.0\.moe' \(RenormMoE\) failed: the rewritten block's output 0 "
                                         r"differs .* expert_parallel_size=1.*verify=False"):
         _fit(tmp_path)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_dispatch_that_drops_the_routing_weights_gradient_is_refused_at_setup(tmp_path, monkeypatch):
+    """A dispatch bug of the kind that trains a different model silently: the routing weights sent without their
+    gradient (the router learns nothing from the experts' output). The forward is right; the input gradient is not."""
+    import lightning_par.experts.apply as apply
+    from experts_models import MoEModule
+
+    dispatch = apply.dispatch_fused
+    monkeypatch.setattr(apply, "dispatch_fused", lambda m, f, h, i, w, **kw: dispatch(m, f, h, i, w.detach(), **kw))
+    with pytest.raises(Exception, match=r"the setup check of 'model\.model\.layers\.0\.mlp' \(\w+\) failed: the "
+                                        r"rewritten block's input gradient 0 differs"):
+        fit_and_record(seeded(lambda: MoEModule("mixtral")), DataLoader(DATA.train_set, batch_size=2), str(tmp_path),
+                       strategy=HybridParallelStrategy(start_method="fork", timeout=120, expert_parallel_size=2),
+                       devices=2, max_steps=1)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
