@@ -152,7 +152,8 @@ def describe_check(verdicts: Optional[dict[str, Verdict]], verify: bool, meta: b
     if meta:
         return "setup check: not run (a meta-built module has no weights to run its MoE layers on)"
     if verdicts is None:
-        return "setup check: not run (no micro-batch to record the MoE layers' inputs on)"
+        return ("setup check: not run (no micro-batch to record the MoE layers' inputs on, or no module around the "
+                "experts container to run)")
     if not verdicts:
         return "setup check: not run (the step reached no MoE layer)"
     worst = max(v.error / v.allowed if v.allowed > 0 else 0.0 for v in verdicts.values())
