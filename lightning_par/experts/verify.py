@@ -35,8 +35,10 @@ Cost: per kind of MoE layer, one forward and backward of the whole layer and one
 all-to-alls included) on one micro-batch, plus one run of the user's step without gradients to record the inputs,
 and one copy of one MoE layer per kind held from step 6 to 7. Before compile and before the rank's share is
 materialized. A meta-built module (no weights to run) is not checked: :func:`check_expert_layers` is not called and
-the summary says so. The experts divided over the tensor-parallel group alone (``expert_parallel_size=1``) are not
-checked by this yet.
+the summary says so. The experts divided over the tensor-parallel group alone ([Note: experts divided over the
+tensor-parallel group] in experts/dispatch.py: ``expert_parallel_size=1``) are checked the same way over that group
+(no division of gradients there: every rank holds the same tokens, and each expert's gradient is whole on its
+holder; :meth:`~lightning_par.experts.ExpertParallel.finish_gradients` does nothing under ``tp``).
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par.context.verify import _agree, _on_cpu
-from lightning_par.experts.apply import ExpertParallel, apply_expert_parallel
+from lightning_par.experts.apply import ExpertParallel, apply_expert_parallel, apply_tensor_experts
 from lightning_par.experts.discovery import ExpertContainer
 from lightning_par.verify import Inputs, Verdict, compare, first_line, perturb_, run_block, tensors_in
 
@@ -81,7 +83,9 @@ def check_expert_layers(kept: dict[str, tuple[nn.Module, str]], inputs: Optional
     :func:`lightning_par.verify.record_inputs`); ``ValueError`` naming the layer, the largest difference and the
     fix where one differs, on every rank of the group alike. Collective over ``applied.group``. A layer the step
     did not reach (no recorded inputs on the group's first rank) is not checked. Returns the verdicts."""
-    group, ep, index = applied.group, applied.ep, applied.rank
+    group, ep = applied.group, applied.ep
+    divided = {c.name for c in applied.containers}
+    kept = {n: v for n, v in kept.items() if f"{n}.{v[1]}" in divided}  # the layers whose experts the step divided
     src = dist.get_global_rank(group, 0)
     box = [_on_cpu({n: v for n, v in (inputs or {}).items() if n in kept})]
     dist.broadcast_object_list(box, src=src, group=group)  # every rank checks the same inputs
@@ -102,14 +106,18 @@ def check_expert_layers(kept: dict[str, tuple[nn.Module, str]], inputs: Optional
         device = next((t.device for t in tensors_in(inputs[name])), torch.device("cpu"))
         verdicts[name] = _agree(verdict, group, device)
         if not verdicts[name].ok:
+            how = (f"expert_parallel_size={ep}" if applied.axis == "ep" else
+                   f"expert_parallel_size=1, the experts divided over tensor_parallel_size={ep}")
+            fix = ("Train it with expert_parallel_size=1, or name" if applied.axis == "ep" else
+                   "Train it with tensor_parallel_size=1, or name")
             raise ValueError(
-                f"expert parallel (expert_parallel_size={ep}): the setup check of {name!r} ({cls.__name__}) failed: "
+                f"expert parallel ({how}): the setup check of {name!r} ({cls.__name__}) failed: "
                 f"{verdicts[name].describe()}. `{name}` computes something else with its experts divided over ranks "
-                f"than whole (the dispatch calls its experts module on the pairs each rank received, one (token, "
-                f"expert) pair a row with its routing weight: an experts forward that looks at a token's k choices "
-                f"together, e.g. renormalizes its top-k weights itself, sees one). Train it with "
-                f"expert_parallel_size=1, or name the containers expert parallelism may divide with "
-                f"experts='<glob>' (leaving this one out); verify=False skips this check for a model you know.")
+                f"than whole (its experts module is called on the (token, expert) pairs a rank serves, one pair a "
+                f"row with its routing weight: an experts forward that looks at a token's k choices together, e.g. "
+                f"renormalizes its top-k weights itself, sees one). {fix} the containers expert parallelism may "
+                f"divide with experts='<glob>' (leaving this one out); verify=False skips this check for a model "
+                f"you know.")
     return verdicts
 
 
@@ -124,8 +132,12 @@ def _check_layer(layer: nn.Module, rel: str, inputs: Inputs, applied: ExpertPara
     try:
         # the same division as the module's, over the same group; each holder's gradient divided by ep (every rank
         # sent the same tokens), no replica group
-        made.append(apply_expert_parallel(base, applied.group, None, ep=applied.ep, rank=applied.rank,
-                                          replicas=applied.ep, experts=rel, timeout=applied.timeout))
+        if applied.axis == "ep":
+            made.append(apply_expert_parallel(base, applied.group, None, ep=applied.ep, rank=applied.rank,
+                                              replicas=applied.ep, experts=rel, timeout=applied.timeout))
+        else:  # over the tp group: every rank holds the same tokens; each gradient is whole on its rank already
+            made.append(apply_tensor_experts(base, applied.group, size=applied.ep, rank=applied.rank, experts=rel,
+                                             timeout=applied.timeout))
         got = run_block(base, inputs, after_backward=lambda m: made[0].finish_gradients())
     except Exception as e:  # noqa: BLE001 -- reported as what the rewrite does wrong
         return Verdict(ok=False, raised=first_line(e))

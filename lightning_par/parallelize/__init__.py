@@ -161,7 +161,8 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
             sync_rng(rank.device)
         # with verify, what step 7 checks expert parallelism on: a whole copy of one MoE layer per kind, its inputs
         if options.verify:
-            kept = keep_expert_layers(module, options.layout, sample, rank.device)
+            kept = keep_expert_layers(module, options.layout, sample, rank.device,
+                                      tensor_parallel_size=rank.topology.tensor_parallel_size)
     # 4. activation checkpointing
     made.checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing,
                                                        blocks=options.blocks, owner=rank.owner)
@@ -174,10 +175,10 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
         if before_experts is not None and options.layout.expert_parallel_size > 1:
             before_experts()
         made.experts = apply_expert_parallel(module, options.layout, groups, rank)
-        # 7. setup check: expert parallel's MoE layers whole against divided (collective over the ep group)
+        # 7. setup check: expert parallel's MoE layers whole against divided (collective over the ep / tp group)
         checked = apply_setup_check(module, options, groups, experts=made.experts, kept=kept)
         kept = None  # the copies freed
-        if made.experts is not None and made.experts.axis == "ep":
+        if made.experts is not None:
             made.experts.checked = describe_check(checked, options.verify, has_meta(module))
     # 8. compile (on a module an earlier setup parallelized too: this setup's setting)
     if made.experts is not None and (options.stack.compile is not False or user_compile is not None):

@@ -75,18 +75,24 @@ class RenormLM(pl.LightningModule):
 
 
 def _fit(tmp_path, **kw):
+    kw = dict(expert_parallel_size=2) | kw
     return fit_and_record(seeded(RenormLM), DataLoader(DATA.train_set, batch_size=2), str(tmp_path),
-                          strategy=HybridParallelStrategy(start_method="fork", timeout=120, expert_parallel_size=2,
-                                                          **kw), devices=2, max_steps=2)
+                          strategy=HybridParallelStrategy(start_method="fork", timeout=120, **kw), devices=2,
+                          max_steps=2)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_an_moe_layer_the_dispatch_changes_is_refused_at_setup(tmp_path):
+@pytest.mark.parametrize("kw,how,fix", [
+    (dict(expert_parallel_size=2), r"expert_parallel_size=2", r"Train it with expert_parallel_size=1"),
+    (dict(expert_parallel_size=1, tensor_parallel_size=2),  # the experts divided over tp alone
+     r"expert_parallel_size=1, the experts divided over tensor_parallel_size=2", r"Train it with tensor_parallel_size=1"),
+])
+def test_an_moe_layer_the_dispatch_changes_is_refused_at_setup(tmp_path, kw, how, fix):
     """Every rank raises the same ValueError naming the layer (the first of its kind), the difference and the fix."""
-    with pytest.raises(Exception, match=r"expert parallel \(expert_parallel_size=2\): the setup check of "
-                                        r"'layers\.0\.moe' \(RenormMoE\) failed: the rewritten block's output 0 "
-                                        r"differs .* expert_parallel_size=1.*verify=False"):
-        _fit(tmp_path)
+    with pytest.raises(Exception, match=rf"expert parallel \({how}\): the setup check of 'layers\.0\.moe' "
+                                        rf"\(RenormMoE\) failed: the rewritten block's output 0 differs .* {fix}.*"
+                                        rf"verify=False"):
+        _fit(tmp_path, **kw)
 
 
 @pytest.mark.timeout(TIMEOUT_S)

@@ -182,6 +182,7 @@ def test_tp2_alone_divides_experts_and_matches_one_device(tmp_path):
                              callbacks=[HoldsExperts(2)])
     assert_matches(ref, got, 1)  # the records hold the experts whole (gathered DTensors)
     assert "Expert parallel: tp=2, this rank holds experts [0, 2) of each of 2 MoE layers" in log.read_text()
+    assert "setup check: model.model.layers.0.mlp divided match whole" in log.read_text()  # checked over tp
 
 
 @pytest.mark.timeout(TIMEOUT_S)
