@@ -1,8 +1,8 @@
 """The setup check of expert parallelism: one MoE layer of each kind run whole on one process and with its experts
-divided over the expert-parallel group (tokens sent by all-to-all), on the same recorded inputs; a layer that
-differs is refused at setup.
+divided over the expert-parallel group (tokens sent by all-to-all; or over the tensor-parallel group alone), on the
+same recorded inputs; a layer that differs is refused at setup.
 
-    >>> kept = keep_moe_layers(model, find_experts(model))                     # before the experts are divided
+    >>> kept = keep_moe_layers(model, find_experts(model))  # before the experts are divided   # doctest: +SKIP
     >>> inputs = record_inputs(model, list(kept), lambda: model(sample))       # doctest: +SKIP
     >>> applied = apply_experts(model, topology, rank, expert_parallel_size=2)  # doctest: +SKIP
     >>> check_expert_layers(kept, inputs, applied)                             # doctest: +SKIP
@@ -28,8 +28,8 @@ layer's state), so each expert's holder receives every pair ``ep`` times and its
 whole's: it is divided by ``ep`` (the experts' :meth:`~lightning_par.experts.ExpertParallel.finish_gradients` with
 ``ep`` replicas and no replica group). The ranks agree on the verdict (an all-reduce of the largest difference
 relative to its allowance over the group, as context parallel's check does): every rank raises the same
-``ValueError`` naming the layer, the difference and the fix, or none does. Every collective is one of the
-expert-parallel group's, under its timeout.
+``ValueError`` naming the layer, the difference and the fix, or none does. Every collective is one of the group
+the experts are divided over (ep, or tp), under its timeout.
 
 Cost: per kind of MoE layer, one forward and backward of the whole layer and one of the divided layer (its
 all-to-alls included) on one micro-batch, plus one run of the user's step without gradients to record the inputs,
@@ -145,7 +145,7 @@ def _check_layer(layer: nn.Module, rel: str, inputs: Inputs, applied: ExpertPara
         for m in made:
             m.remove()
     # a per-expert list's experts held by other ranks are not in this rank's copy: their gradients are theirs
-    whole = {k: v for k, v in whole.items() if not k.startswith("gradient of ") or k in got}
+    whole = {k: v for k, v in whole.items() if k in got or not k.startswith(f"gradient of {rel}.")}
 
     def local_part(mine: torch.Tensor, ref: torch.Tensor):
         if isinstance(mine, DTensor):  # a fused expert tensor: this rank's rows of the whole's
