@@ -85,7 +85,8 @@ def _fit(tmp_path, **kw):
 @pytest.mark.parametrize("kw,how,fix", [
     (dict(expert_parallel_size=2), r"expert_parallel_size=2", r"Train it with expert_parallel_size=1"),
     (dict(expert_parallel_size=1, tensor_parallel_size=2),  # the experts divided over tp alone
-     r"expert_parallel_size=1, the experts divided over tensor_parallel_size=2", r"Train it with tensor_parallel_size=1"),
+     r"expert_parallel_size=1, the experts divided over tensor_parallel_size=2",
+     r"Train it with tensor_parallel_size=1"),
 ])
 def test_an_moe_layer_the_dispatch_changes_is_refused_at_setup(tmp_path, kw, how, fix):
     """Every rank raises the same ValueError naming the layer (the first of its kind), the difference and the fix."""
