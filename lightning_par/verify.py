@@ -37,8 +37,10 @@ rewritten block per kind of block, on one micro-batch, before the rank's share i
 freed on the way out.
 
 :func:`apply_setup_check` is the building block (no Lightning): the tensor plan calls it per region kind and
-leaves a region that differs replicated ([Note: the region probe]); context and expert parallelism call it on
-one block of the stack and refuse at setup naming the module and the difference.
+leaves a region that differs replicated ([Note: the region probe]); context parallelism calls it on one block of
+the stack and expert parallelism runs its pieces (:func:`run_block`, :func:`compare`) on one MoE layer per kind
+([Note: the setup check of an expert-parallel MoE layer] in experts/verify.py); both refuse at setup naming the
+module and the difference.
 """
 from __future__ import annotations
 

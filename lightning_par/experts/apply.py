@@ -86,6 +86,7 @@ class ExpertParallel:
     parameters: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     _undo: list = field(default_factory=list)
     axis: str = "ep"  # "tp": divided over the tensor-parallel group ([Note: experts divided over the tensor-...])
+    checked: str = ""  # the setup check's line ([Note: the setup check of an expert-parallel MoE layer])
 
     def describe(self) -> str:
         e0 = self.containers[0].num_experts // self.ep

@@ -14,8 +14,9 @@ The order, one list for the three engines (a step an engine does not take is ski
     and a pipeline installs this rank's stage (:func:`apply_stage`)
  4. activation checkpointing (:func:`apply_activation_checkpointing`)
  5. tensor plan, applied   (:func:`apply_tensor_parallel`)
- 6. expert parallel        (:func:`apply_expert_parallel`, a slot)
- 7. setup check            (:func:`apply_setup_check`, a slot: the eager blocks checked before compile)
+ 6. expert parallel        (:func:`apply_expert_parallel`)
+ 7. setup check            (:func:`apply_setup_check`: expert parallel's MoE layers, one of each kind whole against
+                            divided, on the eager blocks before compile; the tensor plan's and cp's at 5 and 1)
  8. compile                (:func:`apply_compile`)
  9. FSDP                   (:func:`apply_fsdp`; DataParallelStrategy's DDP at zero_stage 0 / 1 is Lightning's own)
 10. placement and weights  (:func:`apply_placement`)
@@ -42,12 +43,14 @@ from torch import nn
 
 from lightning_par.dp import fsdp
 from lightning_par.context.verify import check_context_blocks
+from lightning_par.experts.verify import describe_check
 from lightning_par.materialize import free_parameters, has_meta
 from lightning_par.memory.checkpointing import apply_activation_checkpointing
 from lightning_par.parallelize.steps import (BlockStack, Schedule, StageSplit, apply_block_stack, apply_compile,
                                              apply_context, apply_expert_parallel, apply_fsdp, apply_placement,
                                              apply_schedule, apply_setup_check, apply_stage, apply_stage_split,
-                                             apply_tensor_parallel, check_context, find_tensor_plan, not_held,
+                                             apply_tensor_parallel, check_context, find_tensor_plan,
+                                             keep_expert_layers, not_held,
                                              record_block_inputs, record_setup_inputs, sync_rng,
                                              virtual_stages)
 from lightning_par.parallelize.values import EngineOptions, Groups, Parallelized, Rank
@@ -144,6 +147,7 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
     called before the experts are divided (recording one device's optimizer order)."""
     made = Parallelized()
     reader = None
+    kept = None
     # 1. the block stack: what context parallelism cannot serve, refused before any collective
     #    and, with verify, each kind of block checked whole against cp (the eager blocks, before anything is sharded)
     check_context(module, groups, rank, method=options.context_parallel_method, blocks=options.blocks, sample=sample,
@@ -155,6 +159,10 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
         if rank.world_size > 1:  # every rank starts from rank 0's weights and random stream
             broadcast_state(module, src=0)
             sync_rng(rank.device)
+        # with verify, what step 7 checks expert parallelism on: a whole copy of one MoE layer per kind, its inputs
+        if options.verify:
+            kept = keep_expert_layers(module, options.layout, sample, rank.device,
+                                      tensor_parallel_size=rank.topology.tensor_parallel_size)
     # 4. activation checkpointing
     made.checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing,
                                                        blocks=options.blocks, owner=rank.owner)
@@ -167,8 +175,11 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
         if before_experts is not None and options.layout.expert_parallel_size > 1:
             before_experts()
         made.experts = apply_expert_parallel(module, options.layout, groups, rank)
-        # 7. setup check
-        apply_setup_check(module, options, groups)
+        # 7. setup check: expert parallel's MoE layers whole against divided (collective over the ep / tp group)
+        checked = apply_setup_check(module, options, groups, experts=made.experts, kept=kept)
+        kept = None  # the copies freed
+        if made.experts is not None:
+            made.experts.checked = describe_check(checked, options.verify, has_meta(module))
     # 8. compile (on a module an earlier setup parallelized too: this setup's setting)
     if made.experts is not None and (options.stack.compile is not False or user_compile is not None):
         raise ValueError(f"{type(module).__name__}'s routed experts are divided over the tensor-parallel ranks, which "
@@ -184,6 +195,8 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
         made.summary = f"{rank.topology}\n{made.plan.describe(module)}" if made.plan is not None else ""
         if made.experts is not None:
             made.summary += f"\n{made.experts.describe()}"
+            if made.experts.checked:
+                made.summary += f"\n  {made.experts.checked}"
     # 11. context parallel
     made.context = apply_context(module, groups, blocks=options.blocks, method=options.context_parallel_method)
     return made

@@ -184,10 +184,48 @@ def apply_expert_parallel(module: nn.Module, layout: LayoutOptions, groups: Grou
                          tp_mesh=groups.mesh["tp"] if groups.tp is not None else None)
 
 
-# -- 7. setup check (a slot) ----------------------------------------------------------------------------------
-def apply_setup_check(module: nn.Module, options: EngineOptions, groups: Groups) -> Any:
-    """The slot of the setup check (the parallelized eager blocks checked before compile): nothing yet."""
-    return None
+# -- 7. setup check -------------------------------------------------------------------------------------------
+def keep_expert_layers(module: nn.Module, layout: LayoutOptions, sample: Optional[Callable[[], Any]],
+                       device: torch.device, tensor_parallel_size: int = 1) -> Optional[tuple[dict, Optional[dict]]]:
+    """What step 7 checks expert parallelism on, taken before the experts are divided (and before checkpointing and
+    the tensor plan change the module): a whole copy of the first MoE layer of each kind and its inputs in one run
+    of ``sample()`` (the user's step on one micro-batch) on the whole module, its buffers and random stream kept
+    ([Note: the setup check of an expert-parallel MoE layer] in lightning_par/experts/verify.py). None where
+    nothing is checked: nothing divided (``expert_parallel_size=1`` at ``tensor_parallel_size=1``), no step, or a
+    meta-built module (no weights to run)."""
+    from lightning_par.experts import find_experts
+    from lightning_par.experts.verify import keep_moe_layers
+    from lightning_par.pipeline.flow import kept_state
+    from lightning_par.verify import record_inputs
+
+    divides = layout.expert_parallel_size > 1 or tensor_parallel_size > 1  # step 6 divides the experts
+    if not divides or sample is None or has_meta(module):
+        return None
+    found = find_experts(module, layout.experts)
+    if layout.expert_parallel_size == 1:  # over tp alone: the fused containers tp divides (apply_tensor_experts)
+        found = [c for c in found if c.kind == "fused" and c.num_experts % tensor_parallel_size == 0]
+    kept = keep_moe_layers(module, found)
+    if not kept:
+        return None
+    with rng_fork(device, True), kept_state(module):  # the batch drawn too; buffers kept
+        step = sample()
+        return kept, (None if step is None else record_inputs(module, list(kept), step))
+
+
+def apply_setup_check(module: nn.Module, options: EngineOptions, groups: Groups, *, experts: Any = None,
+                      kept: Optional[tuple[dict, Optional[dict]]] = None) -> Optional[dict]:
+    """The setup check of the rewrites made after the tensor plan, on the eager blocks before compile: expert
+    parallelism's MoE layers (``experts``: step 6's :class:`~lightning_par.experts.ExpertParallel`, ``kept``: from
+    :func:`keep_expert_layers`), each kind whole against divided over the expert-parallel group, a layer that
+    differs refused on every rank alike (collective over that group; [Note: the setup check of an expert-parallel
+    MoE layer]). The tensor plan's and context parallel's checks run at their own steps (5 and 1). Returns the
+    verdicts by layer, or None where nothing was checked (``verify=False``, nothing kept, no experts divided)."""
+    from lightning_par.experts.verify import check_expert_layers
+
+    if not options.verify or kept is None or experts is None:
+        return None
+    layers, inputs = kept
+    return check_expert_layers(layers, inputs, experts)
 
 
 # -- 8. compile ----------------------------------------------------------------------------------------------

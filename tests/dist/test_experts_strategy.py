@@ -85,6 +85,9 @@ def test_ep2_matches_data_parallel(tmp_path, family, optimizer):
     container = "model.layers.1.experts: list, 4 experts (4 x ListExpert)" if family == "list" else \
         "model.model.layers.1.mlp.experts: fused, 4 experts (gate_up_proj, down_proj)"
     assert container in text
+    layer = {"list": "model.layers.0", "deepseek_v3": "model.model.layers.1.mlp"}.get(family,  # its first MoE layer
+                                                                                        "model.model.layers.0.mlp")
+    assert f"setup check: {layer} divided match whole" in text  # the setup check ran and passed
 
 
 @contextlib.contextmanager
@@ -179,6 +182,7 @@ def test_tp2_alone_divides_experts_and_matches_one_device(tmp_path):
                              callbacks=[HoldsExperts(2)])
     assert_matches(ref, got, 1)  # the records hold the experts whole (gathered DTensors)
     assert "Expert parallel: tp=2, this rank holds experts [0, 2) of each of 2 MoE layers" in log.read_text()
+    assert "setup check: model.model.layers.0.mlp divided match whole" in log.read_text()  # checked over tp
 
 
 @pytest.mark.timeout(TIMEOUT_S)

@@ -36,9 +36,9 @@ def test_each_order_calls_its_steps_in_the_written_order(apply_order):
     assert called == [w for w in written if w in called] and len(called) >= 5, called
 
 
-def test_the_slots_are_steps_that_make_nothing_yet():
+def test_steps_with_nothing_to_do_make_nothing():
     module = nn.Linear(2, 2)
-    assert steps.apply_setup_check(module, order.EngineOptions(), order.Groups()) is None
+    assert steps.apply_setup_check(module, order.EngineOptions(), order.Groups()) is None  # nothing kept to check
     rank = order.Rank(device=torch.device("cpu"), rank=0, world_size=1, topology=Topology.resolve(1))
     assert steps.apply_expert_parallel(module, LayoutOptions(), order.Groups(), rank) is None  # nothing to divide
 
@@ -80,3 +80,26 @@ def test_placement_is_the_weights_readers_call():
     calls = []
     steps.apply_placement(nn.Linear(2, 2), lambda m, r, owned=None: calls.append((r, owned)), "reader", owned=None)
     assert calls == [("reader", None)]
+
+
+def test_the_setup_check_keeps_one_moe_layer_per_kind_whole_with_its_recorded_inputs():
+    """Step 7's material, taken before the experts are divided: a whole copy of the first MoE layer of each kind (two
+    ListMoE layers: one kind) and its inputs in one run of the step; nothing at ep 1 or without a step."""
+    from experts_models import HIDDEN, ListMoELM
+    from lightning_par.option_groups import VerifyOptions
+
+    torch.manual_seed(0)
+    model, idx = ListMoELM(), torch.randint(0, 64, (2, 8))
+    sample = lambda: (lambda: model(idx))  # noqa: E731 -- the user's step on one micro-batch
+    cpu = torch.device("cpu")
+    layers, inputs = steps.keep_expert_layers(model, LayoutOptions(expert_parallel_size=2), sample, cpu)
+    assert list(layers) == ["layers.0"] and list(inputs) == ["layers.0"]
+    copy, rel = layers["layers.0"]
+    assert rel == "experts" and copy is not model.layers[0]
+    assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), model.layers[0].parameters()))
+    torch.testing.assert_close(inputs["layers.0"][0][0], model.embed(idx), rtol=0, atol=0)
+    assert inputs["layers.0"][0][0].shape == (2, 8, HIDDEN)
+    assert steps.keep_expert_layers(model, LayoutOptions(), sample, cpu) is None  # ep 1: nothing divided
+    assert steps.keep_expert_layers(model, LayoutOptions(expert_parallel_size=2), None, cpu) is None  # no step
+    off = order.EngineOptions(check=VerifyOptions(verify=False))
+    assert steps.apply_setup_check(model, off, order.Groups(), experts=object(), kept=(layers, inputs)) is None
