@@ -375,8 +375,6 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> dict[str, float]:
         trainer = pl.Trainer(strategy=strategy, **trainer_kw)
         with trainer.init_module(empty_init=True) if streamed else nullcontext():
             model = build_model(cfg.model, datamodule)
-        if not streamed:
-            check_context_before_launch(strategy, model, datamodule)
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=resume_path(cfg))
     except ValueError as err:  # a strategy refuses a layout at setup with a message naming the value and the fix
@@ -389,36 +387,6 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> dict[str, float]:
     if trainer.is_global_zero:
         _print_summary(metrics, getattr(datamodule, "loss_floor", None), run_dir)
     return metrics
-
-
-def check_context_before_launch(strategy, model, datamodule) -> None:
-    """Context parallelism's setup check ([Note: the setup check of context parallelism] in
-    lightning_par/context/probe.py) made here, before any process starts, so that a module it cannot serve is a
-    usage error (exit 2); a step that cannot run outside a Trainer leaves the check to the strategy's setup."""
-    from lightning_par.context.probe import check_context_parallel
-    from lightning_par.pipeline.microbatch import first_batch
-    from lightning_par.pipeline.routing import LogCapture
-
-    options = getattr(strategy, "_options", None)
-    layout = getattr(options, "layout", None)
-    if layout is None or layout.context_parallel_size == 1:
-        return
-    try:
-        datamodule.prepare_data()
-        datamodule.setup("fit")
-        batch = first_batch(datamodule.train_dataloader())
-    except Exception:  # noqa: BLE001 - the strategy's setup checks with the loader Lightning builds
-        return
-
-    def step():
-        with LogCapture(model):
-            model.training_step(batch, 0)
-    try:
-        check_context_parallel(model, step, method=layout.context_parallel_method, blocks=options.stack.blocks)
-    except ValueError:
-        raise
-    except Exception:  # noqa: BLE001 - e.g. a step that reads its Trainer: the strategy's setup checks it
-        return
 
 
 @rank_zero_only

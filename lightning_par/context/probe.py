@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_par._compat import (hf_attention_function, hf_attention_implementation, hf_register_attention,
+from lightning_par._compat import (attn_implementation, hf_attention_function, hf_register_attention,
                                    hf_set_attention_implementation)
 from lightning_par.pipeline.discovery import find_blocks
 from lightning_par.pipeline.flow import hidden_name, kept_state
@@ -89,7 +89,7 @@ def hf_attention_modules(block: nn.Module) -> dict:
     ``_attn_implementation`` and that has no such submodule itself), by dotted name, with their implementation."""
     found = {}
     for name, sub in block.named_modules():
-        impl = getattr(getattr(sub, "config", None), "_attn_implementation", None)
+        impl = attn_implementation(getattr(sub, "config", None))
         if impl is not None and "attention" in type(sub).__name__.lower():
             found[name] = impl
     return found
@@ -113,7 +113,7 @@ def probe_first_block(module: nn.Module, run: Callable[[], object], *, blocks: s
         seen.hidden_shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else None
         _register()
         for key, config in configs.items():
-            originals[key] = hf_attention_implementation(config)
+            originals[key] = attn_implementation(config)
             hf_set_attention_implementation(config, _PROBE)
         _PROBING.append((seen, originals))
         counter.__enter__()

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
-from lightning_par._compat import (hf_attention_function, hf_attention_implementation, hf_register_attention,
+from lightning_par._compat import (attn_implementation, hf_attention_function, hf_register_attention,
                                    hf_set_attention_implementation)
 from lightning_par.context.sharding import group_positions
 
@@ -127,7 +127,7 @@ class UlyssesRoute(TorchFunctionMode):
     def __enter__(self):
         register()
         for config in self._configs:
-            self._original[id(config)] = hf_attention_implementation(config)
+            self._original[id(config)] = attn_implementation(config)
             hf_set_attention_implementation(config, NAME)
         _ACTIVE.append(self)
         return super().__enter__()

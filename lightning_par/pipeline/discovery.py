@@ -51,12 +51,13 @@ def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.Mod
     return best[0], best[1]  # type: ignore[return-value]
 
 
-def check_enough_blocks(path: str, container: nn.Module, pipeline_parallel_size: int, stages_per_rank: int = 1) -> None:
+def check_enough_blocks(path: str, container: nn.Module, pipeline_parallel_size: int,
+                        stages_per_rank: int = 1) -> None:
     """Refuse a block stack with fewer blocks than pipeline stages, naming the stack and the numbers.
 
     Example::
 
-        >>> check_enough_blocks("blocks", nn.ModuleList([nn.Linear(2, 2)]), 2)
+        >>> check_enough_blocks("blocks", nn.ModuleList([nn.Linear(2, 2)]), 2)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         ValueError: the block stack `blocks` holds 1 block; pipeline_parallel_size=2 needs at least 2 (2 pipeline ...

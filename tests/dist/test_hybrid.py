@@ -134,7 +134,7 @@ def one_pipeline(records: list[dict], ranks: list[int]) -> dict:
 def test_3d_16bit_precisions(tmp_path, precision):
     from lightning.pytorch.plugins.precision import MixedPrecision
     from test_tensor_hf_precision import CLIP, DATA as SMALL, U_BF16, U_FP16, assert_mixed_precision_close
-    from test_tensor_hf_precision import deep_gpt as small_gpt
+    from test_tensor_hf_precision import lr_gpt as small_gpt
 
     def settings():  # Lightning would turn "16-mixed" into bf16 on CPU: fp16 AMP with a GradScaler, clipped
         if precision == "bf16-mixed":
