@@ -26,6 +26,14 @@ after it (embeddings, final norm, logits, loss) runs at full length on every ran
   1.11 without it, 1.03 and 1.04 with it (one device's off rows: 1.01, 1.02); the recipe's ``context`` sweep
   (width 128, 64 MiB) has cp 2 at 0.94, cp 2 full at 1.03 and cp 4 at 1.07 (recipes/capacity/README.md). The
   saved-tensor meter (the memory recipe) does not see it: it is not in ``activation_bytes``.
+- The fused kernels ([Note: the fused kernels] in context/attention.py) hold no score blocks of their own, so the
+  ring's working set is what the step's peak sees of it, and it runs inside a block's backward after that block has
+  freed what it saved after its attention (its MLP, the output projection's input): :func:`freed_before_ring`, the
+  block's saved bytes less its attention's (K, V, the query and the output) and what it saved before (its input
+  and the norm's output). Measured (the capacity recipe's quick ``sequence`` sweep, GPT 2 × 128, 4 sequences,
+  CP2): measured / advisor was 0.88 at 768 tokens and 0.87 at 1024 with the working set counted whole; 0.95 at
+  1024 and 0.96 at 1536 net of what the block freed. (The math kernel the fused one replaced held float32 score
+  blocks on top, which had hidden the difference.)
 - Communication per rank, per micro-batch, for each block ``i`` of the stage, ``kv`` = this rank's K and V bytes of
   block ``i`` (the probe's, ``/ c`` for its rows, ``/ t`` for its heads under tensor parallel): the ring sends
   ``(c-1)·kv`` in forward and, in backward, ``(c-1)·kv`` (the K/V again) plus ``c`` hops of the K/V gradient
@@ -90,6 +98,16 @@ def ring_working_bytes(profile: ModuleProfile, blocks, c: int, t: int = 1) -> fl
     return max((work(i) for i in blocks), default=0.0)
 
 
+def freed_before_ring(profile: ModuleProfile, index: int, c: int, t: int = 1) -> float:
+    """Bytes per sample block ``index`` has freed by the time its attention's ring backward runs: what it saved after
+    its attention ([Note: the advisor under context parallelism]); 0 where the probe saw no attention."""
+    if c == 1 or not profile.block_kv_bytes or not profile.block_attention_bytes:
+        return 0.0
+    inputs = profile.block_input_bytes or profile.seq_len * profile.hidden_size * profile.dtype_bytes
+    kept = profile.block_kv_bytes[index] + 2 * profile.block_attention_bytes[index] + 2 * inputs
+    return max(0.0, profile.block_activation_bytes[index] - kept) / (c * t)
+
+
 def ring_bytes(kv: float, c: int, kv_dtype_bytes: int, recomputed: bool = False) -> float:
     """Bytes a rank sends for one block's ring attention, one micro-batch, forward and backward ([Note: the advisor
     under context parallelism]); ``kv``: this rank's K and V bytes.
@@ -120,4 +138,5 @@ def context_comm(profile: ModuleProfile, blocks, c: int, t: int, micro: int, mic
     return microbatches * (ring + gather) + 2 * (c - 1) / c * grad_bytes
 
 
-__all__ = ["check_context", "context_comm", "output_copy_bytes", "ring_bytes", "ring_working_bytes"]
+__all__ = ["check_context", "context_comm", "freed_before_ring", "output_copy_bytes", "ring_bytes",
+           "ring_working_bytes"]

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_par.advisor.context import check_context, context_comm, output_copy_bytes, ring_working_bytes
+from lightning_par.advisor.context import (check_context, context_comm, freed_before_ring, output_copy_bytes,
+                                           ring_working_bytes)
 from lightning_par.advisor.profile import ModuleProfile
 
 # bytes per element of (parameters, gradients, each optimizer state) for Lightning's precision flags
@@ -383,7 +384,7 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
         runtime = 0.0
         if p > 1:  # [Note: what a pipeline stage holds beyond the model]
             runtime = grads * g_bytes + boundary * (m + 1) * ((s < p - 1) + (s > 0))
-        ring = max(0.0, ring_working_bytes(profile, blocks, c, t)
+        ring = max(0.0, ring_working_bytes(profile, blocks, c, t) - freed_before_ring(profile, blocks[-1], c, t)
                    - (profile.last_activation_bytes if s == p - 1 else 0)) * micro
         units = len(blocks) + 1  # FSDP units of the stage: its blocks, then the root (the ends)
         gathers = 0 if zero < 2 or dp == 1 else (units if zero == 2 or p > 1 else 2 * len(blocks) + 1)
