@@ -6,6 +6,7 @@ off / full / every 2nd block / selective, per layout (one device, DP2, PP2, TP2)
     python benchmarks/activation_memory.py --layouts single,pp2 --modes off,full
     python benchmarks/activation_memory.py --accelerator cuda --layouts single   # max_memory_allocated
     python benchmarks/activation_memory.py --quick --layouts single,cp2,cp4 --modes off,full   # context parallel
+    python benchmarks/activation_memory.py --model llama --layouts single,cp2 --modes off   # HF Llama, 8k vocabulary
 
 The sequence is long beside the width, so activations dominate the step (Korthikanti et al.: about
 s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit, against 16·12·h² bytes of parameters, gradients and AdamW state).
@@ -46,6 +47,9 @@ CONTEXT = ("cp2", "cp4")  # context parallelism (not in the default list): compa
 MODES = ("off", "full", "2", "selective")
 QUICK = dict(n_layer=4, n_embd=64, n_head=4, block_size=512, vocab_size=64, batch_size=4)
 FULL = dict(n_layer=8, n_embd=128, n_head=4, block_size=1024, vocab_size=64, batch_size=4)
+# a Hugging Face Llama as a user trains it (its own shifted-label loss, ``labels=``), with a real vocabulary: at 512
+# tokens its logits are the largest activation of the step ([Note: sharded to the loss] in lightning_par/context/loss.py)
+LLAMA = dict(n_layer=4, n_embd=128, n_head=4, block_size=512, vocab_size=8192, batch_size=4)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="the small size (a few minutes on 2 CPU cores)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {LAYOUTS + CONTEXT}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--model", default="gpt", choices=("gpt", "llama"),
+                        help="the reference GPT, or a Hugging Face Llama (LLAMA's sizes; --quick does not apply)")
     parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is a warm-up)")
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", default=None, help="also write the rows here")
@@ -112,6 +118,8 @@ def run_one(layout: str, mode: str, out: str, sizes: dict, steps: int, accelerat
     torch.set_num_threads(1)
     model = {k: sizes[k] for k in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size")}
     data, make_module = gpt_workload(model, sizes["batch_size"], sizes["batch_size"] * 2 * steps, warmup_steps=1)
+    if sizes is LLAMA:
+        make_module = hf_llama(model)
     strategy, devices = strategy_for(layout, mode, accelerator)
     trainer = pl.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -119,13 +127,44 @@ def run_one(layout: str, mode: str, out: str, sizes: dict, steps: int, accelerat
     trainer.fit(make_module(), datamodule=data)
 
 
-def measure(layout: str, mode: str, sizes: dict, steps: int, accelerator: str, quick: bool) -> dict:
+def hf_llama(model: dict):
+    """A user's module around ``LlamaForCausalLM`` built from a config (SDPA attention), trained on its own loss."""
+    import lightning.pytorch as pl
+    import torch
+    import transformers
+
+    class LitLlama(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            config = transformers.LlamaConfig(
+                vocab_size=model["vocab_size"], hidden_size=model["n_embd"], intermediate_size=4 * model["n_embd"],
+                num_hidden_layers=model["n_layer"], num_attention_heads=model["n_head"],
+                max_position_embeddings=model["block_size"], use_cache=False)
+            self.model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+
+        def training_step(self, batch, batch_idx):
+            idx, _ = batch
+            loss = self.model(input_ids=idx, labels=idx).loss  # Hugging Face shifts the labels itself
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def make_module():
+        torch.manual_seed(0)
+        return LitLlama()
+    return make_module
+
+
+def measure(layout: str, mode: str, sizes: dict, steps: int, accelerator: str, quick: bool,
+            model: str = "gpt") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row")
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",  # [Note: resident memory ...]
                "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, os.path.abspath(__file__), "--one", layout, mode, out, "--steps", str(steps),
-               "--accelerator", accelerator] + (["--quick"] if quick else [])
+               "--accelerator", accelerator, "--model", model] + (["--quick"] if quick else [])
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         ranks = sorted(f for f in os.listdir(tmp) if f.startswith("row.rank"))
         if done.returncode != 0 or not ranks:
@@ -159,7 +198,7 @@ def record_rows(rows: list[dict]) -> list[list]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = LLAMA if args.model == "llama" else QUICK if args.quick else FULL
     if args.one:
         run_one(*args.one, sizes=sizes, steps=args.steps, accelerator=args.accelerator)
         return 0
@@ -173,17 +212,18 @@ def main(argv=None) -> int:
     rows = []
     for layout in args.layouts.split(","):
         for mode in args.modes.split(","):  # side by side: the modes of a layout one after another
-            rows.append(measure(layout, mode, sizes, args.steps, args.accelerator, args.quick))
+            rows.append(measure(layout, mode, sizes, args.steps, args.accelerator, args.quick, args.model))
             print(f"  {layout} {mode}: {rows[-1]['peak_bytes'] / 2**20:.1f} MiB, {rows[-1]['step_s']:.3f} s",
                   flush=True)
-    print(f"\nactivation_memory on {args.accelerator}; GPT {sizes}; {args.steps} steps (step 0 a warm-up)")
+    name = "HF Llama" if args.model == "llama" else "GPT"
+    print(f"\nactivation_memory on {args.accelerator}; {name} {sizes}; {args.steps} steps (step 0 a warm-up)")
     print(table(rows))
     if args.record:  # [Note: a generated performance page] in lightning_par.performance
         from lightning_par.performance import record
 
         record("benchmark activation_memory", title="Activation checkpointing: step memory and time per mode",
                command="python benchmarks/activation_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               tables=[(f"GPT {sizes}, {args.steps} steps (step 0 a warm-up), on {args.accelerator}",
+               tables=[(f"{name} {sizes}, {args.steps} steps (step 0 a warm-up), on {args.accelerator}",
                         ["layout", "mode", "step peak MiB", "× off", "step s", "× off"], record_rows(rows))])
     if args.json:
         with open(args.json, "w") as f:

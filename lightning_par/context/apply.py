@@ -53,6 +53,7 @@ from torch import nn
 from lightning_par._compat import attn_implementation, current_autograd_node
 from lightning_par.context.attention import METHODS
 from lightning_par.context.intercept import RouteAttention
+from lightning_par.context.loss import ShardedCrossEntropy
 from lightning_par.context.sharding import check_divisible, gather, shard
 from lightning_par.context.ulysses import UlyssesRoute
 
@@ -102,6 +103,10 @@ class ContextParallel:
     _local: dict = field(default_factory=dict, repr=False)   # id -> weakref of tensors that are this rank's piece
     _cuts: dict = field(default_factory=dict, repr=False)    # id -> (weakref of a whole tensor, its piece)
     _seq: int | None = None
+    _lead: tuple = ()  # the whole sequence's leading shape ([B, S] batch first), for the loss's labels
+    ends_stack: bool = True  # the hooks' last block is the stack's last (not a pipeline stage's)
+    loss: Any = None  # sharded to the loss: check_sharded_loss's LossCheck ([Note: sharded to the loss])
+    _loss_mode: Any = None  # the ShardedCrossEntropy of the step running, while sharded_loss() is entered
 
     @property
     def size(self) -> int:
@@ -119,6 +124,23 @@ class ContextParallel:
     def _leave(self, depth: int) -> None:
         while len(self._modes) > depth:
             self._modes.pop()[1].__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def sharded_loss(self, probe: bool = False):
+        """While entered (the training step), the stack's output stays this rank's piece and a per-token
+        cross-entropy of it runs on the pieces ([Note: sharded to the loss] in lightning_par/context/loss.py), where
+        the setup check found it serves (``probe``: the check's own run, whatever it found); yields the mode
+        (``calls``: the cross-entropies it served), None where the stack gathers."""
+        if not self.ends_stack or not (probe or (self.loss is not None and self.loss.sharded)):
+            yield None
+            return
+        depth = len(self._modes)
+        self._loss_mode = ShardedCrossEntropy(self.group, (), self.seq_dim)
+        try:
+            yield self._loss_mode
+        finally:
+            self._loss_mode = None
+            self._leave(depth)
 
     @contextlib.contextmanager
     def guard(self):
@@ -195,6 +217,7 @@ class ContextParallel:
                                                 f"hidden state, shape {tuple(hidden.shape)})")
                 if not _in_backward():
                     self._seq = seq
+                    self._lead = tuple(hidden.shape[:self.seq_dim + 1])
                     if first:
                         self._cuts.clear()
                 hidden = self._cut(hidden, self.seq_dim)
@@ -236,6 +259,16 @@ class ContextParallel:
             if _in_backward():
                 return None  # a recompute's output is discarded
             self._cuts.clear()  # the stack is done with this forward's whole tensors
+            mode = self._loss_mode
+            if mode is not None and grad_scale != 1.0:  # [Note: sharded to the loss]: the pieces go on
+                mode.lead = self._lead
+                if all(m is not mode for _, m in self._modes):
+                    mode.__enter__()
+                    self._modes.append((None, mode))
+                for o in outs:
+                    if isinstance(o, torch.Tensor):
+                        self._mark_local(o)
+                return None
             piece = (self._seq or 0) // self.size
 
             def cut(k, o):  # the hidden state, and any other output of this rank's length
@@ -265,7 +298,7 @@ def apply_context_parallel(module: nn.Module, group, *, blocks: str | None = Non
         raise ValueError(f"Context parallelism cuts the sequence inside a block stack, and {err}") from None
     if method != "ulysses":
         check_sdpa(module)
-    applied = ContextParallel(path=path, group=group, method=method, seq_dim=seq_dim)
+    applied = ContextParallel(path=path, group=group, method=method, seq_dim=seq_dim, ends_stack=ranges is None)
     cp = float(dist.get_world_size(group))
     for lo, hi in ranges if ranges is not None else [(0, len(stack))]:
         for i in range(lo, hi):

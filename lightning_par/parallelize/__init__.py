@@ -139,12 +139,14 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
 
 def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, rank: Rank, *, place: Callable,
                      open_weights: Callable, fresh: bool, sample: Optional[Callable] = None,
-                     user_compile: Any = None, before_experts: Optional[Callable] = None) -> Parallelized:
+                     user_compile: Any = None, before_experts: Optional[Callable] = None,
+                     train_sample: Optional[Callable] = None) -> Parallelized:
     """The SPMD engine's order (one stage). ``fresh``: False for a module an earlier setup parallelized (it keeps
     its shards and its weights: only the steps taken out at teardown, and this setup's compile, are applied again).
     ``sample()``: the user's step on one micro-batch (None: nothing to run), which context parallel's probe and the
     setup check (``verify``) run; ``user_compile``: the user's own ``torch.compile``, undone; ``before_experts``:
-    called before the experts are divided (recording one device's optimizer order)."""
+    called before the experts are divided (recording one device's optimizer order); ``train_sample()``: the user's
+    training step on one micro-batch (fit only), which decides whether cp keeps its pieces to the loss."""
     made = Parallelized()
     reader = None
     kept = None
@@ -197,8 +199,11 @@ def parallelize_spmd(module: nn.Module, options: EngineOptions, groups: Groups, 
             made.summary += f"\n{made.experts.describe()}"
             if made.experts.checked:
                 made.summary += f"\n  {made.experts.checked}"
-    # 11. context parallel
-    made.context = apply_context(module, groups, blocks=options.blocks, method=options.context_parallel_method)
+    # 11. context parallel (sharded to the loss where the training step allows it)
+    made.context = apply_context(module, groups, blocks=options.blocks, method=options.context_parallel_method,
+                                 train_sample=train_sample, device=rank.device)
+    if made.context is not None and made.context.loss is not None and fresh:
+        made.summary += f"\n{made.context.loss.describe()}"
     return made
 
 

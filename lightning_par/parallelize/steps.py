@@ -11,6 +11,7 @@ from torch import nn
 from lightning_par.compile import Compiled, UserCompile, compile_what, compiler_of
 from lightning_par.compile import apply_compile as compile_blocks
 from lightning_par.context.apply import apply_context_parallel
+from lightning_par.context.loss import LossCheck, check_sharded_loss
 from lightning_par.context.probe import check_context_parallel
 from lightning_par.context.verify import block_kinds, check_context_blocks
 from lightning_par.dp import fsdp
@@ -299,16 +300,41 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def apply_context(module: nn.Module, groups: Groups, *, blocks: Optional[str],
-                  runtime: Optional[StageRuntime] = None, method: str = "ring") -> Any:
+                  runtime: Optional[StageRuntime] = None, method: str = "ring",
+                  train_sample: Optional[Callable[[], Any]] = None, device: Optional[torch.device] = None) -> Any:
     """``context_parallel_size > 1``: the stack's blocks run on this rank's piece of every sequence
-    (:mod:`lightning_par.context`; a pipeline stage's chunks only, its last send after cp's gather)."""
+    (:mod:`lightning_par.context`; a pipeline stage's chunks only, its last send after cp's gather). With one stage
+    and ``train_sample()`` (the user's training step on one micro-batch), the step is run gathered and sharded to
+    the loss, and the training steps keep the pieces to the loss where both agree ([Note: sharded to the loss]:
+    collective over the cp group); without, the stack's output is gathered."""
     if groups.cp is None:
         return None
     ranges = [(lo, hi) for _, lo, hi in runtime.chunks] if runtime is not None else None
     context = apply_context_parallel(module, groups.cp, blocks=blocks, ranges=ranges, method=method)
     if runtime is not None:
         runtime.send_last()  # after cp's gather
+    elif train_sample is not None:
+        context.loss = check_loss(module, context, train_sample, device)
     return context
+
+
+def check_loss(module: nn.Module, context: Any, sample: Callable[[], Any], device: torch.device) -> LossCheck:
+    """Whether the training step's loss runs on the pieces ([Note: sharded to the loss]): its step drawn once and
+    run twice, from the same random state, on the module as it is (sharded, placed)."""
+    from lightning_par.pipeline.flow import kept_state
+
+    with rng_fork(device, True):  # the batch drawn too: a shuffling sampler seeds from the global RNG
+        step = sample()
+    if step is None:
+        return LossCheck(sharded=False, why="no training batch at setup to check the loss on")
+
+    def run():
+        with rng_fork(device, True), kept_state(module):
+            return step(), step.logs
+    verdict = check_sharded_loss(run, context, device)
+    if fsdp.is_sharded(module):
+        fsdp.reshard(module)
+    return verdict
 
 
 # -- 12. schedule ---------------------------------------------------------------------------------------------

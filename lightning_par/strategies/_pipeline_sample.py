@@ -58,11 +58,13 @@ def sample_step(strategy, lm, microbatches: int, record=None):
                      microbatches)[0]
 
     def on(microbatch):
-        with LogCapture(lm), context():
-            return getattr(lm, hook)(microbatch, 0)
+        with LogCapture(lm) as capture, context():
+            out = getattr(lm, hook)(microbatch, 0)
+        step.logs = capture.combined([1])  # what the step logged, (name, value, kwargs)
+        return out
     step = (lambda: on(mb)) if record is None else record_uses(lm, record, {id(p) for p in record.parameters()},
                                                                lambda: on(mb))
-    step.on, step.microbatch, step.context = on, mb, context
+    step.on, step.microbatch, step.context, step.logs = on, mb, context, []
     return step
 
 

@@ -75,9 +75,11 @@ class SpmdEngine(Engine):
         self.experts = before if before is not None else self.experts
         fresh = not self._parallelized_before(module) and before is None
         self.uncheckpoint_blocks()
+        fitting = trainer.state.fn == TrainerFn.FITTING
         made = parallelize_spmd(module, self.options, self.groups, self.rank_values(), place=self.host.place_share,
                                 open_weights=self.host.open_weights, fresh=fresh,
                                 sample=lambda: sample_step(s, module, 1), user_compile=self.user_compile,
+                                train_sample=(lambda: sample_step(s, module, 1)) if fitting else None,
                                 before_experts=(self.host.record_one_device_order  # [Note: recording one device's
                                                 if trainer.state.fn == TrainerFn.FITTING else None))  # order]
         self.checkpointed, self.context, self.compiled = made.checkpointed, made.context, made.compiled
@@ -157,6 +159,8 @@ class SpmdEngine(Engine):
             def run():
                 with context():
                     return self.steps.run(hook, self.host.forward_redirection, *args, **(kwargs or {}))
+        if hook == "training_step" and self.context is not None:  # [Note: sharded to the loss]
+            run = _within(self.context.sharded_loss, run)
         replicas = s.topology.data_parallel_size > 1 and hook != "predict_step"
         loss_parallel_ = self.options.loss_parallel
         if not replicas and not loss_parallel_:
@@ -201,6 +205,13 @@ class SpmdEngine(Engine):
             return result
 
         return closure_then_average
+
+
+def _within(scope, run):
+    def scoped():
+        with scope():
+            return run()
+    return scoped
 
 
 def _detached(out: Any) -> Any:
