@@ -141,6 +141,22 @@ class SharesSequences(pl.Callback):
             raise AssertionError("hooks were left on the blocks after teardown")
 
 
+class LossPieces(pl.Callback):
+    """Each rank's verdict of context parallelism's loss check ([Note: sharded to the loss]) and the shapes of the
+    logits its ``head`` made, to ``<out_dir>/loss<rank>.pt``."""
+
+    def __init__(self, out_dir, head: str):
+        self.out_dir, self.head, self.shapes = out_dir, head, []
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.get_submodule(self.head).register_forward_hook(lambda m, a, out: self.shapes.append(tuple(out.shape)))
+
+    def on_train_end(self, trainer, pl_module):
+        loss = trainer.strategy._engine.context.loss
+        torch.save({"sharded": loss.sharded, "why": loss.why, "shapes": self.shapes},
+                   os.path.join(self.out_dir, f"loss{trainer.global_rank}.pt"))
+
+
 def trainer_kwargs(**overrides) -> dict:
     """Quiet, deterministic CPU trainer settings for tests (override any)."""
     kw = dict(accelerator="cpu", deterministic=True, logger=False, enable_checkpointing=False,

@@ -2,8 +2,11 @@
 
 [Note: the advisor under context parallelism]
 With ``context_parallel_size = c`` (:mod:`lightning_par.context`), every rank of a cp group gets the same batch and
-runs the block stack on its ``1/c`` of every sequence; what leaves the stack is gathered back, so code before and
-after it (embeddings, final norm, logits, loss) runs at full length on every rank of the group.
+runs the block stack on its ``1/c`` of every sequence. With one stage the advisor takes the loss as sharded ([Note:
+sharded to the loss] in context/loss.py: a per-token cross-entropy, which the strategy's setup check confirms on
+the user's step): the final norm, the logits and the loss hold ``1/c`` of their rows too; a pipeline's last stage
+gathers, and holds them whole, as does a step whose loss the check finds the pieces do not serve (the estimate is
+then low by ``(1 - 1/c)`` of those bytes). The embeddings' output stays whole on every rank.
 
 - Memory: whatever a block keeps for backward scales with the rows it holds, so the blocks' activations (and what
   checkpointing keeps and recomputes of them) are ``1/c`` of one device's; the ring attention keeps only this

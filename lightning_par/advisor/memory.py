@@ -342,11 +342,12 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
         grads_beside = backward_gradient_bytes(profile, t, 1, layout.sequence_parallel) if recomputes else 0.0
         recompute = recompute_peak(kept, whole, marked, grads_beside) / c
         acts = sum(kept) / c  # [Note: the advisor under context parallelism]: the blocks hold 1/c of the rows
-        last = profile.last_activation_bytes if s == p - 1 else 0
+        tail = c if p == 1 else 1  # one stage: sharded to the loss ([Note: the advisor under context parallelism])
+        last = profile.last_activation_bytes / tail if s == p - 1 else 0
         acts += (profile.first_activation_bytes if s == 0 else 0) + last
         # [Note: a checkpointed backward's gradients]: the loss's moment (with or without checkpointing) or a
         # recompute's, whichever is larger
-        loss = (profile.head_largest_bytes or last) if s == p - 1 else 0
+        loss = (profile.head_largest_bytes / tail or last) if s == p - 1 else 0
         recompute = max(loss, recompute - last) if recomputes else loss
         ends = (profile.first_params if s == 0 else 0) + (profile.last_params if s == p - 1 else 0)  # root unit
         # FSDP2 all-gathers a unit's parameters into an unsharded buffer beside the shard: ZeRO-2 every unit,
@@ -385,7 +386,7 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
         if p > 1:  # [Note: what a pipeline stage holds beyond the model]
             runtime = grads * g_bytes + boundary * (m + 1) * ((s < p - 1) + (s > 0))
         ring = max(0.0, ring_working_bytes(profile, blocks, c, t) - freed_before_ring(profile, blocks[-1], c, t)
-                   - (profile.last_activation_bytes if s == p - 1 else 0)) * micro
+                   - last) * micro
         units = len(blocks) + 1  # FSDP units of the stage: its blocks, then the root (the ends)
         gathers = 0 if zero < 2 or dp == 1 else (units if zero == 2 or p > 1 else 2 * len(blocks) + 1)
         est = Estimate(int(held_params * p_bytes), int(grads * g_bytes), int(opt),

@@ -18,9 +18,10 @@ block and the argument. While a block runs, its SDPA calls are routed to attenti
 routing SDPA]). The last block's forward hook gathers its output back to the whole sequence, so that what comes
 after the stack (final norm, head, loss) runs unchanged, on every rank alike ([Note: gradients under context
 parallelism]: average the gradients over the group). Positions and masks stay right without changing the module,
-since it computed them on the whole sequence before cutting. Cuts are made once per forward for a tensor that
-several blocks receive (the rotary cos/sin), and again in a checkpoint's recompute (there is no collective in a
-cut; the gather is skipped in recompute, whose output is discarded).
+since it computed them on the whole sequence before cutting. A tensor is cut once, however many blocks receive it
+(the rotary cos/sin): its piece is kept while the whole tensor lives, and a checkpoint's recompute takes the same
+piece, so that it replays the forward's operations and no others (selective checkpointing checks that; there is no
+collective in a cut; the gather is skipped in recompute, whose output is discarded).
 
 [Note: context parallelism inside pipeline stages]
 A pipeline stage runs a range of the stack's blocks (the others are ghosts), and ``ranges`` names the ranges this
@@ -102,6 +103,7 @@ class ContextParallel:
     _modes: list = field(default_factory=list, repr=False)
     _local: dict = field(default_factory=dict, repr=False)   # id -> weakref of tensors that are this rank's piece
     _cuts: dict = field(default_factory=dict, repr=False)    # id -> (weakref of a whole tensor, its piece)
+    _fresh: set = field(default_factory=set, repr=False)     # where the last forward cut (not from _cuts)
     _seq: int | None = None
     _lead: tuple = ()  # the whole sequence's leading shape ([B, S] batch first), for the loss's labels
     ends_stack: bool = True  # the hooks' last block is the stack's last (not a pipeline stage's)
@@ -120,6 +122,7 @@ class ContextParallel:
         self._leave(0)
         self._local.clear()
         self._cuts.clear()
+        self._fresh.clear()
 
     def _leave(self, depth: int) -> None:
         while len(self._modes) > depth:
@@ -162,12 +165,22 @@ class ContextParallel:
         self._local[key] = weakref.ref(t, lambda _, key=key: self._local.pop(key, None))
 
     # -- cutting ---------------------------------------------------------------------------------------------
-    def _cut(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        hit = self._cuts.get(id(t))
-        if hit is not None and hit[0]() is t and not _in_backward():
+    def _cut(self, t: torch.Tensor, dim: int, where: str) -> torch.Tensor:
+        """``t``'s piece: cut once while ``t`` lives; a recompute cuts again exactly where its forward cut (at
+        ``where``: the block and the argument), so that it replays the forward's operations and no others."""
+        key = id(t)
+        hit = self._cuts.get(key)
+        cached = hit is not None and hit[0]() is t
+        if _in_backward():
+            if cached and where not in self._fresh:
+                return hit[1]
+        elif cached:
+            self._fresh.discard(where)
             return hit[1]
         piece = shard(t, dim, self.size, dist.get_rank(self.group))
-        self._cuts[id(t)] = (weakref.ref(t), piece)
+        if not _in_backward():
+            self._cuts[key] = (weakref.ref(t, lambda _, key=key: self._cuts.pop(key, None)), piece)
+            self._fresh.add(where)
         self._mark_local(piece)
         return piece
 
@@ -191,11 +204,11 @@ class ContextParallel:
             if self._is_local(value) or value.dim() == 0:
                 return value
             dim = self._cut_dim(value, seq, where)
-            return value if dim is None else self._cut(value, dim)
+            return value if dim is None else self._cut(value, dim, where)
         if type(value) in (tuple, list):
-            return type(value)(self._cut_value(v, seq, where) for v in value)
+            return type(value)(self._cut_value(v, seq, f"{where}[{i}]") for i, v in enumerate(value))
         if type(value) is dict:
-            return {k: self._cut_value(v, seq, where) for k, v in value.items()}
+            return {k: self._cut_value(v, seq, f"{where}[{k!r}]") for k, v in value.items()}
         return value
 
     # -- hooks -----------------------------------------------------------------------------------------------
@@ -218,9 +231,7 @@ class ContextParallel:
                 if not _in_backward():
                     self._seq = seq
                     self._lead = tuple(hidden.shape[:self.seq_dim + 1])
-                    if first:
-                        self._cuts.clear()
-                hidden = self._cut(hidden, self.seq_dim)
+                hidden = self._cut(hidden, self.seq_dim, f"`{name}`'s hidden state")
             new_args = [hidden if p == 0 else self._cut_value(
                 a, seq, f"`{name}` as {labels[p] if p < len(labels) else f'positional argument {p}'}")
                 for p, a in enumerate(args)]
@@ -258,7 +269,6 @@ class ContextParallel:
                 return None
             if _in_backward():
                 return None  # a recompute's output is discarded
-            self._cuts.clear()  # the stack is done with this forward's whole tensors
             mode = self._loss_mode
             if mode is not None and grad_scale != 1.0:  # [Note: sharded to the loss]: the pieces go on
                 mode.lead = self._lead

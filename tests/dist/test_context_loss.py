@@ -13,12 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par.context import shard
 from lightning_par.context.loss import ShardedCrossEntropy
-from harness import TIMEOUT_S, fit_and_record, free_port, hybrid, one_process_fit, seeded, start_ranks
+from harness import TIMEOUT_S, LossPieces, fit_and_record, free_port, hybrid, one_process_fit, seeded, start_ranks
 from models import CausalLM, corpus, hf_model, tiny_gpt
 
 B, S, V = 2, 16, 11
@@ -92,26 +91,11 @@ def test_the_pieces_cross_entropy_equals_the_whole_sequences(cp):
     start_ranks(_worker, (cp, free_port()), nprocs=cp)
 
 
-class PiecesSeen(pl.Callback):
-    """Each rank's verdict of the setup check and the shapes of the logits its head made, to ``<dir>/loss<rank>.pt``."""
-
-    def __init__(self, out_dir, head: str):
-        self.out_dir, self.head, self.shapes = out_dir, head, []
-
-    def on_train_start(self, trainer, pl_module):
-        pl_module.get_submodule(self.head).register_forward_hook(lambda m, a, out: self.shapes.append(tuple(out.shape)))
-
-    def on_train_end(self, trainer, pl_module):
-        loss = trainer.strategy._engine.context.loss
-        torch.save({"sharded": loss.sharded, "why": loss.why, "shapes": self.shapes},
-                   os.path.join(self.out_dir, f"loss{trainer.global_rank}.pt"))
-
-
 def _fit(tmp_path, factory, data, *, cp=2, steps=8, head="model.lm_head"):
     ref = one_process_fit(factory, data, 4, max_steps=steps)
     got = fit_and_record(seeded(factory), DataLoader(data, batch_size=4), str(tmp_path), devices=cp,
                          strategy=hybrid(context_parallel_size=cp), max_steps=steps,
-                         callbacks=[PiecesSeen(str(tmp_path), head)])
+                         callbacks=[LossPieces(str(tmp_path), head)])
     seen = [torch.load(tmp_path / f"loss{r}.pt") for r in range(cp)]
     for rec in got:  # the losses every rank returns, its gradients and parameters: one device's
         torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), atol=2e-4, rtol=0)
