@@ -196,6 +196,16 @@ def record_rows(rows: list[dict]) -> list[list]:
     return out
 
 
+def layout_rows(rows: list[dict]) -> list[list]:
+    """Each row's peak against the one-device row of the same mode (``-`` where there is none)."""
+    out = []
+    for r in rows:
+        one = next((o for o in rows if o["layout"] == "single" and o["mode"] == r["mode"]), None)
+        out.append([r["layout"], r["mode"], f"{r['peak_bytes'] / 2**20:.1f}",
+                    f"{r['peak_bytes'] / one['peak_bytes']:.2f}" if one else "-", f"{r['step_s']:.3f}"])
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     sizes = LLAMA if args.model == "llama" else QUICK if args.quick else FULL
@@ -221,10 +231,16 @@ def main(argv=None) -> int:
     if args.record:  # [Note: a generated performance page] in lightning_par.performance
         from lightning_par.performance import record
 
-        record("benchmark activation_memory", title="Activation checkpointing: step memory and time per mode",
-               command="python benchmarks/activation_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               tables=[(f"{name} {sizes}, {args.steps} steps (step 0 a warm-up), on {args.accelerator}",
-                        ["layout", "mode", "step peak MiB", "× off", "step s", "× off"], record_rows(rows))])
+        command = "python benchmarks/activation_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        caption = f"{name} {sizes}, {args.steps} steps (step 0 a warm-up), on {args.accelerator}"
+        if args.model == "llama":  # the layouts side by side: each rank's peak against one device's
+            record("benchmark context_memory", title="Context parallel: a rank's step peak, the loss on the pieces",
+                   command=command, tables=[(caption, ["layout", "mode", "step peak MiB", "× single", "step s"],
+                                             layout_rows(rows))])
+        else:
+            record("benchmark activation_memory", title="Activation checkpointing: step memory and time per mode",
+                   command=command, tables=[(caption, ["layout", "mode", "step peak MiB", "× off", "step s", "× off"],
+                                             record_rows(rows))])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"sizes": sizes, "rows": rows, "seconds": time.perf_counter() - began}, f, indent=1)

@@ -104,19 +104,34 @@ def record_inputs(module: nn.Module, names: Iterable[str], run: Callable[[], Any
     return found
 
 
-def _snapshot(obj):
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj, other: Callable[[Any], Any] = lambda o: o):
+    """``obj`` with every tensor inside its plain tuples, lists and dicts replaced by ``fn(tensor)`` and every other
+    leaf by ``other(leaf)`` (a named tuple is a leaf: its type would not take a generator)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return fn(obj)
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_snapshot(o) for o in obj)
+        return tuple(map_tensors(fn, o, other) for o in obj)
     if isinstance(obj, list):
-        return [_snapshot(o) for o in obj]
+        return [map_tensors(fn, o, other) for o in obj]
     if isinstance(obj, dict):
-        return {k: _snapshot(v) for k, v in obj.items()}
+        return {k: map_tensors(fn, v, other) for k, v in obj.items()}
+    return other(obj)
+
+
+def _copied(obj):
     try:
         return copy.deepcopy(obj)
     except Exception:  # noqa: BLE001 -- kept as it is
         return obj
+
+
+def _snapshot(obj):
+    return map_tensors(lambda t: t.detach().clone(), obj, _copied)
+
+
+def on_cpu(obj):
+    """``obj`` with its tensors on the CPU (to send through ``all_gather_object`` / ``broadcast_object_list``)."""
+    return map_tensors(lambda t: t.cpu(), obj)
 
 
 def fresh(inputs: Inputs, device: Optional[torch.device] = None) -> tuple[tuple, dict, list[torch.Tensor]]:
@@ -125,22 +140,14 @@ def fresh(inputs: Inputs, device: Optional[torch.device] = None) -> tuple[tuple,
     leaves: list[torch.Tensor] = []
 
     def go(obj):
-        if isinstance(obj, torch.Tensor):
-            t = obj.detach().clone() if device is None else obj.detach().to(device, copy=True)
-            if t.is_floating_point():
-                t.requires_grad_(True)
-                leaves.append(t)
-            return t
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(go(o) for o in obj)
-        if isinstance(obj, list):
-            return [go(o) for o in obj]
-        if isinstance(obj, dict):
-            return {k: go(v) for k, v in obj.items()}
-        return _snapshot(obj)
+        t = obj.detach().clone() if device is None else obj.detach().to(device, copy=True)
+        if t.is_floating_point():
+            t.requires_grad_(True)
+            leaves.append(t)
+        return t
 
     args, kwargs = inputs
-    return go(args), go(kwargs), leaves
+    return map_tensors(go, args, _snapshot), map_tensors(go, kwargs, _snapshot), leaves
 
 
 def realize(inputs: Inputs, device: Optional[torch.device] = None, seed: int = 0) -> Inputs:
@@ -149,27 +156,19 @@ def realize(inputs: Inputs, device: Optional[torch.device] = None, seed: int = 0
     g = torch.Generator().manual_seed(seed)
 
     def go(obj):
-        if isinstance(obj, torch.Tensor):
-            if not obj.is_meta:
-                return obj
-            if obj.is_floating_point():
-                t = torch.randn(obj.shape, generator=g)
-            elif obj.dtype == torch.bool:
-                t = torch.ones(obj.shape, dtype=torch.bool)
-            else:
-                last = obj.shape[-1] if obj.dim() else 1
-                t = torch.arange(last).expand(obj.shape) if obj.dim() else torch.tensor(0)
-            return t.to(device or "cpu", obj.dtype)
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(go(o) for o in obj)
-        if isinstance(obj, list):
-            return [go(o) for o in obj]
-        if isinstance(obj, dict):
-            return {k: go(v) for k, v in obj.items()}
-        return obj
+        if not obj.is_meta:
+            return obj
+        if obj.is_floating_point():
+            t = torch.randn(obj.shape, generator=g)
+        elif obj.dtype == torch.bool:
+            t = torch.ones(obj.shape, dtype=torch.bool)
+        else:
+            last = obj.shape[-1] if obj.dim() else 1
+            t = torch.arange(last).expand(obj.shape) if obj.dim() else torch.tensor(0)
+        return t.to(device or "cpu", obj.dtype)
 
     args, kwargs = inputs
-    return go(args), go(kwargs)
+    return map_tensors(go, args), map_tensors(go, kwargs)
 
 
 # -- running and comparing -----------------------------------------------------------------------------
@@ -284,6 +283,27 @@ def refuse_if_different(verdict: Verdict, module_name: str, module: nn.Module, o
                          f"{verdict.describe()}. {fix} (verify=False skips this check for a model you know.)")
 
 
+def _ratio(v: Verdict) -> float:
+    if v.ok:
+        return v.error / v.allowed if v.allowed > 0 else 0.0
+    r = v.error / v.allowed if v.allowed > 0 and not v.raised else math.inf
+    return math.inf if math.isnan(r) else max(r, 1.0 + 1e-6)
+
+
+def agree(verdict: Verdict, group, device: torch.device) -> Verdict:
+    """The verdict of ``group``: this rank's where every rank's passed, else the worst rank's (every rank alike, so
+    every rank refuses or none does)."""
+    import torch.distributed as dist
+
+    worst = torch.tensor([_ratio(verdict)], dtype=torch.float32, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    if worst.item() <= 1.0:
+        return verdict
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, verdict, group=group)
+    return max(every, key=_ratio)
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
@@ -303,5 +323,5 @@ def tensors_in(obj):
         yield from tensors_in(obj.to_tuple())
 
 
-__all__ = ["Inputs", "Verdict", "apply_setup_check", "compare", "first_line", "fresh", "perturb_", "record_inputs",
-           "refuse_if_different", "run_block", "tensors_in", "tolerance"]
+__all__ = ["Inputs", "Verdict", "agree", "apply_setup_check", "compare", "first_line", "fresh", "map_tensors", "on_cpu",
+           "perturb_", "record_inputs", "refuse_if_different", "run_block", "tensors_in", "tolerance"]

@@ -32,7 +32,6 @@ module untouched. A meta-built module (no weights to run) or a setup with no bat
 from __future__ import annotations
 
 import copy
-import math
 from typing import Optional
 
 import torch
@@ -41,7 +40,7 @@ from torch import nn
 
 from lightning_par.context.apply import apply_context_parallel_to_block
 from lightning_par.pipeline.discovery import find_blocks
-from lightning_par.verify import Inputs, Verdict, apply_setup_check, refuse_if_different, tensors_in
+from lightning_par.verify import Inputs, Verdict, agree, apply_setup_check, on_cpu, refuse_if_different, tensors_in
 
 
 def block_kinds(module: nn.Module, blocks: Optional[str] = None) -> list[str]:
@@ -63,7 +62,7 @@ def check_context_blocks(module: nn.Module, inputs: Optional[dict[str, Inputs]],
     with ``method``; ``ValueError`` naming the block, the largest difference and the fix where one differs, on
     every rank of ``group`` alike. Collective: every rank of ``group`` calls it together. Returns the verdicts."""
     src = dist.get_global_rank(group, 0)
-    box = [_on_cpu(inputs or {})]  # sent through the CPU: each rank's check moves them to its block's device
+    box = [on_cpu(inputs or {})]  # sent through the CPU: each rank's check moves them to its block's device
     dist.broadcast_object_list(box, src=src, group=group)  # every rank checks the same inputs
     inputs = box[0]
     cp = dist.get_world_size(group)
@@ -96,7 +95,7 @@ def check_context_blocks(module: nn.Module, inputs: Optional[dict[str, Inputs]],
             verdict = apply_setup_check(synced, rewrite, inputs[name], after_backward=average)
         finally:
             del synced
-        verdicts[name] = _agree(verdict, group, next((p.device for p in block.parameters()), torch.device("cpu")))
+        verdicts[name] = agree(verdict, group, next((p.device for p in block.parameters()), torch.device("cpu")))
         refuse_if_different(
             verdicts[name], name, block, f"context parallel (context_parallel_method={method!r})",
             f"`{name}` computes something else on this rank's piece of the sequence than on the whole (an operation "
@@ -104,34 +103,6 @@ def check_context_blocks(module: nn.Module, inputs: Optional[dict[str, Inputs]],
             f"convolution over time, sees one piece only): train it with context_parallel_size=1, or try another "
             f"context_parallel_method.")
     return verdicts
-
-
-def _ratio(v: Verdict) -> float:
-    if v.ok:
-        return v.error / v.allowed if v.allowed > 0 else 0.0
-    r = v.error / v.allowed if v.allowed > 0 and not v.raised else math.inf
-    return math.inf if math.isnan(r) else max(r, 1.0 + 1e-6)
-
-
-def _agree(verdict: Verdict, group, device: torch.device) -> Verdict:
-    """The verdict of the group: this rank's where every rank's passed, else the worst rank's (every rank alike)."""
-    worst = torch.tensor([_ratio(verdict)], dtype=torch.float32, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    if worst.item() <= 1.0:
-        return verdict
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, verdict, group=group)
-    return max(every, key=_ratio)
-
-
-def _on_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if type(obj) in (tuple, list):
-        return type(obj)(_on_cpu(o) for o in obj)
-    if type(obj) is dict:
-        return {k: _on_cpu(v) for k, v in obj.items()}
-    return obj
 
 
 __all__ = ["block_kinds", "check_context_blocks"]

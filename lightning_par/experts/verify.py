@@ -51,10 +51,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_par.context.verify import _agree, _on_cpu
 from lightning_par.experts.apply import ExpertParallel, apply_expert_parallel, apply_tensor_experts
 from lightning_par.experts.discovery import ExpertContainer
-from lightning_par.verify import Inputs, Verdict, compare, first_line, perturb_, run_block, tensors_in
+from lightning_par.verify import (Inputs, Verdict, agree, compare, first_line, on_cpu, perturb_, run_block,
+                                  tensors_in)
 
 
 def moe_layer_name(c: ExpertContainer) -> Optional[str]:
@@ -87,7 +87,7 @@ def check_expert_layers(kept: dict[str, tuple[nn.Module, str]], inputs: Optional
     divided = {c.name for c in applied.containers}
     kept = {n: v for n, v in kept.items() if f"{n}.{v[1]}" in divided}  # the layers whose experts the step divided
     src = dist.get_global_rank(group, 0)
-    box = [_on_cpu({n: v for n, v in (inputs or {}).items() if n in kept})]
+    box = [on_cpu({n: v for n, v in (inputs or {}).items() if n in kept})]
     dist.broadcast_object_list(box, src=src, group=group)  # every rank checks the same inputs
     inputs = box[0]
     verdicts = {}
@@ -104,7 +104,7 @@ def check_expert_layers(kept: dict[str, tuple[nn.Module, str]], inputs: Optional
             del layer
             gc.collect()
         device = next((t.device for t in tensors_in(inputs[name])), torch.device("cpu"))
-        verdicts[name] = _agree(verdict, group, device)
+        verdicts[name] = agree(verdict, group, device)
         if not verdicts[name].ok:
             how = (f"expert_parallel_size={ep}" if applied.axis == "ep" else
                    f"expert_parallel_size=1, the experts divided over tensor_parallel_size={ep}")
