@@ -130,7 +130,7 @@ class BlocksCheckpointed(pl.Callback):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(expert_parallel_size=0), r"`expert_parallel_size=0` must be a positive integer"),
     (dict(expert_parallel_size=2, experts=""), r"`experts=''` must be a glob"),
-    (dict(expert_parallel_size=2, zero_stage=1), r"`expert_parallel_size=2` with zero_stage=1: ZeRO over the ranks"),
+    (dict(expert_parallel_size=2, zero_stage=2), r"`expert_parallel_size=2` with zero_stage=2: sharding the "),
     (dict(expert_parallel_size=2, zero_stage=3), r"`expert_parallel_size=2` with zero_stage=3"),
     (dict(expert_parallel_size=2, pipeline_parallel_size=2), r"with pipeline_parallel_size=2: expert parallelism"),
 ])
@@ -195,6 +195,40 @@ def test_ep2_by_tp2_matches_data_parallel(tmp_path):
                          max_steps=STEPS, callbacks=[HoldsExperts(2)])
     assert len(got) == 4
     assert_matches(ref, got, 1)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("devices", [2, 4])
+def test_zero1_ep2_matches_data_parallel(tmp_path, devices):
+    """zero_stage=1 with ep 2 on dp 2 / dp 4: the dense parameters' AdamW state sharded over the replicas, each
+    rank's experts' over the ranks holding the same experts (1 / 2 of them; [Note: ZeRO-1 with expert
+    parallelism]); equal to DDP."""
+    factory = functools.partial(MoEModule, "mixtral", "adamw")
+    ref = ddp_reference(factory, tmp_path, devices)
+    got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "z"),
+                         strategy=hybrid(expert_parallel_size=2, zero_stage=1), devices=devices, max_steps=STEPS,
+                         callbacks=[StepsTheirExperts(holders=devices // 2)])
+    assert len(got) == devices
+    assert_matches(ref, got, 2)
+
+
+class StepsTheirExperts(pl.Callback):
+    """Fails the run unless each rank's ZeRO shard steps 1/holders of its expert tensors (``holders`` ranks hold the
+    same experts) and some of the dense ones, never all of them."""
+
+    def __init__(self, holders: int):
+        self.holders = holders
+
+    def on_train_end(self, trainer, pl_module):
+        expert_ids = {id(p) for n, p in pl_module.named_parameters() if ".mlp.experts." in n}
+        opt = trainer.optimizers[0]
+        every = [p for g in opt.param_groups for p in g["params"]]
+        local = [p for g in opt.optim.param_groups for p in g["params"]]
+        experts = [p for p in every if id(p) in expert_ids]
+        mine = [p for p in local if id(p) in expert_ids]
+        assert len(experts) == 4 and len(mine) == 4 // self.holders, (len(experts), len(mine))
+        assert 0 < len(local) - len(mine) < len(every) - len(experts)
+        assert sum(len(s) for s in opt.optim.state.values()) > 0
 
 
 class HoldsExperts(pl.Callback):
