@@ -11,7 +11,7 @@ def expert_zero_optimizer(params, *, experts: set[int], slots: list[int], slot_g
     and broadcast treat the parameters whose ids are in ``experts`` apart: they are divided over ``len(slot_ranks)``
     slots, every rank of the dp ``process_group`` steps those of its slot (``slots[r]``: dp rank r's), and they are
     broadcast within ``slot_group`` (the ranks holding the same experts; global ranks ``slot_ranks``, slot order)
-    instead of over dp. Overrides the private ``_partition_parameters`` and ``_sync_params``."""
+    instead of over dp. Overrides the private ``_partition_parameters``, ``_param_to_rank`` and ``_sync_params``."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -53,6 +53,19 @@ def expert_zero_optimizer(params, *, experts: set[int], slots: list[int], slot_g
                         per_rank[r].append(p)
                 self._partition_param_group(group, per_rank)
             return self._partition_parameters_cache
+
+        @property
+        def _param_to_rank(self):  # an expert parameter of this rank's slot is this rank's (load_state_dict)
+            if not self._param_to_rank_cache:
+                parts = self._partition_parameters()
+                for r, groups in enumerate(parts):
+                    for g in groups:
+                        for p in g["params"]:
+                            self._param_to_rank_cache[p] = r
+                for g in parts[self.rank]:
+                    for p in g["params"]:
+                        self._param_to_rank_cache[p] = self.rank
+            return self._param_to_rank_cache
 
         def _sync_params(self):
             parts = self._partition_parameters()

@@ -212,6 +212,20 @@ def test_zero1_ep2_matches_data_parallel(tmp_path, devices):
     assert_matches(ref, got, 2)
 
 
+@pytest.mark.timeout(TIMEOUT_S)
+def test_checkpoint_under_zero1_dp4_ep2_resumes_exactly(tmp_path):
+    """The optimizer state each rank's ZeRO shard keeps (its experts' by slot) is written and read back: resuming
+    from the first epoch's checkpoint replays the uninterrupted run bit for bit."""
+    def fit(tmp, name, strategy, **kw):
+        factory = functools.partial(MoEModule, "mixtral", "adamw")
+        return fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp / name),
+                              strategy=strategy, devices=4, **kw)
+    whole, resumed, _ = fit_whole_then_resumed(fit, tmp_path, lambda: hybrid(expert_parallel_size=2, zero_stage=1))
+    assert len(whole) == 4
+    steps = len(whole[0]["losses"])
+    assert_resumed_exactly(whole, resumed, steps=steps, resumed_at=steps // 2)
+
+
 class StepsTheirExperts(pl.Callback):
     """Fails the run unless each rank's ZeRO shard steps 1/holders of its expert tensors (``holders`` ranks hold the
     same experts) and some of the dense ones, never all of them."""
