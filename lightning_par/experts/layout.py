@@ -41,10 +41,6 @@ def check_expert_composition(expert_parallel_size: int, *, pipeline_parallel_siz
     ep = expert_parallel_size
     if ep == 1:
         return
-    if isinstance(pipeline_parallel_size, int) and pipeline_parallel_size > 1:
-        raise ValueError(f"`expert_parallel_size={ep}` with pipeline_parallel_size={pipeline_parallel_size}: expert "
-                         f"parallelism runs with one pipeline stage for now. Use pipeline_parallel_size=1, or "
-                         f"expert_parallel_size=1 (each stage then holds its blocks' experts whole).")
     if zero_stage >= 2:  # FSDP2 over the ranks holding the same experts (torchtitan's efsdp) is not built
         raise ValueError(f"`expert_parallel_size={ep}` with zero_stage={zero_stage}: sharding the parameters over "
                          f"the ranks holding the same experts (and over dp for the rest) is not built. Use "

@@ -51,19 +51,19 @@ def ddp_reference(factory, tmp_path, devices: int) -> dict:
     return ref
 
 
-def assert_matches(ref: dict, got: list[dict], ep: int, *, params_atol=2e-4):
+def assert_matches(ref: dict, got: list[dict], ep: int, *, params_atol=2e-4, index=None):
     for r, rec in enumerate(got):
-        index = r % ep  # dp-major ranks at tp = 1: the expert-parallel index is dp mod ep
+        at = r % ep if index is None else index  # dp-major ranks at tp = 1: the ep index is dp mod ep
         torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), atol=2e-4, rtol=0)
         assert len(rec["losses"]) == STEPS
         for step in range(2):
             ref_grads = ref["grads"][step]
             assert set(rec["grads"][step]) <= set(ref_grads) and len(rec["grads"][step]) > 0
             for name, grad in rec["grads"][step].items():
-                torch.testing.assert_close(grad, _share(name, ref_grads[name], grad, index), atol=1e-5, rtol=1e-5,
+                torch.testing.assert_close(grad, _share(name, ref_grads[name], grad, at), atol=1e-5, rtol=1e-5,
                                            msg=lambda m: f"rank {r} step {step} {name}: {m}")
         for name, p in rec["params"].items():
-            torch.testing.assert_close(p, _share(name, ref["params"][name], p, index), atol=params_atol, rtol=0,
+            torch.testing.assert_close(p, _share(name, ref["params"][name], p, at), atol=params_atol, rtol=0,
                                        msg=lambda m: f"rank {r} {name}: {m}")
 
 
@@ -132,7 +132,6 @@ class BlocksCheckpointed(pl.Callback):
     (dict(expert_parallel_size=2, experts=""), r"`experts=''` must be a glob"),
     (dict(expert_parallel_size=2, zero_stage=2), r"`expert_parallel_size=2` with zero_stage=2: sharding the "),
     (dict(expert_parallel_size=2, zero_stage=3), r"`expert_parallel_size=2` with zero_stage=3"),
-    (dict(expert_parallel_size=2, pipeline_parallel_size=2), r"with pipeline_parallel_size=2: expert parallelism"),
 ])
 def test_bad_expert_options_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -144,16 +143,41 @@ def test_ep_not_dividing_dp_fails_at_trainer_construction():
         pl.Trainer(**trainer_kwargs(devices=3, strategy=hybrid(expert_parallel_size=2)))
 
 
-def test_the_pipeline_preset_refuses_ep_at_trainer_construction():
-    from lightning_par import PipelineParallelStrategy
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("family,optimizer", [("mixtral", "adamw"), ("mixtral", "sgd"), ("list_blocks", "sgd")])
+def test_pp2_ep2_matches_the_data_parallel_pipeline(tmp_path, family, optimizer):
+    """pp 2 x dp 2 with ep 2 (4 ranks): each stage's blocks' experts divided over its two replicas ([Note: expert
+    parallelism inside pipeline stages]) equal the same pipeline with ep 1 (whole experts, gradients averaged over
+    dp): losses over 8 steps, the first two steps' gradients, the parameters (each rank's experts against their
+    rows / modules of the whole). The reference is the pipeline, not DDP: a router's aux loss is taken per
+    micro-batch there, as under ep. The per-expert lists' stack is named: an experts list is the longest."""
+    from lightning_par.topology import Topology
 
-    strategy = PipelineParallelStrategy(expert_parallel_size=2, data_parallel_size=2, start_method="fork")
-    with pytest.raises(ValueError, match=r"`expert_parallel_size=2` with pipeline_parallel_size=2: expert"):
-        pl.Trainer(**trainer_kwargs(devices=4, strategy=strategy))
+    factory = functools.partial(MoEModule, family, optimizer)
+    loader = DataLoader(DATA.train_set, batch_size=2)
+    pp = dict(pipeline_parallel_size=2, microbatches=2, blocks="model.layers" if family == "list_blocks" else None)
+    ref = fit_and_record(seeded(factory), loader, str(tmp_path / "p"), devices=4, max_steps=STEPS,
+                         strategy=hybrid(**pp))
+    with plan_log(tmp_path / "plan.log") as log:
+        got = fit_and_record(seeded(factory), loader, str(tmp_path / "e"), devices=4, max_steps=STEPS,
+                             strategy=hybrid(**pp, expert_parallel_size=2))
+    assert len(got) == len(ref) == 4
+    topo = Topology(data_parallel_size=2, pipeline_parallel_size=2)
+    for r, (want, rec) in enumerate(zip(ref, got)):
+        assert_matches(want, [rec], 1, index=topo.coordinates(r)["dp"])
+    assert "Expert parallel: ep=2, this rank holds experts [0, 2) of each of 1 MoE layers" in log.read_text()
 
 
-def _fit(strategy, model, **kw):
-    trainer = pl.Trainer(**trainer_kwargs(devices=2, strategy=strategy, max_steps=1, **kw))
+@pytest.mark.timeout(TIMEOUT_S)
+def test_pp_ep_refuses_an_experts_list_as_the_block_stack():
+    """The per-expert list (4 experts) is the longest list of one class, so it would be found as the pipeline's
+    block stack: under ep it is refused at setup naming the stack and `blocks=`, on every rank alike."""
+    with pytest.raises(Exception, match=r"block stack `model.layers.0.experts` is MoEModule.s routed experts"):
+        _fit(hybrid(pipeline_parallel_size=2, microbatches=2, expert_parallel_size=2), MoEModule("list"), devices=4)
+
+
+def _fit(strategy, model, devices=2, **kw):
+    trainer = pl.Trainer(**trainer_kwargs(devices=devices, strategy=strategy, max_steps=1, **kw))
     trainer.fit(model, DataLoader(DATA.train_set, batch_size=2))
 
 
