@@ -312,21 +312,48 @@ def test_checkpoint_under_ep2_resumes_exactly_and_under_ddp(tmp_path, family):
         torch.testing.assert_close(held[name], p, atol=2e-4, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+class ReadsItsShare(pl.Callback):
+    """At the start of training: the bytes of the state entries this rank holds (a DTensor's local rows, a
+    per-expert list's own experts) and the bytes it read from ``weights=``, saved per rank."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer, pl_module):
+        from torch.distributed.tensor import DTensor
+
+        seen, held, experts = set(), 0, 0
+        for name, t in pl_module.state_dict(keep_vars=True).items():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if id(t) not in seen and not local.is_meta:
+                seen.add(id(t))
+                held += local.numel() * local.element_size()
+                experts += local.numel() * local.element_size() if ".experts." in name else 0
+        torch.save({"held": held, "experts": experts, "read": trainer.strategy.weights_bytes_read},
+                   os.path.join(self.out_dir, f"share{trainer.global_rank}.pt"))
+
+
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("family", ["mixtral", "list"])
 def test_meta_build_with_weights_under_ep2_matches_data_parallel(tmp_path, family):
     """A module built on the meta device and given ``weights=`` (the module's own file, fused or per-expert
-    tensors): each rank materializes and reads only its experts and trains as DDP from the same weights does."""
+    tensors): each rank materializes and reads only its experts (the bytes read from the file are the bytes it
+    holds: the dense entries and half of the experts', counted by the reader) and trains as DDP from the same
+    weights does."""
     from safetensors.torch import save_file
 
     factory = functools.partial(MoEModule, family, "adamw")
     source = seeded(factory)
     path = str(tmp_path / "model.safetensors")
-    save_file({k: v.detach().clone().contiguous() for k, v in source.state_dict().items()}, path)
+    state = {k: v.detach().clone().contiguous() for k, v in source.state_dict().items()}
+    save_file(state, path)
+    file_bytes = sum(v.numel() * v.element_size() for v in state.values())
+    file_experts = sum(v.numel() * v.element_size() for k, v in state.items() if ".experts." in k)
     ref = ddp_reference(factory, tmp_path, 2)  # seeded(factory): the same weights as the file
     trainer = pl.Trainer(**trainer_kwargs(strategy=hybrid(expert_parallel_size=2, weights=path), devices=2,
                                           max_steps=STEPS, callbacks=[Recorder(str(tmp_path / "m")),
-                                                                      HoldsExperts(2 if family != "list" else 1)]))
+                                                                      HoldsExperts(2 if family != "list" else 1),
+                                                                      ReadsItsShare(str(tmp_path))]))
     torch.manual_seed(5)  # not the file's weights: they must come from the file
     with trainer.init_module(empty_init=True):
         module = factory()
@@ -334,6 +361,10 @@ def test_meta_build_with_weights_under_ep2_matches_data_parallel(tmp_path, famil
     trainer.fit(module, DataLoader(DATA.train_set, batch_size=2))
     got = [torch.load(tmp_path / "m" / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert_matches(ref, got, 2)
+    for r in range(2):
+        share = torch.load(tmp_path / f"share{r}.pt", weights_only=False)
+        assert file_experts > 0 and share["experts"] * 2 == file_experts, (share, file_experts)
+        assert share["read"] == share["held"] == file_bytes - file_experts // 2, (share, file_bytes)
 
 
 class ExpertsAt(pl.Callback):
