@@ -25,7 +25,21 @@ follows are in DESIGN.md ("Numbers the field publishes"):
   parallel all-reduces ``b·s·h`` 4 times per layer per micro-batch (2 forward, 2 backward);
 - context parallelism (``context_parallel_size``): the blocks' activations ``/ cp``, the ring attention's K/V
   bytes, the stack's exit gather and the gradients' average over the group ([Note: the advisor under context
-  parallelism] in :mod:`lightning_par.advisor.context`).
+  parallelism] in :mod:`lightning_par.advisor.context`);
+- expert parallelism (``expert_parallel_size``): the routed experts ``/ ep`` and their all-to-all ([Note: the
+  advisor under expert parallelism]).
+
+[Note: the advisor under expert parallelism]
+With ``expert_parallel_size = ep`` (its ranks borrowed from dp × cp, :mod:`lightning_par.experts`) a stage's
+routed-expert parameters E_s (the profile's ``block_expert_params``) are held ``/ ep`` and whole (never tp-split);
+the rest of its block parameters keep the tensor-parallel share of the dense linears. Gradients follow the
+parameters; ZeRO-1 divides the dense optimizer state by dp and the experts' by their holders ``h = dp·cp/ep``
+(ZeRO-2 / 3 with ep are refused by the strategy). Communication per rank and step: the dense gradients' ring
+all-reduce over dp and the experts' over h (ZeRO-1: the updated shards' broadcast the same way), and per MoE
+block and micro-batch the all-to-all of ``tokens × hidden × top-k × (ep−1)/ep`` elements, out and back, in forward
+and in backward (4 times; tokens: the micro-batch's rows on the rank, ``/ cp``). The routing weights and counts
+(1/hidden of that, E integers) and the token imbalance of a real router are left out: the benchmark measures
+them (benchmarks/expert_parallel.py). Activations are the probe's (the received rows are transient).
 """
 from __future__ import annotations
 
@@ -79,11 +93,19 @@ class Layout:
     activation_checkpointing: str | int | None = None
     context_parallel_size: int = 1
     comm_hook: str | None = None  # "fp16" / "bf16": the replicas' all-reduce in 16 bits (PowerSGD: not modeled)
+    expert_parallel_size: int = 1  # routed experts divided over ep ranks borrowed from dp × cp
 
     def __post_init__(self):
         check_checkpointing(self.activation_checkpointing)
         if self.context_parallel_size < 1:
             raise ValueError(f"context_parallel_size={self.context_parallel_size} must be a positive integer.")
+        ep = self.expert_parallel_size
+        if ep < 1 or (self.data_parallel_size * self.context_parallel_size) % ep:
+            raise ValueError(f"expert_parallel_size={ep} must be a positive integer dividing data_parallel_size × "
+                             f"context_parallel_size ({self.data_parallel_size} × {self.context_parallel_size}).")
+        if ep > 1 and self.zero_stage >= 2:
+            raise ValueError(f"expert_parallel_size={ep} with zero_stage={self.zero_stage} is refused by the "
+                             f"strategy: use zero_stage 0 or 1.")
 
     @property
     def devices(self) -> int:
@@ -101,6 +123,8 @@ class Layout:
             parts.append(f"TP{self.tensor_parallel_size}" + ("+SP" if self.sequence_parallel else ""))
         if self.data_parallel_size > 1 or not parts:
             parts.append(f"DP{self.data_parallel_size}" if self.data_parallel_size > 1 else "single")
+        if self.expert_parallel_size > 1:
+            parts.append(f"EP{self.expert_parallel_size}")
         if self.zero_stage:
             parts.append(f"ZeRO-{self.zero_stage}")
         if self.comm_hook:
@@ -323,9 +347,22 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
     elem = profile.dtype_bytes
     boundary = micro * profile.seq_len * profile.hidden_size * elem  # one activation message
 
+    ep = layout.expert_parallel_size
+    if ep > 1 and not profile.moe_blocks:
+        raise ValueError(f"expert_parallel_size={ep}: the module has no routed experts.")
+    if ep > 1 and profile.num_experts % ep:
+        raise ValueError(f"expert_parallel_size={ep} does not divide the {profile.num_experts} experts of a layer.")
+    if ep > 1:  # [Note: the advisor under expert parallelism]: the tp share is the dense linears'
+        dense_total = (sum(profile.block_params) - sum(profile.block_expert_params)) or 1
+        shard_share = (profile.shardable_block_params - profile.expert_linear_params) / dense_total
+    holders = dp * c // ep  # ranks holding the same experts
+
     stages: list[Estimate] = []
     for s, blocks in enumerate(stage_blocks(profile.n_blocks, p, costs=profile.block_params)):
         block_params = sum(profile.block_params[i] for i in blocks)
+        experts = sum(profile.block_expert_params[i] for i in blocks) / ep if ep > 1 else 0.0  # held per rank
+        if ep > 1:
+            block_params -= experts * ep
         params = block_params * (shard_share / t + (1 - shard_share))
         if s == 0:
             params += profile.first_params
@@ -362,8 +399,9 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
             gathered = max((profile.block_params[i] for i in blocks), default=0) + ends
         zero = layout.zero_stage
         opt = params * states * s_bytes / (dp if zero >= 1 else 1)
-        grads = params / (dp if zero >= 2 else 1)
-        held_params = params / (dp if zero >= 2 else 1)  # FSDP2 keeps shards between steps at ZeRO-2 too
+        opt += experts * states * s_bytes / (holders if zero >= 1 else 1)
+        grads = params / (dp if zero >= 2 else 1) + experts
+        held_params = params / (dp if zero >= 2 else 1) + experts  # FSDP2 keeps shards between steps at ZeRO-2 too
 
         if zero >= 2:  # FSDP2: reduce-scatter the gradients, all-gather the parameters (ZeRO-3: the blocks
             # again in backward; the root unit, embeddings / head / final norm, stays gathered for the step)
@@ -373,6 +411,11 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
             comm = 2 * (dp - 1) / dp * params * (2 if layout.comm_hook in ("fp16", "bf16") else g_bytes)
         if zero == 1:
             comm += (dp - 1) / dp * params * p_bytes
+        if ep > 1:  # [Note: the advisor under expert parallelism]
+            comm += ((2 * (g_bytes if layout.comm_hook not in ("fp16", "bf16") else 2) + (zero == 1) * p_bytes)
+                     * (holders - 1) / holders * experts)
+            moe = sum(1 for i in blocks if profile.block_expert_params[i])
+            comm += 4 * moe * m * boundary / c * max(profile.expert_top_k, 1) * (ep - 1) / ep
         if p > 1:
             comm += m * boundary * ((s < p - 1) + (s > 0))
             if profile.tied_params and s in (0, p - 1):
