@@ -16,6 +16,7 @@ from lightning_par.context.verify import block_kinds, check_context_blocks
 from lightning_par.dp import fsdp
 from lightning_par.experts import apply_experts
 from lightning_par.experts.apply import leave_experts_out
+from lightning_par.experts.layout import check_router_loss
 from lightning_par.materialize import has_meta
 from lightning_par.options import (BlockOptions, LayoutOptions, MemoryOptions, PipelineOptions, ShardingOptions,
                                    TensorOptions)
@@ -100,6 +101,7 @@ def find_tensor_plan(module: nn.Module, tensor: TensorOptions, topology: Topolog
     tp = topology.tensor_parallel_size
     plan = build_plan(module, tp, tensor.plan, sequence_parallel=tensor.sequence_parallel,
                       loss_parallel=tensor.loss_parallel) if tp > 1 else None
+    check_router_loss(module, topology.context_parallel_size)  # a router's aux loss under cp is not one device's
     if layout is not None:  # the routed experts are divided whole over ep instead (step 6)
         plan = leave_experts_out(plan, module, expert_parallel_size=layout.expert_parallel_size,
                                  experts=layout.experts, stack=stack.path if stack is not None else None)

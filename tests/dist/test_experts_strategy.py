@@ -413,6 +413,16 @@ def test_a_second_fit_keeps_the_experts_divided(tmp_path):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_router_aux_loss_under_cp2_is_refused_at_setup(ep):
+    """A Hugging Face MoE computing its router's auxiliary loss would take it per sequence piece under cp: refused
+    at setup on every rank alike, naming the value and the fix."""
+    with pytest.raises(Exception, match=r"`context_parallel_size=2` with MoEModule's router auxiliary loss "
+                                        r"\(`model.config.output_router_logits=True`, router_aux_loss_coef=0.02\)"):
+        _fit(hybrid(context_parallel_size=2, expert_parallel_size=ep), MoEModule("mixtral"))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
 def test_cp2_ep2_matches_one_device(tmp_path):
     """ep borrowed from cp: 2 ranks share every sequence (each runs the blocks on its half) and divide the experts;
     without the router's auxiliary loss (computed on a rank's half of the tokens, it is not one device's)."""
