@@ -169,6 +169,34 @@ def test_pp2_ep2_matches_the_data_parallel_pipeline(tmp_path, family, optimizer)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("family", ["mixtral", "list_blocks"])
+def test_checkpoint_under_pp2_ep2_holds_the_whole_module_and_resumes_exactly(tmp_path, family):
+    """Each stage's experts are written by the ranks holding them ([Note: who writes the experts]): the file holds
+    the whole module's entries at their whole shapes and its optimizer state, and pp 2 x ep 2 resumes from it bit
+    for bit."""
+    pp = dict(pipeline_parallel_size=2, microbatches=2, blocks="model.layers" if family == "list_blocks" else None)
+
+    def fit(tmp, name, strategy, **kw):
+        factory = functools.partial(MoEModule, family, "adamw")
+        return fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp / name),
+                              strategy=strategy, devices=4, **kw)
+    whole, resumed, path = fit_whole_then_resumed(fit, tmp_path, lambda: hybrid(**pp, expert_parallel_size=2))
+    steps = len(whole[0]["losses"])
+    for w, r in zip(whole, resumed, strict=True):  # a stage's own parameters (the others' copies are not trained)
+        assert r["global_step"] == steps and r["losses"] == w["losses"][steps // 2:]
+        owned = set(w["grads"][-1])
+        assert owned and any(".experts." in n for n in owned)
+        for name in owned:
+            torch.testing.assert_close(r["params"][name], w["params"][name], atol=0, rtol=0,
+                                       msg=lambda m: f"rank {w['rank']} {name}: {m}")
+    saved = torch.load(path, weights_only=False)
+    ref = MoEModule(family).state_dict()
+    assert {k: v.shape for k, v in saved["state_dict"].items()} == {k: v.shape for k, v in ref.items()}
+    state = saved["optimizer_states"][0]["state"]
+    assert len(state) == len(list(MoEModule(family).parameters()))  # every parameter's AdamW state, experts too
+
+
+@pytest.mark.timeout(TIMEOUT_S)
 def test_pp_ep_refuses_an_experts_list_as_the_block_stack():
     """The per-expert list (4 experts) is the longest list of one class, so it would be found as the pipeline's
     block stack: under ep it is refused at setup naming the stack and `blocks=`, on every rank alike."""
