@@ -144,13 +144,15 @@ def test_ep_not_dividing_dp_fails_at_trainer_construction():
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("family,optimizer", [("mixtral", "adamw"), ("mixtral", "sgd"), ("list_blocks", "sgd")])
-def test_pp2_ep2_matches_the_data_parallel_pipeline(tmp_path, family, optimizer):
+@pytest.mark.parametrize("family,optimizer,zero", [("mixtral", "adamw", 0), ("mixtral", "sgd", 0),
+                                                   ("list_blocks", "sgd", 0), ("mixtral", "adamw", 1)])
+def test_pp2_ep2_matches_the_data_parallel_pipeline(tmp_path, family, optimizer, zero):
     """pp 2 x dp 2 with ep 2 (4 ranks): each stage's blocks' experts divided over its two replicas ([Note: expert
     parallelism inside pipeline stages]) equal the same pipeline with ep 1 (whole experts, gradients averaged over
     dp): losses over 8 steps, the first two steps' gradients, the parameters (each rank's experts against their
     rows / modules of the whole). The reference is the pipeline, not DDP: a router's aux loss is taken per
-    micro-batch there, as under ep. The per-expert lists' stack is named: an experts list is the longest."""
+    micro-batch there, as under ep. The per-expert lists' stack is named: an experts list is the longest. With
+    zero_stage=1 the dense optimizer state is sharded over dp, each stage's experts' over their holders."""
     from lightning_par.topology import Topology
 
     factory = functools.partial(MoEModule, family, optimizer)
@@ -160,7 +162,7 @@ def test_pp2_ep2_matches_the_data_parallel_pipeline(tmp_path, family, optimizer)
                          strategy=hybrid(**pp))
     with plan_log(tmp_path / "plan.log") as log:
         got = fit_and_record(seeded(factory), loader, str(tmp_path / "e"), devices=4, max_steps=STEPS,
-                             strategy=hybrid(**pp, expert_parallel_size=2))
+                             strategy=hybrid(**pp, expert_parallel_size=2, zero_stage=zero))
     assert len(got) == len(ref) == 4
     topo = Topology(data_parallel_size=2, pipeline_parallel_size=2)
     for r, (want, rec) in enumerate(zip(ref, got)):
