@@ -364,3 +364,11 @@ def test_the_probe_and_the_cli_see_the_experts_of_a_hugging_face_moe(capsys):
     out = capsys.readouterr().out
     assert "expert parallelism: considered" in out and "top-2" in out, out
     assert " DP4 × EP2 " in out and " DP4 × EP4 " in out, out
+
+
+def test_the_probe_of_a_per_expert_moe_takes_its_layers_not_an_experts_list_as_the_blocks():
+    from experts_models import MoEModule
+
+    prof = profile_lightning_module(MoEModule("list_blocks"), (torch.randint(0, 64, (2, 8)),))
+    assert prof.n_blocks == 2 and prof.moe_blocks == 2 and prof.num_experts == 4 and prof.expert_top_k == 2
+    assert 0 < sum(prof.block_expert_params) == prof.expert_linear_params < prof.total_params
