@@ -1,6 +1,8 @@
-"""Expert parallelism's memory and traffic per rank, measured on real gloo ranks (the building block, no Lightning).
+"""Expert parallelism's memory and traffic per rank (the building block on real gloo ranks), and its step time
+through Lightning's Trainer beside data parallel and ZeRO-3 of the same model.
 
-    python benchmarks/expert_parallel.py            # 4 ranks: ep 1 (data parallel), ep 2, ep 4, interleaved
+    python benchmarks/expert_parallel.py                 # 4 ranks: ep 1, 2, 4; then 2 ranks: DP, ZeRO-3, ep 2
+    python benchmarks/expert_parallel.py --record        # the tables also into docs/performance.md
 
 A tiny Mixtral from its config (8 experts, top-2, hidden 64, 2 layers; 4 sequences of 32 tokens per rank) trains
 one AdamW step under each layout (the same seed, the same batches). Printed per layout:
@@ -12,6 +14,9 @@ one AdamW step under each layout (the same seed, the same batches). Printed per 
   tokens x hidden x top-k x (ep-1)/ep x 4 bytes x 2 directions x (forward + backward), exact only for a
   uniform router (a rank's pairs spread evenly over the ranks): the measured figure is the router's real split.
 - step seconds (median of 3 steps after one warm-up), beside ep 1: on a shared CPU a comparison, not a figure.
+- step time through ``Trainer.fit`` on 2 ranks (the same tiny Mixtral, AdamW, the same batches):
+  ``HybridParallelStrategy()`` (data parallel), ``zero_stage=3`` and ``expert_parallel_size=2``, run in interleaved
+  rounds (DP, ZeRO-3, EP2, DP, ...); each cell is the median of a run's steps after ``WARMUP``, per round.
 """
 from __future__ import annotations
 
@@ -93,14 +98,65 @@ def run(rank, port, ep, out):
     dist.destroy_process_group()
 
 
+STEPS, WARMUP, TIMED_RANKS = 10, 3, 2
+STRATEGIES = {"DP": {}, "ZeRO-3": {"zero_stage": 3}, "EP2": {"expert_parallel_size": 2}}
+
+
+def timed_fit(variant: str, out: str) -> None:
+    """``Trainer.fit`` of the tiny Mixtral under ``STRATEGIES[variant]`` on ``TIMED_RANKS`` forked ranks; rank 0
+    saves its per-step seconds to ``out/<variant>.pt``."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_par import HybridParallelStrategy
+
+    class MoELM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Clock(pl.Callback):
+        def __init__(self):
+            self.times, self.start = [], 0.0
+
+        def on_train_batch_start(self, trainer, *args):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, *args):
+            self.times.append(time.perf_counter() - self.start)
+            if trainer.global_rank == 0 and len(self.times) == STEPS:
+                torch.save(self.times, os.path.join(out, f"{variant}.pt"))
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randint(0, 128, (STEPS * SEQS * TIMED_RANKS, TOKENS_PER_SEQ),
+                                       generator=torch.Generator().manual_seed(1)))
+    strategy = HybridParallelStrategy(start_method="fork", timeout=300, **STRATEGIES[variant])
+    trainer = pl.Trainer(accelerator="cpu", devices=TIMED_RANKS, strategy=strategy, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Clock()])
+    trainer.fit(MoELM(), DataLoader(data, batch_size=SEQS))
+
+
 def main() -> None:
+    import argparse
     import tempfile
 
     import torch.multiprocessing as mp
 
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the step-time comparison")
+    p.add_argument("--record", action="store_true", help="also write the tables into docs/performance.md")
+    args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from lightning_par.recipes.ports import free_port
 
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = {}
     with tempfile.TemporaryDirectory() as out:
         for ep in (1, 2, 4):
@@ -115,21 +171,61 @@ def main() -> None:
           f"{WORLD} ranks")
     print(f"ep 1: p+g+o {base['pgo'] / 1e6:.3f} MB per rank = dense {dense_pgo / 1e6:.3f} + experts "
           f"{experts_pgo / 1e6:.3f}")
+    memory_rows = [["1", f"{base['pgo'] / 1e6:.3f}", f"{base['pgo'] / 1e6:.3f}", "+0.0%"]]
+    traffic_rows = []
     for ep in (2, 4):
         pgo = [r["pgo"] for r in results[ep]]
         formula = dense_pgo + experts_pgo / ep
+        over = f"{(max(pgo) / formula - 1) * 100:+.1f}%"
         print(f"ep {ep}: p+g+o per rank {min(pgo) / 1e6:.3f}-{max(pgo) / 1e6:.3f} MB, formula dense + experts/ep "
-              f"{formula / 1e6:.3f} MB ({(max(pgo) / formula - 1) * 100:+.1f}%)")
+              f"{formula / 1e6:.3f} MB ({over})")
+        memory_rows.append([str(ep), f"{min(pgo) / 1e6:.3f}-{max(pgo) / 1e6:.3f}", f"{formula / 1e6:.3f}", over])
         rows = 2 * tokens * HIDDEN * TOP_K * (ep - 1) / ep * 4 * 2  # 2 layers x ... x 2 directions (fwd) ...
         rows_formula = rows * 2  # ... x (forward + backward)
         for r, res in enumerate(results[ep]):
             t = res["traffic"]
             measured = sum(v for k, v in t.items() if k.endswith("rows"))
+            weights = sum(v for k, v in t.items() if k.endswith('weights'))
+            counts = sum(v for k, v in t.items() if k.endswith('counts'))
             print(f"  rank {r}: all-to-all sent {sum(t.values()) / 1e3:.1f} kB: rows {measured / 1e3:.1f} kB "
                   f"(formula {rows_formula / 1e3:.1f} kB, {(measured / rows_formula - 1) * 100:+.1f}%), weights "
-                  f"{sum(v for k, v in t.items() if k.endswith('weights')) / 1e3:.2f} kB, counts "
-                  f"{sum(v for k, v in t.items() if k.endswith('counts')) / 1e3:.2f} kB; step "
+                  f"{weights / 1e3:.2f} kB, counts {counts / 1e3:.2f} kB; step "
                   f"{res['seconds'] * 1e3:.0f} ms (ep 1: {results[1][r]['seconds'] * 1e3:.0f} ms)")
+            traffic_rows.append([str(ep), str(r), f"{measured / 1e3:.1f}", f"{rows_formula / 1e3:.1f}",
+                                 f"{(measured / rows_formula - 1) * 100:+.1f}%", f"{weights / 1e3:.2f}",
+                                 f"{counts / 1e3:.2f}"])
+
+    # step time through the Trainer: DP, ZeRO-3 and EP2 of the same model, interleaved rounds
+    times: dict[str, list[float]] = {v: [] for v in STRATEGIES}
+    with tempfile.TemporaryDirectory() as out:
+        for _ in range(args.rounds):
+            for variant in STRATEGIES:
+                timed_fit(variant, out)
+                times[variant].append(statistics.median(torch.load(os.path.join(out, f"{variant}.pt"))[WARMUP:]))
+    print(f"Trainer.fit on {TIMED_RANKS} ranks, {SEQS} x {TOKENS_PER_SEQ} tokens per rank, median step of "
+          f"{STEPS - WARMUP} after {WARMUP}, per round:")
+    time_rows = []
+    for variant, ts in times.items():
+        cells = " ".join(f"{t * 1e3:.0f}" for t in ts)
+        print(f"  {variant:7s} {cells} ms (spread {(max(ts) - min(ts)) * 1e3:.0f} ms)")
+        time_rows.append([variant, *(f"{t * 1e3:.0f}" for t in ts)])
+    if args.record:  # [Note: a generated performance page] in lightning_par.performance
+        from lightning_par.performance import record
+
+        shape = (f"tiny Mixtral, {EXPERTS} experts top-{TOP_K}, hidden {HIDDEN}, 2 layers, fp32 AdamW; {tokens} "
+                 f"tokens per rank")
+        record("benchmark expert_parallel", title="Expert parallelism: memory, all-to-all bytes, step time",
+               command="python benchmarks/expert_parallel.py " + " ".join(sys.argv[1:]),
+               tables=[(f"p+g+o per rank, {WORLD} ranks ({shape}): measured against dense + experts / ep (MB)",
+                        ["ep", "measured", "formula", "over"], memory_rows),
+                       (f"all-to-all hidden-state rows each rank sends per step (kB) against tokens x hidden x "
+                        f"top-k x (ep-1)/ep x 4 B x 2 directions x (forward + backward), 2 MoE layers",
+                        ["ep", "rank", "rows", "formula", "diff", "weights", "counts"], traffic_rows),
+                       (f"step time through Trainer.fit, {TIMED_RANKS} ranks, median of {STEPS - WARMUP} steps "
+                        f"(ms), interleaved rounds", ["strategy", *(f"round {i + 1}" for i in range(args.rounds))],
+                        time_rows)],
+               notes=["The rows' formula assumes a uniform router; the measured split is the router's own.",
+                      "Times on a CPU shared with other jobs: compare within the table only."])
 
 
 if __name__ == "__main__":

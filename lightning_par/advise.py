@@ -119,6 +119,7 @@ def advise_command(argv: Sequence[str]) -> None:
     if profile.n_blocks:
         print(checkpointing_summary(profile))
         print(context_summary(profile, args.context))
+        print(expert_summary(profile))
     print(result.table())
 
 
@@ -145,6 +146,17 @@ def context_summary(profile, considered: bool = True) -> str:
     return (f"context parallelism: considered at sizes c with 2c dividing the sequence ({profile.seq_len}); the ring "
             f"passes K and V of {kv:,.0f} B per block and sample ({profile.kv_dtype_bytes}-byte elements), "
             f"split over the c ranks")
+
+
+def expert_summary(profile) -> str:
+    """Whether expert-parallel layouts (``EPn``) are among the candidates, and what they divide."""
+    if not profile.moe_blocks:
+        return "expert parallelism: not considered (no routed experts found)"
+    experts = sum(profile.block_expert_params)
+    return (f"expert parallelism: considered at sizes dividing dp × cp and the {profile.num_experts} experts of a "
+            f"layer, ZeRO 0 / 1 (EPn rows); routed experts {experts:,} parameters ({experts / profile.total_params:.0%})"
+            f" in {profile.moe_blocks} blocks, held / ep per rank; top-{max(profile.expert_top_k, 1)} all-to-all of "
+            f"the tokens 4 times per MoE block and micro-batch")
 
 
 if __name__ == "__main__":

@@ -102,8 +102,38 @@ class ListMoELM(nn.Module):
         return self.head(self.norm(h)), aux
 
 
+class ListBlock(nn.Module):
+    """A residual layer around :class:`ListMoE` returning the hidden state alone (a pipeline's block)."""
+
+    def __init__(self, experts: int = 4):
+        super().__init__()
+        self.moe = ListMoE(experts=experts)
+
+    def forward(self, h):
+        return h + self.moe(h)[0]
+
+
+class ListBlocksLM(nn.Module):
+    """Embedding, two :class:`ListBlock` layers, head; no auxiliary loss (its router logits stay in the block)."""
+
+    def __init__(self, experts: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(ListBlock(experts) for _ in range(2))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
 def lm_loss(model, idx):
     """Next-token loss (+ the router's auxiliary loss the model computes) of any model above."""
+    if isinstance(model, ListBlocksLM):
+        return F.cross_entropy(model(idx)[:, :-1].reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
     if isinstance(model, ListMoELM):
         logits, aux = model(idx)
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), idx[:, 1:].reshape(-1)) + 0.01 * aux
@@ -137,4 +167,4 @@ class MoEModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-FACTORIES = {**FAMILIES, "list": ListMoELM}
+FACTORIES = {**FAMILIES, "list": ListMoELM, "list_blocks": ListBlocksLM}

@@ -41,9 +41,7 @@ def profile_lightning_module(module, batch, blocks=None, precision: str = "32-tr
     elif dtype is not None:
         module = copy.deepcopy(module).to(dtype)
 
-    from lightning_par.pipeline.discovery import find_blocks
-
-    _, container = find_blocks(module, blocks)
+    container = _blocks(module, blocks)
     size = next(t for t in _leaves(batch) if isinstance(t, torch.Tensor)).shape[0]
     module.log = lambda *args, **kwargs: None  # the probe's step logs nothing (a patch of lightning_par.patches)
     take_out = patches.record("module-log", lambda: module.__dict__.pop("log", None))
@@ -58,6 +56,25 @@ def profile_lightning_module(module, batch, blocks=None, precision: str = "32-tr
     finally:
         take_out()
         module.train(was_training)
+
+
+def _blocks(module, blocks):
+    """The block stack the pipeline finds, except that a per-expert MoE's experts list (often the longest list of
+    one class) gives way to the longest stack outside every experts container (the transformer layers)."""
+    from torch import nn
+
+    from lightning_par.experts.discovery import find_experts
+    from lightning_par.pipeline.discovery import find_blocks
+
+    path, container = find_blocks(module, blocks)
+    experts = [c.name for c in find_experts(module)] if blocks is None else []
+    if any(path == e or path.startswith(f"{e}.") for e in experts):
+        outside = [c for n, c in module.named_modules() if isinstance(c, (nn.ModuleList, nn.Sequential))
+                   and len(c) >= 2 and len({type(b) for b in c}) == 1
+                   and not any(n == e or n.startswith(f"{e}.") for e in experts)]
+        if outside:
+            container = max(outside, key=len)  # the first of the longest
+    return container
 
 
 def advise_module(module, batch, devices: int, device_memory: int, batch_size: int | None = None, **kwargs) -> Advice:

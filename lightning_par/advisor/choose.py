@@ -89,7 +89,8 @@ def candidate_layouts(profile: ModuleProfile, devices: int, batch_size: int, sch
     """Every (pp, cp, tp, dp) that multiplies to ``devices`` and that the model and batch allow, at each of
     ``zero_stages`` (with more than one replica) and each activation ``checkpointing`` mode; cp > 1 only where
     :func:`context_sizes` allows it (``context=False``: never), and not with a pipeline at ZeRO-2 / 3 (refused by
-    the strategy)."""
+    the strategy). A module with routed experts also gets each ``expert_parallel_size`` > 1 dividing dp × cp and
+    its experts, at ZeRO 0 and 1 (what the strategy runs with ep)."""
     layouts = []
     for pp in _divisors(devices):
         if pp > profile.n_blocks:
@@ -107,12 +108,14 @@ def candidate_layouts(profile: ModuleProfile, devices: int, batch_size: int, sch
                         continue
                 if batch_size % (dp * m):
                     continue
-                for zero in (zero_stages if dp > 1 else (0,)):
-                    if cp > 1 and pp > 1 and zero >= 2:
-                        continue
-                    for ac in checkpointing:
-                        layouts.append(Layout(dp, pp, tp, zero, schedule, m, activation_checkpointing=ac,
-                                              context_parallel_size=cp))
+                eps = [e for e in _divisors(dp * cp) if profile.moe_blocks and e > 1 and profile.num_experts % e == 0]
+                for ep in [1, *eps]:
+                    for zero in (zero_stages if dp > 1 else (0,)):
+                        if (cp > 1 and pp > 1 and zero >= 2) or (ep > 1 and zero >= 2):
+                            continue
+                        for ac in checkpointing:
+                            layouts.append(Layout(dp, pp, tp, zero, schedule, m, activation_checkpointing=ac,
+                                                  context_parallel_size=cp, expert_parallel_size=ep))
     return layouts
 
 
@@ -160,6 +163,8 @@ def _kind(lay: Layout) -> str:
         kind = "context parallel across the sequence"
     else:
         kind = "data parallel" + (f" + ZeRO-{lay.zero_stage}" if lay.zero_stage else "")
+    if lay.expert_parallel_size > 1:
+        kind += " + experts divided"
     if lay.context_parallel_size > 1 and (lay.tensor_parallel_size > 1 or lay.pipeline_parallel_size > 1):
         kind += " + context parallel"
     return kind + (" + activation checkpointing" if lay.activation_checkpointing is not None else "")
@@ -169,6 +174,8 @@ def _family(lay: Layout) -> str:
     """What a plan adds to plain data parallel, for the comparison printed beside the choice."""
     if lay.activation_checkpointing is not None:
         return "activation checkpointing"
+    if lay.expert_parallel_size > 1:
+        return "expert parallel"
     if lay.tensor_parallel_size > 1:
         return "tensor shards"
     if lay.pipeline_parallel_size > 1:

@@ -25,114 +25,18 @@ follows are in DESIGN.md ("Numbers the field publishes"):
   parallel all-reduces ``b·s·h`` 4 times per layer per micro-batch (2 forward, 2 backward);
 - context parallelism (``context_parallel_size``): the blocks' activations ``/ cp``, the ring attention's K/V
   bytes, the stack's exit gather and the gradients' average over the group ([Note: the advisor under context
-  parallelism] in :mod:`lightning_par.advisor.context`).
+  parallelism] in :mod:`lightning_par.advisor.context`);
+- expert parallelism (``expert_parallel_size``): the routed experts ``/ ep`` and their all-to-all ([Note: the
+  advisor under expert parallelism] in :mod:`lightning_par.advisor.experts`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from lightning_par.advisor.context import (check_context, context_comm, freed_before_ring, output_copy_bytes,
                                            ring_working_bytes)
+from lightning_par.advisor.experts import dense_shard_share, expert_comm, held_experts
+from lightning_par.advisor.layout import (CHECKPOINTING, OPTIMIZER_STATES, PRECISION_BYTES,  # noqa: F401 (re-exported)
+                                          SCHEDULES, Estimate, Layout, check_checkpointing, checkpointed)
 from lightning_par.advisor.profile import ModuleProfile
-
-# bytes per element of (parameters, gradients, each optimizer state) for Lightning's precision flags
-PRECISION_BYTES = {
-    "32-true": (4, 4, 4), "32": (4, 4, 4),
-    "bf16-mixed": (4, 4, 4), "16-mixed": (4, 4, 4),
-    "bf16-true": (2, 2, 2), "16-true": (2, 2, 2),
-    "64-true": (8, 8, 8),
-}
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "rmsprop": 1, "adagrad": 1}
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-CHECKPOINTING = (None, "selective", 2, "full")  # the modes the advisor proposes (any k >= 1 is estimated)
-
-
-def check_checkpointing(mode) -> None:
-    """``None | "full" | "selective" | k >= 1``, as the strategies take ``activation_checkpointing``."""
-    if mode is None or mode in ("full", "selective"):
-        return
-    if isinstance(mode, bool) or not isinstance(mode, int) or mode < 1:
-        raise ValueError(f"activation_checkpointing={mode!r} must be None, 'full', 'selective' or an int k >= 1 "
-                         f"(every k-th block).")
-
-
-def checkpointed(mode, index: int) -> bool:
-    """Whether block ``index`` of its stack is checkpointed under ``mode`` (every k-th: ``index % k == 0``)."""
-    if mode is None:
-        return False
-    if isinstance(mode, int) and not isinstance(mode, bool):
-        return index % mode == 0
-    return True
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A parallel layout: sizes (dp × pp × cp × tp devices), ZeRO stage and pipeline schedule."""
-
-    data_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    zero_stage: int = 0
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    sequence_parallel: bool = False
-    activation_checkpointing: str | int | None = None
-    context_parallel_size: int = 1
-    comm_hook: str | None = None  # "fp16" / "bf16": the replicas' all-reduce in 16 bits (PowerSGD: not modeled)
-
-    def __post_init__(self):
-        check_checkpointing(self.activation_checkpointing)
-        if self.context_parallel_size < 1:
-            raise ValueError(f"context_parallel_size={self.context_parallel_size} must be a positive integer.")
-
-    @property
-    def devices(self) -> int:
-        return (self.data_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
-                * self.tensor_parallel_size)
-
-    @property
-    def name(self) -> str:
-        parts = []
-        if self.pipeline_parallel_size > 1:
-            parts.append(f"PP{self.pipeline_parallel_size}({self.schedule}, m={self.microbatches})")
-        if self.context_parallel_size > 1:
-            parts.append(f"CP{self.context_parallel_size}")
-        if self.tensor_parallel_size > 1:
-            parts.append(f"TP{self.tensor_parallel_size}" + ("+SP" if self.sequence_parallel else ""))
-        if self.data_parallel_size > 1 or not parts:
-            parts.append(f"DP{self.data_parallel_size}" if self.data_parallel_size > 1 else "single")
-        if self.zero_stage:
-            parts.append(f"ZeRO-{self.zero_stage}")
-        if self.comm_hook:
-            parts.append(self.comm_hook)
-        ac = self.activation_checkpointing
-        if ac is not None:
-            parts.append(f"AC {ac}" if isinstance(ac, str) else f"AC every {ac}")
-        return " × ".join(parts)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Bytes per device (the busiest rank) and bytes each rank sends per optimizer step."""
-
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    activation_bytes: int
-    comm_bytes: int
-    all_gathers: int = 0  # FSDP's all-gathers per step (one per unit gathered: ZeRO-2 / 3)
-    pipeline_bytes: int = 0  # a pipeline stage's runtime ([Note: what a pipeline stage holds beyond the model])
-    context_bytes: int = 0  # the ring's working set beyond the peak of the saved activations ([Note: the advisor
-    # under context parallelism])
-    backward_bytes: int = 0  # of activation_bytes, what backward holds beyond the tensors saved at the forward's
-    # end: the loss's gradient or a recompute's ([Note: a checkpointed backward's gradients]); a saved-tensor meter
-    # (ParallelMetrics) does not see it
-
-    @property
-    def total_bytes(self) -> int:
-        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.pipeline_bytes + self.context_bytes)
-
 
 def stage_blocks(n_blocks: int, stages: int, costs=None) -> list[range]:
     """The block ranges per stage the pipeline strategy itself chooses (:func:`partition_blocks`: balanced by
@@ -323,9 +227,15 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
     elem = profile.dtype_bytes
     boundary = micro * profile.seq_len * profile.hidden_size * elem  # one activation message
 
+    ep = layout.expert_parallel_size  # [Note: the advisor under expert parallelism] in advisor/experts.py
+    shard_share = dense_shard_share(profile, ep, shard_share)
+    holders = dp * c // ep  # ranks holding the same experts
+
     stages: list[Estimate] = []
     for s, blocks in enumerate(stage_blocks(profile.n_blocks, p, costs=profile.block_params)):
         block_params = sum(profile.block_params[i] for i in blocks)
+        experts = held_experts(profile, blocks, ep)
+        block_params -= experts * ep
         params = block_params * (shard_share / t + (1 - shard_share))
         if s == 0:
             params += profile.first_params
@@ -363,8 +273,9 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
             gathered = max((profile.block_params[i] for i in blocks), default=0) + ends
         zero = layout.zero_stage
         opt = params * states * s_bytes / (dp if zero >= 1 else 1)
-        grads = params / (dp if zero >= 2 else 1)
-        held_params = params / (dp if zero >= 2 else 1)  # FSDP2 keeps shards between steps at ZeRO-2 too
+        opt += experts * states * s_bytes / (holders if zero >= 1 else 1)
+        grads = params / (dp if zero >= 2 else 1) + experts
+        held_params = params / (dp if zero >= 2 else 1) + experts  # FSDP2 keeps shards between steps at ZeRO-2 too
 
         if zero >= 2:  # FSDP2: reduce-scatter the gradients, all-gather the parameters (ZeRO-3: the blocks
             # again in backward; the root unit, embeddings / head / final norm, stays gathered for the step)
@@ -374,6 +285,8 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
             comm = 2 * (dp - 1) / dp * params * (2 if layout.comm_hook in ("fp16", "bf16") else g_bytes)
         if zero == 1:
             comm += (dp - 1) / dp * params * p_bytes
+        comm += expert_comm(profile, layout, blocks, experts, boundary=boundary, m=m, g_bytes=g_bytes,
+                            p_bytes=p_bytes)
         if p > 1:
             comm += m * boundary * ((s < p - 1) + (s > 0))
             if profile.tied_params and s in (0, p - 1):

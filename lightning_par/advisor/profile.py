@@ -55,10 +55,20 @@ class ModuleProfile:
     # column-parallel layers' gathered inputs, and what does not come from the block's input
     head_largest_bytes: int = 0  # the largest single tensor saved after the blocks, per sample (a language model's
     # log-softmax of the logits): what the loss's backward makes once more beside them; 0: take all of last
+    block_expert_params: tuple[int, ...] = ()  # of block_params, the routed experts' (lightning_par.experts finds
+    # them); () : no MoE layer ([Note: the advisor under expert parallelism] in advisor/memory.py)
+    expert_linear_params: int = 0  # of shardable_block_params, the routed experts' (a per-expert list's linears)
+    num_experts: int = 0  # the fewest routed experts of an MoE layer (expert_parallel_size must divide it)
+    expert_top_k: int = 0  # experts each token goes to (num_experts_per_tok / top_k where the module says; else 1)
 
     @property
     def n_blocks(self) -> int:
         return len(self.block_params)
+
+    @property
+    def moe_blocks(self) -> int:
+        """Blocks holding routed experts (0: not a mixture-of-experts module)."""
+        return sum(1 for n in self.block_expert_params if n)
 
     @property
     def sdpa_blocks(self) -> bool:
@@ -266,6 +276,8 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
     shape = input_shape[0] if input_shape else torch.Size([batch_size, 1, 1])
     linear = {id(p): p for b in block_list for m in b.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
 
+    experts = _experts(module, block_list)
+
     def saved_per_block(counted) -> tuple[int, ...]:  # bytes per sample each block saved in storages ``counted``
         return tuple(sum(n for k, n in meter.keys.get(i, {}).items() if counted(k)) // batch_size
                      for i in range(len(block_list)))
@@ -296,7 +308,28 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         block_whole_sp_bytes=saved_per_block(lambda k: k not in ledger.sharded
                                              and (k in ledger.gathered or k not in ledger.stream)),
         head_largest_bytes=max(meter.keys.get("after", {}).values(), default=0) // batch_size,
+        block_expert_params=experts[0],
+        expert_linear_params=sum(p.numel() for i in experts[1] if (p := linear.get(i)) is not None),
+        num_experts=experts[2],
+        expert_top_k=experts[3],
     )
+
+
+def _experts(module: nn.Module, block_list: list[nn.Module]) -> tuple[tuple[int, ...], set, int, int]:
+    """(routed-expert parameters per block, their ids, the fewest experts of a layer, top-k) of ``module``: its
+    MoE containers as expert parallelism finds them (:func:`lightning_par.experts.find_experts`); top-k from a
+    config's ``num_experts_per_tok`` or a router's ``top_k``, else 1."""
+    from lightning_par.experts.discovery import find_experts
+
+    found = find_experts(module)
+    if not found:
+        return (), set(), 0, 0
+    ids = {id(p) for c in found for _, p in c.expert_parameters()}
+    per_block = tuple(sum(p.numel() for p in b.parameters() if id(p) in ids) for b in block_list)
+    top_k = next((int(v) for m in module.modules() for v in (getattr(getattr(m, "config", None),
+                                                                     "num_experts_per_tok", None),
+                                                             getattr(m, "top_k", None)) if isinstance(v, int)), 1)
+    return per_block, ids, min(c.num_experts for c in found), top_k
 
 
 def _time_step(module: nn.Module, block_list: list[nn.Module], run_step, repeats: int = 3) -> tuple[float, float]:

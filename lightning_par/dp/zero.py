@@ -72,9 +72,11 @@ def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
-def shard_optimizer(optimizer: Optimizer, process_group: Any = None) -> Optimizer:
+def shard_optimizer(optimizer: Optimizer, process_group: Any = None, experts: Any = None) -> Optimizer:
     """A ``ZeroRedundancyOptimizer`` over ``optimizer``'s groups (see [Note: wrapping the user's optimizer]).
-    Must be called on every rank of ``process_group``; an optimizer that is already sharded is returned."""
+    Must be called on every rank of ``process_group``; an optimizer that is already sharded is returned.
+    ``experts``: a :class:`lightning_par.experts.zero.ExpertShards`, the expert parameters partitioned apart
+    ([Note: ZeRO-1 with expert parallelism])."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -84,14 +86,21 @@ def shard_optimizer(optimizer: Optimizer, process_group: Any = None) -> Optimize
                          f"first step. Create the optimizer in `configure_optimizers` without stepping it.")
     # every key, params included; a pipeline stage's meta copies of what it does not hold are left out
     groups = [{**group, "params": [p for p in group["params"] if not p.is_meta]} for group in optimizer.param_groups]
+    if experts is not None:
+        from lightning_par._compat.experts import expert_zero_optimizer
+
+        return expert_zero_optimizer(groups, experts=experts.experts, slots=experts.slots,
+                                     slot_group=experts.slot_group, slot_ranks=experts.slot_ranks,
+                                     optimizer_class=type(optimizer), process_group=process_group,
+                                     **_constructor_defaults(optimizer))
     return shard_aware_zero_optimizer()(groups, optimizer_class=type(optimizer), process_group=process_group,
                                    **_constructor_defaults(optimizer))
 
 
-def shard_optimizers(optimizers: list, scheduler_configs=(), process_group: Any = None) -> list:
+def shard_optimizers(optimizers: list, scheduler_configs=(), process_group: Any = None, experts: Any = None) -> list:
     """:func:`shard_optimizer` for each of Lightning's ``optimizers``, with every LR scheduler of
     ``scheduler_configs`` pointed at its optimizer's wrapper; returns the wrappers (every rank calls it)."""
-    sharded = [shard_optimizer(opt, process_group) for opt in optimizers]
+    sharded = [shard_optimizer(opt, process_group, experts) for opt in optimizers]
     by_id = {id(old): new for old, new in zip(optimizers, sharded)}
     for config in scheduler_configs:
         new = by_id.get(id(config.scheduler.optimizer))

@@ -32,6 +32,21 @@ steps DTensors by mesh, and gradient clipping's total norm sums the shards' squa
 tensor-parallel layers. While the container's forward runs its tensors are swapped for their local shards
 (``to_local``, differentiable), so the module's own code computes on plain tensors. A per-expert list's experts
 stay whole modules: each rank simply holds fewer of them, under their own names.
+
+[Note: who writes the experts]
+A pipeline stage's consolidated state comes from its first replica (dp = cp = 0) alone, but that rank holds only
+E/ep of its experts: the ranks of its expert-parallel group (the first ``ep`` of the stage's dp x cp ranks) add
+their experts' entries and optimizer state, so that a fused tensor's ``full_tensor`` is called by every rank of
+its mesh and a per-expert list's other modules reach the file from their holders.
+
+[Note: expert parallelism inside pipeline stages]
+With several pipeline stages each stage divides the experts of its own blocks (the other stages' blocks are ghosts
+by step 6, holding nothing): the expert-parallel and expert-replica groups are formed within a stage (same pp and
+tp index, [Note: which ranks hold which experts]), every rank forms every group (a stage without MoE layers too),
+and the ranks of an expert-parallel group run the same schedule, so their all-to-alls come in the same order in
+forward and backward. The stage's gradients are taken aside by the schedule runner and reduced by
+:class:`lightning_par.pipeline.shared.SharedParameters`: its experts' by :meth:`ExpertParallel.reduce_gradients`
+(over the replica group, / dp x cp), the rest averaged over dp (and cp) as before. A meta-built module is refused.
 """
 from __future__ import annotations
 
@@ -136,9 +151,26 @@ class ExpertParallel:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if not params:
+        self.reduce_gradients([p.grad for p in params])
+
+    def first_holders(self, topology, rank: int) -> bool:
+        """Whether global ``rank`` is in the first expert-parallel group of its stage and tp index (``dp x cp``
+        index below ep): its group together holds every expert once ([Note: who writes the experts])."""
+        c = topology.coordinates(rank)
+        return c["dp"] * topology.context_parallel_size + c.get("cp", 0) < self.ep
+
+    def state(self, module: nn.Module) -> dict:
+        """``module``'s state-dict entries of this rank's experts (fused: DTensors, gathered by all of their mesh)."""
+        names = self._names()
+        return {k: v.detach() for k, v in module.state_dict().items() if k in names}
+
+    def reduce_gradients(self, grads: list) -> None:
+        """``grads`` (this rank's expert parameters' gradients, plain or DTensor, in :attr:`parameters`' order
+        everywhere) summed over the expert-replica group and divided by ``replicas`` in place; one flat
+        all-reduce ([Note: the experts' gradients])."""
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if not grads:
             return
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.replica_group is not None:
             work = dist.all_reduce(flat, group=self.replica_group, async_op=True)
@@ -218,14 +250,16 @@ def _serve_fused(c: ExpertContainer, group, ep: int, timeout, rank: Optional[int
 
 
 def apply_expert_parallel(module: nn.Module, group, replica_group, *, ep: int, rank: int, replicas: int,
-                          experts: Optional[str] = None, timeout: Optional[timedelta] = None) -> ExpertParallel:
+                          experts: Optional[str] = None, timeout: Optional[timedelta] = None,
+                          found: Optional[list[ExpertContainer]] = None) -> ExpertParallel:
     """Divide ``module``'s routed experts over the ``ep`` ranks of ``group`` (this rank is ``rank`` of it) and
     dispatch tokens to them; ``replica_group``: the ranks holding the same experts, ``replicas``: the
     data-parallel replicas the gradients average over ([Note: which ranks hold which experts], [Note: the
     experts' gradients]). Every rank must hold the same weights before (rank 0's): each keeps its slice."""
     from lightning_par.experts.replay import serve_list
 
-    found = find_experts(module, experts)
+    if found is None:  # ``found``: the containers to divide, a pipeline stage's (apply_experts)
+        found = find_experts(module, experts)
     check_expert_layout(found, ep, type(module).__name__, experts)
     applied = ExpertParallel(found, ep, rank, group, replica_group, replicas, timeout)
     mesh = None
@@ -251,7 +285,8 @@ _APPLIED = "_lightning_par_expert_parallel"
 
 
 def apply_experts(module: nn.Module, topology, rank: int, *, expert_parallel_size: int, experts: Optional[str] = None,
-                  timeout: Optional[timedelta] = None, tp_group=None, tp_mesh=None) -> Optional[ExpertParallel]:
+                  timeout: Optional[timedelta] = None, tp_group=None, tp_mesh=None,
+                  pipelined: bool = False) -> Optional[ExpertParallel]:
     """The parallelize order's expert-parallel step. At ``expert_parallel_size=1``: with tensor parallelism
     (``tp_group``), the fused experts divided over tp (:func:`apply_tensor_experts`), else None. Otherwise this
     rank's groups
@@ -275,23 +310,39 @@ def apply_experts(module: nn.Module, topology, rank: int, *, expert_parallel_siz
                              f"Use expert_parallel_size={before.ep}, or build the module anew.")
         return before
     found = find_experts(module, experts)  # refused before any group is made: the same on every rank
-    check_expert_layout(found, ep, type(module).__name__, experts)
-    group, replica_group, index = expert_groups(topology, rank, ep, timeout)
+    if pipelined:  # this stage's blocks' experts ([Note: expert parallelism inside pipeline stages])
+        from lightning_par.materialize import has_meta
+
+        found = [c for c in found if not has_meta(c.module)]  # another stage's blocks' meta stand-ins stay
+        if found:
+            check_expert_layout(found, ep, type(module).__name__, experts)
+    else:
+        check_expert_layout(found, ep, type(module).__name__, experts)
+    group, replica_group, index = expert_groups(topology, rank, ep, timeout)  # every rank, every stage
+    if not found:  # a stage without MoE layers
+        return None
     applied = apply_expert_parallel(module, group, replica_group, ep=ep, rank=index,
                                     replicas=topology.data_parallel_size * topology.context_parallel_size,
-                                    experts=experts, timeout=timeout)
+                                    experts=experts, timeout=timeout, found=found)
     module.__dict__[_APPLIED] = applied
     return applied
 
 
-def leave_experts_out(plan, module: nn.Module, *, expert_parallel_size: int, experts: Optional[str] = None):
+def leave_experts_out(plan, module: nn.Module, *, expert_parallel_size: int, experts: Optional[str] = None,
+                      stack: Optional[str] = None):
     """The tensor plan without the routed experts (divided whole over ep, not split over tp); refuses a module
-    without experts or an ``ep`` that does not divide them, before any collective. ``plan``: a
+    without experts or an ``ep`` that does not divide them, before any collective, and a pipeline's block
+    ``stack`` that is (or lies in) an experts container. ``plan``: a
     :class:`~lightning_par.tensor.plan.TensorPlan`, or None without tensor parallelism (only the refusals)."""
     if expert_parallel_size == 1:
         return plan
     found = find_experts(module, experts)
     check_expert_layout(found, expert_parallel_size, type(module).__name__, experts)
+    for c in found if stack is not None else []:
+        if stack == c.name or stack.startswith(f"{c.name}."):
+            raise ValueError(f"The pipeline's block stack `{stack}` is {type(module).__name__}'s routed experts "
+                             f"`{c.name}` (found as the longest list of one class): expert parallelism divides them "
+                             f"within a stage. Name the transformer layers with blocks=, e.g. blocks='model.layers'.")
     return plan.without([c.name for c in found]) if plan is not None else None
 
 

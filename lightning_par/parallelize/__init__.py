@@ -80,7 +80,7 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
     # 2. stage split
     made.split = split = apply_stage_split(stack, options.pipeline, rank.topology, profile=profile)
     # 3. tensor plan, found on the whole module
-    plan = find_tensor_plan(module, options.tensor, rank.topology, stack=stack)
+    plan = find_tensor_plan(module, options.tensor, rank.topology, stack=stack, layout=options.layout)
     if before_split is not None:
         before_split()
     topo = rank.topology
@@ -109,7 +109,15 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
     made.plan = apply_tensor_parallel(module, plan, options.tensor, groups, ghosts=ghosts, check=check, inputs=inputs)
     if made.plan is not None:
         made.summary += f"\n{topo}\n{made.plan.describe(module)}"
-    # 6. expert parallel: refused with several stages at construction (lightning_par.experts.layout)
+    # 6. expert parallel: this stage's blocks' experts ([Note: expert parallelism inside pipeline stages])
+    if options.layout.expert_parallel_size > 1:
+        if any(has_meta(stack.container[i]) for _, lo, hi in rt.chunks for i in range(lo, hi)):
+            raise ValueError(f"`expert_parallel_size={options.layout.expert_parallel_size}` with several pipeline "
+                             f"stages and a meta-built {type(module).__name__}: not built yet. Build the module with "
+                             f"its weights, or use one stage (pipeline_parallel_size=1) for the meta build.")
+        made.experts = apply_expert_parallel(module, options.layout, groups, rank, pipelined=True)
+        if made.experts is not None:
+            made.summary += f"\n{made.experts.describe()}"
     # 7. setup check
     apply_setup_check(module, options, groups)
     # 8. compile: this stage's blocks

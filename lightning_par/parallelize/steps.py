@@ -17,6 +17,7 @@ from lightning_par.context.verify import block_kinds, check_context_blocks
 from lightning_par.dp import fsdp
 from lightning_par.experts import apply_experts
 from lightning_par.experts.apply import leave_experts_out
+from lightning_par.experts.layout import check_router_loss
 from lightning_par.materialize import has_meta
 from lightning_par.options import (BlockOptions, LayoutOptions, MemoryOptions, PipelineOptions, ShardingOptions,
                                    TensorOptions)
@@ -101,9 +102,10 @@ def find_tensor_plan(module: nn.Module, tensor: TensorOptions, topology: Topolog
     tp = topology.tensor_parallel_size
     plan = build_plan(module, tp, tensor.plan, sequence_parallel=tensor.sequence_parallel,
                       loss_parallel=tensor.loss_parallel) if tp > 1 else None
+    check_router_loss(module, topology.context_parallel_size)  # a router's aux loss under cp is not one device's
     if layout is not None:  # the routed experts are divided whole over ep instead (step 6)
         plan = leave_experts_out(plan, module, expert_parallel_size=layout.expert_parallel_size,
-                                 experts=layout.experts)
+                                 experts=layout.experts, stack=stack.path if stack is not None else None)
     if plan is not None and stack is not None and tensor.sequence_parallel:  # [Note: sequence-sharded stage boundaries]
         check_sequence_stack(plan, stack.path, len(stack.container), tp,
                              stack.flow.hidden_shape if stack.flow is not None else None)
@@ -175,14 +177,16 @@ def record_setup_inputs(module: nn.Module, plan: Optional[TensorPlan], sample: C
 
 
 # -- 6. expert parallel ---------------------------------------------------------------------------------------
-def apply_expert_parallel(module: nn.Module, layout: LayoutOptions, groups: Groups, rank: Rank) -> Any:
+def apply_expert_parallel(module: nn.Module, layout: LayoutOptions, groups: Groups, rank: Rank, *,
+                          pipelined: bool = False) -> Any:
     """The routed experts of every MoE layer divided whole: over ``expert_parallel_size`` ranks borrowed from dp × cp
     (tokens sent to their experts by all-to-all), or with tensor parallelism alone over the tp group
     (:func:`lightning_par.experts.apply_experts`); None where nothing is divided. After the tensor plan (which
-    leaves the experts out: :func:`find_tensor_plan`), before the setup check."""
+    leaves the experts out: :func:`find_tensor_plan`), before the setup check. ``pipelined``: this stage's blocks'
+    experts (a stage without any: None)."""
     return apply_experts(module, rank.topology, rank.rank, expert_parallel_size=layout.expert_parallel_size,
                          experts=layout.experts, timeout=groups.timeout, tp_group=groups.tp,
-                         tp_mesh=groups.mesh["tp"] if groups.tp is not None else None)
+                         tp_mesh=groups.mesh["tp"] if groups.tp is not None else None, pipelined=pipelined)
 
 
 # -- 7. setup check -------------------------------------------------------------------------------------------
@@ -361,7 +365,8 @@ def apply_schedule(module: nn.Module, made: Parallelized, options: EngineOptions
                               {id(p) for b in stack.container for p in b.parameters()}, topology=topo,
                               rank=rank.rank, timeout=groups.timeout, dp_group=groups.dp if dp_reduces else None,
                               cp_group=groups.cp, default_owner=first_owner(stack.uses, split.bounds,
-                                                                            options.stages_per_rank))
+                                                                            options.stages_per_rank),
+                              experts=made.experts)
     shared.replica_average = replica_average  # a communication hook's (torchft's: use_replica_average)
     confine_metrics(module, is_last=rt.is_last, dp_group=groups.dp)
     return Schedule(runner=runner, shared=shared)

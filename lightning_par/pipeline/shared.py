@@ -29,11 +29,16 @@ class SharedParameters:
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], block_ids: set[int], *,
                  topology: Topology, rank: int, timeout: timedelta, dp_group=None, cp_group=None,
-                 default_owner: Optional[dict[str, int]] = None):
+                 default_owner: Optional[dict[str, int]] = None, experts: Any = None):
         self.module, self.params, self.block_ids = module, params, block_ids
         self.default_owner = dict(default_owner or {})  # non-block parameter name -> stage, decided at setup
         self.topology, self.rank, self.timeout, self.dp_group = topology, rank, timeout, dp_group
         self.cp_group = cp_group  # context parallelism: every gradient is averaged over it too
+        # expert parallelism (lightning_par.experts.ExpertParallel): this stage's experts' gradients are summed over
+        # the ranks holding the same experts instead ([Note: expert parallelism inside pipeline stages])
+        self.experts = experts
+        held = experts._names() if experts is not None else set()
+        self._expert_ids = {id(p) for n, p in module.named_parameters() if n in held}
         self.owner_stage: Optional[dict[str, int]] = None  # non-block parameter name -> owning stage
         self.groups: dict[str, Any] = {}  # non-block parameter name -> group of the stages that use it
         self._order: Optional[list] = None  # (index into params, group), in name order: the same on every rank
@@ -108,7 +113,14 @@ class SharedParameters:
             if grads[p_idx] is None:
                 grads[p_idx] = torch.zeros_like(self.params[p_idx])
             dist.all_reduce(_local(grads[p_idx]), group=group)  # a DTensor's shard: the same on every stage
-        present = [_local(g) for g in grads if g is not None]  # replicas hold the same shards
+        if self._expert_ids:  # every rank of a replica group reduces the same positions (zeros: no token came)
+            mine = [i for i, p in enumerate(self.params) if id(p) in self._expert_ids]
+            for i in mine:
+                if grads[i] is None:
+                    grads[i] = torch.zeros_like(self.params[i])
+            self.experts.reduce_gradients([grads[i] for i in mine])
+        present = [_local(g) for p, g in zip(self.params, grads)  # replicas hold the same shards
+                   if g is not None and id(p) not in self._expert_ids]
         if self.dp_group is not None or self.replica_average is not None:
             average_flat_(present, self.dp_group, self.topology.data_parallel_size, average=self.replica_average)
         if self.cp_group is not None:  # [Note: gradients under context parallelism] in context/sharding.py

@@ -193,7 +193,11 @@ class Engine(PeriodicSyncHooks):
         hooks (taken out at teardown)."""
         topo = self.strategy.topology
         if self.options.zero_stage == 1 and topo.data_parallel_size > 1:
-            optimizers = zero.shard_optimizers(optimizers, schedulers, self.groups.dp)
+            from lightning_par.experts.zero import expert_shards  # [Note: ZeRO-1 with expert parallelism]
+
+            shards = expert_shards(getattr(self, "experts", None), self.strategy.lightning_module, topo,
+                                   self.strategy.global_rank)
+            optimizers = zero.shard_optimizers(optimizers, schedulers, self.groups.dp, shards)
         if self.groups.mesh is None:
             return optimizers, []
         return optimizers, [split_step_by_kind(zero.local_optimizer(_unwrap(opt))) for opt in optimizers]

@@ -134,7 +134,7 @@ class PipelineEngine(Engine):
         self.full_keys, self.stand_ins, self.plan = made.full_keys, made.stack.stand_ins, made.plan
         self.block_prefix, self.stack_path = f"{made.stack.path}.", made.stack.path
         self.runtime, self.checkpointed, self.context = made.runtime, made.checkpointed, made.context
-        self.compiled = made.compiled
+        self.compiled, self.experts = made.compiled, made.experts  # experts: ZeRO-1's partition (experts/zero.py)
         self.runner, self.shared = made.schedule.runner, made.schedule.shared
         s.model = lm
         # Lightning's clipping and loss scaling see the whole model ([Note: precision subclasses])
@@ -238,16 +238,24 @@ class PipelineEngine(Engine):
         if self.runtime is None:
             return None
         s = self.s
-        return owned_state(s.lightning_module, block_prefix=self.block_prefix, owns=self.owns,
+        mine = owned_state(s.lightning_module, block_prefix=self.block_prefix, owns=self.owns,
                            first_stage=self.stage == 0,
                            first_replica=self._first_replica() or self.groups.sharded_replicas)
+        if self._writes_experts():  # the other experts' holders too ([Note: who writes the experts] in experts/apply)
+            mine.update(self.experts.state(s.lightning_module))
+        return mine
 
     def writes_param(self, param, name: str) -> Optional[bool]:
         if self.runtime is None:
             return None
         replica_writes = self._first_replica() or (
             self.options.zero_stage >= 1 and self.s.topology.data_parallel_size > 1)  # each its partition / shards
+        if self._writes_experts() and name in self.experts._names():
+            replica_writes = True
         return replica_writes and self.owns(param, name)
+
+    def _writes_experts(self) -> bool:
+        return self.experts is not None and self.experts.first_holders(self.s.topology, self.s.global_rank)
 
     def expected_keys(self) -> Optional[list[str]]:
         return self.full_keys if self.runtime is not None else None

@@ -308,3 +308,68 @@ def test_the_probe_reads_grouped_query_kv_heads_and_sees_eager_attention(impl):
         return
     assert prof.block_kv_bytes == (2 * 16 * 2 * 8 * 4,) * 2 and prof.block_attention_bytes == (16 * 4 * 8 * 4,) * 2
     assert {c.layout.context_parallel_size for c in advise(prof, 2, 2**30, 1).candidates} == {1, 2}
+
+
+def moe_profile(**overrides) -> ModuleProfile:
+    """The toy profile with 800 of each block's 1000 parameters routed experts (4 experts, top-2), none of them
+    linears, 200 dense linears per block."""
+    base = dict(block_expert_params=(800,) * 4, num_experts=4, expert_top_k=2, shardable_block_params=800,
+                expert_linear_params=0)
+    return toy_profile(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_holds_dense_plus_experts_over_ep_and_zero1_shards_by_holders(ep):
+    prof = moe_profile()
+    dense, experts = 100 + 4 * 200, 4 * 800
+    e = estimate(prof, Layout(data_parallel_size=4, expert_parallel_size=ep), batch_size=8)
+    assert e.param_bytes == e.grad_bytes == 4 * (dense + experts // ep)
+    assert e.optimizer_bytes == 8 * (dense + experts // ep)
+    holders = 4 // ep
+    z1 = estimate(prof, Layout(data_parallel_size=4, zero_stage=1, expert_parallel_size=ep), batch_size=8)
+    assert z1.optimizer_bytes == 8 * dense // 4 + 8 * (experts // ep) // holders
+    assert Layout(data_parallel_size=4, expert_parallel_size=ep).name == f"DP4 × EP{ep}"
+
+
+def test_expert_parallel_comm_is_the_two_rings_and_the_all_to_all_formula():
+    prof = moe_profile()
+    dense, experts, ep, dp = 100 + 4 * 200, 4 * 800, 2, 4
+    e = estimate(prof, Layout(data_parallel_size=dp, expert_parallel_size=ep), batch_size=8)
+    rings = 2 * (dp - 1) / dp * dense * 4 + 2 * (2 - 1) / 2 * experts / ep * 4  # dense over dp, experts over 2
+    tokens = 8 // dp * prof.seq_len  # a rank's rows of the micro-batch
+    all_to_all = 4 * 4 * tokens * prof.hidden_size * 2 * (ep - 1) / ep * 4  # 4 MoE blocks, out/back, fw/bw, fp32
+    assert e.comm_bytes == int(rings + all_to_all)
+
+
+def test_expert_parallel_candidates_and_refusals():
+    from lightning_par.advisor import candidate_layouts
+
+    names = {lay.name for lay in candidate_layouts(moe_profile(), 4, 8, checkpointing=(None,), context=False)}
+    assert {"DP4 × EP2", "DP4 × EP4", "DP4 × EP2 × ZeRO-1", "TP2 × DP2 × EP2"} <= names
+    assert not any("EP" in n and ("ZeRO-2" in n or "ZeRO-3" in n) for n in names)
+    assert not any("EP" in lay.name for lay in candidate_layouts(toy_profile(), 4, 8, checkpointing=(None,)))
+    with pytest.raises(ValueError, match=r"expert_parallel_size=3 must be a positive integer dividing"):
+        Layout(data_parallel_size=4, expert_parallel_size=3)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 with zero_stage=3 is refused"):
+        Layout(data_parallel_size=4, zero_stage=3, expert_parallel_size=2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2: the module has no routed experts"):
+        estimate(toy_profile(), Layout(data_parallel_size=4, expert_parallel_size=2), 8)
+
+
+def test_the_probe_and_the_cli_see_the_experts_of_a_hugging_face_moe(capsys):
+    from lightning_par.advise import main
+
+    main(["model=hf", "model.config={model_type: mixtral, hidden_size: 32, num_hidden_layers: 2, num_attention_heads:"
+          " 4, num_key_value_heads: 2, intermediate_size: 32, num_local_experts: 4, num_experts_per_tok: 2}",
+          "--devices", "4", "--device-memory-gb", "1", "--no-context-parallel"])
+    out = capsys.readouterr().out
+    assert "expert parallelism: considered" in out and "top-2" in out, out
+    assert " DP4 × EP2 " in out and " DP4 × EP4 " in out, out
+
+
+def test_the_probe_of_a_per_expert_moe_takes_its_layers_not_an_experts_list_as_the_blocks():
+    from experts_models import MoEModule
+
+    prof = profile_lightning_module(MoEModule("list_blocks"), (torch.randint(0, 64, (2, 8)),))
+    assert prof.n_blocks == 2 and prof.moe_blocks == 2 and prof.num_experts == 4 and prof.expert_top_k == 2
+    assert 0 < sum(prof.block_expert_params) == prof.expert_linear_params < prof.total_params
