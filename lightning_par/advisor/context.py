@@ -42,8 +42,9 @@ then low by ``(1 - 1/c)`` of those bytes). The embeddings' output stays whole on
   ``(c-1)·kv`` in forward and, in backward, ``(c-1)·kv`` (the K/V again) plus ``c`` hops of the K/V gradient
   accumulators, which the ring keeps in float32 (``c·kv·4/e``, ``e`` K's element size); a block that full (or every
   k-th) checkpointing recomputes runs its forward ring again (``(c-1)·kv``; selective keeps the op's outputs, no
-  repeat). Leaving the stack (or a pipeline stage's range of it), the hidden state is all-gathered:
-  ``(c-1)·b·(s/c)·h`` bytes, once per micro-batch (a recompute skips it; its backward sends nothing). The gradients
+  repeat). Leaving a pipeline stage's range of the stack, the hidden state is all-gathered: ``(c-1)·b·(s/c)·h``
+  bytes, once per micro-batch (a recompute skips it; its backward sends nothing); with one stage the loss runs on
+  the pieces and nothing is gathered. The gradients
   are averaged over the cp group (a ring all-reduce, ``2(c-1)/c`` of them, of the dp shards at ZeRO-2 / 3), beside
   the data-parallel reduction. Tensor parallel's all-reduces carry the local rows only (``/ c``).
 """
@@ -132,7 +133,8 @@ def context_comm(profile: ModuleProfile, blocks, c: int, t: int, micro: int, mic
                  boundary: float, grad_bytes: float) -> float:
     """What cp adds to a stage's bytes per step: the ring of each of its ``blocks`` (``recomputed(i)``: block ``i``
     runs its forward again under checkpointing), the gather leaving the stage's range (``boundary``: one micro-batch's
-    whole hidden state in bytes) and the gradients' average over the group (``grad_bytes``: this rank's)."""
+    whole hidden state in bytes; 0 with one stage, sharded to the loss) and the gradients' average over the group
+    (``grad_bytes``: this rank's)."""
     if c == 1:
         return 0.0
     ring = sum(ring_bytes(profile.block_kv_bytes[i] * micro / (c * t), c, profile.kv_dtype_bytes, recomputed(i))

@@ -24,7 +24,7 @@ follows are in DESIGN.md ("Numbers the field publishes"):
   carries ``b·s·h`` activations forward and as many gradients back per micro-batch; Megatron tensor
   parallel all-reduces ``b·s·h`` 4 times per layer per micro-batch (2 forward, 2 backward);
 - context parallelism (``context_parallel_size``): the blocks' activations ``/ cp``, the ring attention's K/V
-  bytes, the stack's exit gather and the gradients' average over the group ([Note: the advisor under context
+  bytes, a pipeline stage's exit gather and the gradients' average over the group ([Note: the advisor under context
   parallelism] in :mod:`lightning_par.advisor.context`);
 - expert parallelism (``expert_parallel_size``): the routed experts ``/ ep`` and their all-to-all ([Note: the
   advisor under expert parallelism] in :mod:`lightning_par.advisor.experts`).
@@ -294,7 +294,7 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
         if t > 1:
             comm += len(blocks) * 4 * 2 * (t - 1) / t * m * boundary / c
         comm += context_comm(profile, blocks, c, t, micro, m, lambda i: ac != "selective" and checkpointed(ac, i),
-                             boundary, grads * g_bytes)
+                             boundary if p > 1 else 0.0, grads * g_bytes)  # one stage: no exit gather
         runtime = 0.0
         if p > 1:  # [Note: what a pipeline stage holds beyond the model]
             runtime = grads * g_bytes + boundary * (m + 1) * ((s < p - 1) + (s > 0))
