@@ -57,7 +57,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default 2 × stages)")
     p.add_argument("--probe-samples", type=int, default=2, help="micro-batch size of the activation probe")
     p.add_argument("--no-context-parallel", dest="context", action="store_false",
-                   help="leave context-parallel layouts out (they are considered when every block calls SDPA)")
+                   help="leave context-parallel layouts out (considered where a method serves every block's attention)")
     p.add_argument("--link-gbps", type=float, default=100.0,
                    help="bandwidth each rank sends at, Gbit/s, to price communication in step time (default 100)")
     args = p.parse_intermixed_args(argv)
@@ -136,12 +136,18 @@ def checkpointing_summary(profile) -> str:
 
 
 def context_summary(profile, considered: bool = True) -> str:
-    """Whether context-parallel layouts are among the candidates, and the K/V bytes their ring passes."""
-    if not profile.sdpa_blocks:
-        return ("context parallelism: not considered (a block ran without scaled_dot_product_attention, which is "
-                "what it routes across the group)")
+    """Whether context-parallel layouts are among the candidates, with which method, and the bytes it moves."""
+    if not profile.context_methods:
+        return ("context parallelism: not considered (a block's attention called neither scaled_dot_product_attention "
+                "nor Hugging Face's attention interface, the calls its methods route across the group)")
     if not considered:
         return "context parallelism: left out (--no-context-parallel)"
+    if "ring" not in profile.context_methods:
+        io = sum(profile.block_attention_io_bytes) / profile.n_blocks
+        return (f"context parallelism: considered with context_parallel_method='ulysses' (the blocks' attention is "
+                f"eager, through Hugging Face's attention interface; the ring serves SDPA only) at sizes c with 2c "
+                f"dividing the sequence ({profile.seq_len}) and c dividing the query heads ({profile.num_heads}); its "
+                f"all-to-alls carry q, k, v and the output, {io:,.0f} B per block and sample, split over the c ranks")
     kv = sum(profile.block_kv_bytes) / profile.n_blocks
     return (f"context parallelism: considered at sizes c with 2c dividing the sequence ({profile.seq_len}); the ring "
             f"passes K and V of {kv:,.0f} B per block and sample ({profile.kv_dtype_bytes}-byte elements), "

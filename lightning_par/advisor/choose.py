@@ -75,10 +75,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def context_sizes(profile: ModuleProfile, devices: int, schedule: str, context: bool = True) -> list[int]:
-    """The context-parallel sizes the advisor tries: 1, and, for a module whose every block calls SDPA, each
-    divisor ``c`` of ``devices`` with ``2c`` dividing the sequence (the strategy's own conditions); none under the
-    interleaved schedule, which the strategy refuses with cp."""
-    if not context or not profile.sdpa_blocks or schedule == "interleaved_1f1b":
+    """The context-parallel sizes the advisor tries: 1, and, for a module whose every block's attention a method
+    serves (:attr:`ModuleProfile.context_methods`), each divisor ``c`` of ``devices`` with ``2c`` dividing the
+    sequence (the strategy's own conditions); none under the interleaved schedule, which the strategy refuses with
+    cp."""
+    if not context or not profile.context_methods or schedule == "interleaved_1f1b":
         return [1]
     return [c for c in _divisors(devices) if c == 1 or profile.seq_len % (2 * c) == 0]
 
@@ -90,14 +91,18 @@ def candidate_layouts(profile: ModuleProfile, devices: int, batch_size: int, sch
     ``zero_stages`` (with more than one replica) and each activation ``checkpointing`` mode; cp > 1 only where
     :func:`context_sizes` allows it (``context=False``: never), and not with a pipeline at ZeRO-2 / 3 (refused by
     the strategy). A module with routed experts also gets each ``expert_parallel_size`` > 1 dividing dp × cp and
-    its experts, at ZeRO 0 and 1 (what the strategy runs with ep)."""
+    its experts, at ZeRO 0 and 1 (what the strategy runs with ep). cp uses the ring where it serves the module,
+    else Ulysses (where cp divides each tensor-parallel rank's query heads)."""
     layouts = []
+    method = "ring" if "ring" in profile.context_methods else "ulysses"
     for pp in _divisors(devices):
         if pp > profile.n_blocks:
             continue
         for cp in context_sizes(profile, devices // pp, schedule, context):
             for tp in _divisors(devices // (pp * cp)):
                 if tp > 1 and (profile.hidden_size % tp or (profile.num_heads and profile.num_heads % tp)):
+                    continue
+                if cp > 1 and method == "ulysses" and ((profile.num_heads or 0) // tp) % cp:
                     continue
                 dp = devices // (pp * cp * tp)
                 m = 1
@@ -115,7 +120,8 @@ def candidate_layouts(profile: ModuleProfile, devices: int, batch_size: int, sch
                             continue
                         for ac in checkpointing:
                             layouts.append(Layout(dp, pp, tp, zero, schedule, m, activation_checkpointing=ac,
-                                                  context_parallel_size=cp, expert_parallel_size=ep))
+                                                  context_parallel_size=cp, expert_parallel_size=ep,
+                                                  context_parallel_method=method if cp > 1 else "ring"))
     return layouts
 
 

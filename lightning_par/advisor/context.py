@@ -47,6 +47,15 @@ then low by ``(1 - 1/c)`` of those bytes). The embeddings' output stays whole on
   the pieces and nothing is gathered. The gradients
   are averaged over the cp group (a ring all-reduce, ``2(c-1)/c`` of them, of the dp shards at ZeRO-2 / 3), beside
   the data-parallel reduction. Tensor parallel's all-reduces carry the local rows only (``/ c``).
+- The method: the ring where every block calls SDPA; else Ulysses where every block's attention goes through Hugging
+  Face's attention interface (eager, soft-capped, sinks: ``ModuleProfile.context_methods``, as the strategy's setup
+  check decides) and ``c`` divides a tensor-parallel rank's query heads; no cp otherwise. Under Ulysses the module's
+  own attention runs on the whole sequence for ``H/c`` heads: what it saves (its q, k, v, the scores of an eager
+  attention) is ``1/c`` of one device's as the blocks' other activations are, with no ring working set and no output
+  copy; it sends, per block and micro-batch, ``(c-1)/c`` of this rank's q, k, v and output in forward and as much
+  in backward (:func:`ulysses_bytes`; a recompute the forward's again). K/V heads fewer than ``c`` are repeated
+  first ([Note: Ulysses]): the estimate counts them unrepeated, low by that repeat. The all-gather method is not
+  estimated.
 """
 from __future__ import annotations
 
@@ -61,9 +70,21 @@ def check_context(profile: ModuleProfile, layout) -> None:
     if layout.sequence_parallel or (layout.pipeline_parallel_size > 1 and layout.zero_stage >= 2):
         raise ValueError(f"context_parallel_size={c} does not compose with sequence_parallel, nor with a pipeline at "
                          f"zero_stage 2 / 3 (the strategy refuses both); got {layout}.")
-    if not profile.sdpa_blocks:
-        raise ValueError("context_parallel_size > 1 routes the blocks' scaled_dot_product_attention calls, and the "
-                         "profiled module's blocks made none (eager attention): use an SDPA attention.")
+    method = layout.context_parallel_method
+    if method == "allgather":
+        raise ValueError("The advisor estimates context parallelism with the ring and Ulysses; "
+                         "context_parallel_method='allgather' is not modeled.")
+    if method not in profile.context_methods:
+        raise ValueError(
+            f"context_parallel_method={method!r} cannot serve the profiled module's attention: "
+            + ("the ring routes the blocks' scaled_dot_product_attention calls, and they made none (eager attention); "
+               "Ulysses serves it through Hugging Face's attention interface." if "ulysses" in profile.context_methods
+               else "no method serves blocks whose attention calls neither scaled_dot_product_attention nor Hugging "
+                    "Face's attention interface (an attention of the module's own)."))
+    heads = (profile.num_heads or 0) // layout.tensor_parallel_size
+    if method == "ulysses" and heads % c:
+        raise ValueError(f"context_parallel_method='ulysses' splits a rank's {heads} query heads over "
+                         f"context_parallel_size={c}, which does not divide them.")
     if profile.seq_len % (2 * c):
         raise ValueError(f"context_parallel_size={c} splits every sequence into 2·cp = {2 * c} chunks, and "
                          f"{2 * c} does not divide the profiled sequence length {profile.seq_len}.")
@@ -129,19 +150,37 @@ def ring_bytes(kv: float, c: int, kv_dtype_bytes: int, recomputed: bool = False)
     return (c - 1) * kv * (3 if recomputed else 2) + c * grads
 
 
+def ulysses_bytes(io: float, c: int, recomputed: bool = False) -> float:
+    """Bytes a rank sends for one block's Ulysses attention, one micro-batch, forward and backward ([Note: the
+    advisor under context parallelism]); ``io``: this rank's q, k, v and output bytes (its positions, all heads).
+
+    Example::
+
+        >>> ulysses_bytes(400, 2)                   # 4 all-to-alls keeping 1/2 of each, forward and backward
+        400.0
+        >>> ulysses_bytes(400, 4, recomputed=True)  # the forward's again
+        900.0
+    """
+    return (c - 1) / c * io * (3 if recomputed else 2) if c > 1 else 0.0
+
+
 def context_comm(profile: ModuleProfile, blocks, c: int, t: int, micro: int, microbatches: int, recomputed,
-                 boundary: float, grad_bytes: float) -> float:
+                 boundary: float, grad_bytes: float, method: str = "ring") -> float:
     """What cp adds to a stage's bytes per step: the ring of each of its ``blocks`` (``recomputed(i)``: block ``i``
     runs its forward again under checkpointing), the gather leaving the stage's range (``boundary``: one micro-batch's
     whole hidden state in bytes; 0 with one stage, sharded to the loss) and the gradients' average over the group
     (``grad_bytes``: this rank's)."""
     if c == 1:
         return 0.0
-    ring = sum(ring_bytes(profile.block_kv_bytes[i] * micro / (c * t), c, profile.kv_dtype_bytes, recomputed(i))
-               for i in blocks)
+    if method == "ulysses":
+        ring = sum(ulysses_bytes(profile.block_attention_io_bytes[i] * micro / (c * t), c, recomputed(i))
+                   for i in blocks)
+    else:
+        ring = sum(ring_bytes(profile.block_kv_bytes[i] * micro / (c * t), c, profile.kv_dtype_bytes, recomputed(i))
+                   for i in blocks)
     gather = (c - 1) * boundary / c
     return microbatches * (ring + gather) + 2 * (c - 1) / c * grad_bytes
 
 
 __all__ = ["check_context", "context_comm", "freed_before_ring", "output_copy_bytes", "ring_bytes",
-           "ring_working_bytes"]
+           "ring_working_bytes", "ulysses_bytes"]

@@ -52,11 +52,15 @@ class Layout:
     context_parallel_size: int = 1
     comm_hook: str | None = None  # "fp16" / "bf16": the replicas' all-reduce in 16 bits (PowerSGD: not modeled)
     expert_parallel_size: int = 1  # routed experts divided over ep ranks borrowed from dp × cp
+    context_parallel_method: str = "ring"  # "ring" | "allgather" | "ulysses" (docs/context-parallel.md)
 
     def __post_init__(self):
         check_checkpointing(self.activation_checkpointing)
         if self.context_parallel_size < 1:
             raise ValueError(f"context_parallel_size={self.context_parallel_size} must be a positive integer.")
+        if self.context_parallel_method not in ("ring", "allgather", "ulysses"):
+            raise ValueError(f"context_parallel_method={self.context_parallel_method!r} must be 'ring', 'allgather' "
+                             f"or 'ulysses'.")
         check_experts_layout(self)
 
     @property
@@ -70,7 +74,8 @@ class Layout:
         if self.pipeline_parallel_size > 1:
             parts.append(f"PP{self.pipeline_parallel_size}({self.schedule}, m={self.microbatches})")
         if self.context_parallel_size > 1:
-            parts.append(f"CP{self.context_parallel_size}")
+            method = self.context_parallel_method
+            parts.append(f"CP{self.context_parallel_size}" + ("" if method == "ring" else f" {method}"))
         if self.tensor_parallel_size > 1:
             parts.append(f"TP{self.tensor_parallel_size}" + ("+SP" if self.sequence_parallel else ""))
         if self.data_parallel_size > 1 or not parts:

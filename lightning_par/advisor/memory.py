@@ -125,7 +125,7 @@ def recompute_peak(kept, whole, marked, beside: float = 0.0) -> float:
     Example::
 
         >>> recompute_peak([1, 1, 1, 1], [10] * 4, [True] * 4)   # full: block 3 recomputes beside 0, 1, 2
-        9
+        9.0
         >>> recompute_peak([1, 10, 1, 10], [10] * 4, [True, False] * 2)  # every 2nd: block 2 beside 0, 1
         0
     """
@@ -243,7 +243,8 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
             params += profile.last_params + (profile.tied_params if p > 1 else 0)
         held = m if layout.schedule == "gpipe" else min(p - s, m)
         ac = layout.activation_checkpointing
-        copy = [output_copy_bytes(profile, i, c, t) for i in blocks]  # cp: the attention output's copy
+        ring_cp = layout.context_parallel_method == "ring"  # Ulysses: the module's own attention, no ring
+        copy = [output_copy_bytes(profile, i, c, t) if ring_cp else 0 for i in blocks]  # the ring output's copy
         kept = [block_kept_bytes(profile, i, ac, t, layout.sequence_parallel) + (0 if checkpointed(ac, i) else x)
                 for i, x in zip(blocks, copy)]
         whole = [tp_block_bytes(profile, i, t, layout.sequence_parallel) + x for i, x in zip(blocks, copy)]
@@ -294,12 +295,13 @@ def stage_estimates(profile: ModuleProfile, layout: Layout, batch_size: int, pre
         if t > 1:
             comm += len(blocks) * 4 * 2 * (t - 1) / t * m * boundary / c
         comm += context_comm(profile, blocks, c, t, micro, m, lambda i: ac != "selective" and checkpointed(ac, i),
-                             boundary if p > 1 else 0.0, grads * g_bytes)  # one stage: no exit gather
+                             boundary if p > 1 else 0.0, grads * g_bytes,  # one stage: no exit gather
+                             layout.context_parallel_method)
         runtime = 0.0
         if p > 1:  # [Note: what a pipeline stage holds beyond the model]
             runtime = grads * g_bytes + boundary * (m + 1) * ((s < p - 1) + (s > 0))
         ring = max(0.0, ring_working_bytes(profile, blocks, c, t) - freed_before_ring(profile, blocks[-1], c, t)
-                   - last) * micro
+                   - last) * micro if ring_cp else 0.0
         units = len(blocks) + 1  # FSDP units of the stage: its blocks, then the root (the ends)
         gathers = 0 if zero < 2 or dp == 1 else (units if zero == 2 or p > 1 else 2 * len(blocks) + 1)
         est = Estimate(int(held_params * p_bytes), int(grads * g_bytes), int(opt),

@@ -55,6 +55,9 @@ class ModuleProfile:
     # column-parallel layers' gathered inputs, and what does not come from the block's input
     head_largest_bytes: int = 0  # the largest single tensor saved after the blocks, per sample (a language model's
     # log-softmax of the logits): what the loss's backward makes once more beside them; 0: take all of last
+    block_attention_io_bytes: tuple[int, ...] = ()  # bytes per sample of the q, k, v and output of each block's
+    # attention calls, SDPA or Hugging Face's attention interface (what Ulysses's all-to-alls carry)
+    block_interface_calls: tuple[int, ...] = ()  # calls through Hugging Face's attention interface per block
     block_expert_params: tuple[int, ...] = ()  # of block_params, the routed experts' (lightning_par.experts finds
     # them); () : no MoE layer ([Note: the advisor under expert parallelism] in advisor/memory.py)
     expert_linear_params: int = 0  # of shardable_block_params, the routed experts' (a per-expert list's linears)
@@ -74,6 +77,18 @@ class ModuleProfile:
     def sdpa_blocks(self) -> bool:
         """Whether every block called ``scaled_dot_product_attention`` (what context parallelism routes)."""
         return bool(self.block_kv_bytes) and len(self.block_kv_bytes) == self.n_blocks and all(self.block_kv_bytes)
+
+    @property
+    def context_methods(self) -> tuple[str, ...]:
+        """The context-parallel methods that serve every block's attention, as the strategy's setup check decides
+        ([Note: the setup check of context parallelism]): all three where every block calls SDPA, Ulysses alone
+        where every block's attention goes through Hugging Face's attention interface (eager, soft-capped, ...)."""
+        if self.sdpa_blocks:
+            return ("ring", "allgather", "ulysses")
+        calls = self.block_interface_calls
+        if calls and len(calls) == self.n_blocks and all(calls):
+            return ("ulysses",)
+        return ()
 
     @property
     def activation_bytes_per_sample(self) -> int:
@@ -172,7 +187,8 @@ def _op_ledger(params: set):
 # (their shapes carry the k/v head count and head dim, grouped-query attention included) and their element size
 # (the dtype training runs attention in: autocast's under a mixed precision), and the bytes of its outputs (what
 # the ring's output costs, [Note: the advisor under context parallelism]). A block without such a call (eager
-# attention) records 0, and the advisor proposes no cp layout for the module.
+# attention) records 0: the advisor proposes cp for it with Ulysses where its attention goes through Hugging Face's
+# attention interface (below), and no cp layout otherwise.
 def _sdpa_ledger():
     """A function mode that adds up, per :attr:`tag`, the bytes of the keys and values handed to SDPA."""
     import torch.nn.functional as F
@@ -184,7 +200,14 @@ def _sdpa_ledger():
             self.tag = None
             self.kv: dict = {}
             self.out: dict = {}
+            self.io: dict = {}  # q, k, v and output bytes, SDPA or the attention interface
+            self.interface: dict = {}  # calls through Hugging Face's attention interface
             self.elem = 0
+            self.calls = 0
+
+        def add_io(self, *tensors):
+            if self.tag is not None:
+                self.io[self.tag] = self.io.get(self.tag, 0) + sum(t.numel() * t.element_size() for t in tensors)
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -196,10 +219,57 @@ def _sdpa_ledger():
                 self.elem = k.element_size()
                 out = func(*args, **kwargs)
                 self.out[self.tag] = self.out.get(self.tag, 0) + out.numel() * out.element_size()
+                self.add_io(named["query"], k, v, out)
+                self.calls += 1
                 return out
             return func(*args, **kwargs)
 
     return SdpaLedger()
+
+
+# The attention interface's side of the same ledger: while the probe runs, the Hugging Face attention modules of
+# the blocks (:func:`lightning_par.context.probe.hf_attention_modules`) name an implementation registered here,
+# which calls theirs and counts the call and its q, k, v and output bytes (where their implementation calls SDPA,
+# the SDPA side counts the bytes once). Ulysses serves such a block ([Note: Ulysses]); its all-to-alls carry those
+# bytes.
+_INTERFACE = "lightning_par_advisor_probe"
+_LEDGERS: list = []  # (ledger, {id(config): its own implementation}) of the probe running, innermost last
+
+
+def _interface_probe(module, query, key, value, attention_mask, **kwargs):
+    from lightning_par._compat import hf_attention_function
+
+    ledger, originals = _LEDGERS[-1]
+    before = ledger.calls
+    out = hf_attention_function(module, originals[id(module.config)])(module, query, key, value, attention_mask,
+                                                                       **kwargs)
+    if ledger.tag is not None:
+        ledger.interface[ledger.tag] = ledger.interface.get(ledger.tag, 0) + 1
+        if ledger.calls == before:  # not through SDPA: count its bytes here
+            ledger.add_io(query, key, value, out[0] if isinstance(out, tuple) else out)
+    return out
+
+
+def _route_interface(stack: ExitStack, blocks: list[nn.Module], ledger) -> None:
+    """Point the blocks' Hugging Face attention modules at :func:`_interface_probe` until ``stack`` closes."""
+    from lightning_par._compat import attn_implementation, hf_register_attention, hf_set_attention_implementation
+    from lightning_par.context.probe import hf_attention_modules
+
+    configs = {id(c): c for b in blocks for n in hf_attention_modules(b) if (c := b.get_submodule(n).config)}
+    if not configs:
+        return
+    hf_register_attention(_INTERFACE, _interface_probe)
+    originals = {key: attn_implementation(config) for key, config in configs.items()}
+    for config in configs.values():
+        hf_set_attention_implementation(config, _INTERFACE)
+    _LEDGERS.append((ledger, originals))
+
+    def restore():
+        _LEDGERS.remove((ledger, originals))
+        for key, config in configs.items():
+            hf_set_attention_implementation(config, originals[key])
+
+    stack.callback(restore)
 
 
 def _sync(device: torch.device) -> None:
@@ -265,6 +335,7 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         for m in module.modules():
             if not any(True for _ in m.children()) and not any(id(p) in block_ids for p in m.parameters()):
                 stack.callback(m.register_forward_pre_hook(leaf_hook).remove)
+        _route_interface(stack, block_list, attention)
         stack.enter_context(meter.track())
         loss = run_step()
         loss.backward()
@@ -304,6 +375,8 @@ def measure(module: nn.Module, blocks: nn.ModuleList | nn.Sequential, run_step, 
         block_kv_bytes=tuple(attention.kv.get(i, 0) // batch_size for i in range(len(block_list))),
         kv_dtype_bytes=attention.elem,
         block_attention_bytes=tuple(attention.out.get(i, 0) // batch_size for i in range(len(block_list))),
+        block_attention_io_bytes=tuple(attention.io.get(i, 0) // batch_size for i in range(len(block_list))),
+        block_interface_calls=tuple(attention.interface.get(i, 0) for i in range(len(block_list))),
         block_whole_bytes=saved_per_block(lambda k: k not in ledger.sharded),
         block_whole_sp_bytes=saved_per_block(lambda k: k not in ledger.sharded
                                              and (k in ledger.gathered or k not in ledger.stream)),

@@ -1,9 +1,9 @@
 """Context parallelism for an unchanged module: its block stack runs on this rank's piece of every sequence.
 
-    >>> applied = apply_context_parallel(model, group)     # doctest: +SKIP
-    >>> loss = loss_fn(model(idx), targets)                 # the same loss on every rank of the group
-    >>> loss.backward()                                     # then average the gradients over the group
-    >>> applied.remove()                                    # no hook, no mode left behind
+    applied = apply_context_parallel(model, group)
+    loss = loss_fn(model(idx), targets)                 # the same loss on every rank of the group
+    loss.backward()                                     # then average the gradients over the group
+    applied.remove()                                    # no hook, no mode left behind
 
 [Note: where the sequence is cut]
 The block stack is the pipeline's (:func:`~lightning_par.pipeline.discovery.find_blocks`). What enters a block from

@@ -1,9 +1,9 @@
 """Context parallelism sharded to the loss: the final norm, the head and a per-token cross-entropy run on each rank's
 piece of the sequence, the labels cut in the same load-balanced layout.
 
-    >>> with context.sharded_loss():          # doctest: +SKIP
-    ...     loss = training_step(batch)        # F.cross_entropy(logits_piece, labels_whole) -> the group's mean
-    >>> loss.backward()                        # each rank: the gradient of its positions, times cp
+    with context.sharded_loss():
+        loss = training_step(batch)        # F.cross_entropy(logits_piece, labels_whole) -> the group's mean
+    loss.backward()                        # each rank: the gradient of its positions, times cp
 
 [Note: sharded to the loss]
 Without it the stack's last block gathers its output back to the whole sequence ([Note: where the sequence is cut]),

@@ -39,6 +39,9 @@ def scaled_profile(probe: ModuleProfile, probe_vocab: int, n_layer: int, n_embd:
         block_kv_bytes=(int(probe.block_kv_bytes[0] * width),) * n_layer if probe.block_kv_bytes else (),
         block_attention_bytes=((int(probe.block_attention_bytes[0] * width),) * n_layer
                                if probe.block_attention_bytes else ()),
+        block_attention_io_bytes=((int(probe.block_attention_io_bytes[0] * width),) * n_layer
+                                  if probe.block_attention_io_bytes else ()),
+        block_interface_calls=probe.block_interface_calls[:1] * n_layer,
         block_whole_bytes=(int(probe.block_whole_bytes[0] * width),) * n_layer if probe.block_whole_bytes else (),
         block_whole_sp_bytes=((int(probe.block_whole_sp_bytes[0] * width),) * n_layer
                               if probe.block_whole_sp_bytes else ()),

@@ -252,6 +252,51 @@ def test_candidates_include_context_parallel_only_for_sdpa_blocks_and_strategy_s
     assert {lay.context_parallel_size for lay in candidate_layouts(long, 4, 8, context=False)} == {1}
 
 
+def eager_profile(**overrides) -> ModuleProfile:
+    """:func:`cp_profile` with eager attention through Hugging Face's attention interface (no SDPA call): q, k, v and
+    the output 400 bytes a sample per block."""
+    base = dict(block_kv_bytes=(), kv_dtype_bytes=0, block_attention_bytes=(), block_interface_calls=(1,) * 4,
+                block_attention_io_bytes=(400,) * 4)
+    return cp_profile(**{**base, **overrides})
+
+
+def test_eager_attention_through_the_interface_is_estimated_and_proposed_with_ulysses_only():
+    from lightning_par.advisor import candidate_layouts
+    from lightning_par.advisor.context import ulysses_bytes
+
+    prof = eager_profile(seq_len=16)
+    assert prof.context_methods == ("ulysses",) and cp_profile().context_methods == ("ring", "allgather", "ulysses")
+    assert toy_profile().context_methods == ()  # an attention of the module's own: no method
+    psi4 = 4 * prof.total_params
+    for c in (2, 4):  # 4 all-to-alls of (c-1)/c of this rank's q, k, v and output, forward and backward
+        est = estimate(prof, Layout(context_parallel_size=c, context_parallel_method="ulysses"), batch_size=2)
+        assert est.comm_bytes == int(4 * ulysses_bytes(400 * 2 / c, c) + 2 * (c - 1) / c * psi4), c
+        assert est.context_bytes == 0  # no ring working set
+        assert ulysses_bytes(400 * 2 / c, c) == (c - 1) / c * 2 * (400 * 2 / c)
+    with pytest.raises(ValueError, match="made none.*Ulysses serves it"):
+        estimate(prof, Layout(context_parallel_size=2), batch_size=2)
+    with pytest.raises(ValueError, match="2 query heads over context_parallel_size=4"):
+        estimate(prof, Layout(context_parallel_size=4, tensor_parallel_size=2, context_parallel_method="ulysses"), 2)
+    with pytest.raises(ValueError, match="neither scaled_dot_product_attention nor"):
+        estimate(toy_profile(seq_len=16), Layout(context_parallel_size=2, context_parallel_method="ulysses"), 2)
+    cands = [lay for lay in candidate_layouts(prof, 8, 8) if lay.context_parallel_size > 1]
+    assert cands and {lay.context_parallel_method for lay in cands} == {"ulysses"}
+    assert all((4 // lay.tensor_parallel_size) % lay.context_parallel_size == 0 for lay in cands)
+    assert "CP2 ulysses" in cands[0].name or any("CP2 ulysses" in lay.name for lay in cands)
+
+
+def test_the_probe_and_the_cli_see_eager_attention_and_propose_ulysses(capsys):
+    from lightning_par.advise import main
+
+    main(["model=hf", "model.config={model_type: gemma2, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4,"
+          " num_key_value_heads: 2, head_dim: 8, intermediate_size: 64, attn_implementation: eager}", "data.seq_len=64",
+          "--batch-size", "2", "--devices", "4", "--device-memory-gb", "0.002"])
+    out = capsys.readouterr().out
+    # q and the output 64 tokens × 4 heads × 8 × 4 B each, k and v 2 heads: what Ulysses's all-to-alls carry
+    assert "context_parallel_method='ulysses'" in out and "24,576 B per block and sample" in out, out
+    assert " CP2 ulysses × DP2 " in out and " CP4 ulysses " in out and " CP2 × " not in out, out
+
+
 def test_a_long_sequence_that_fits_nowhere_else_is_advised_context_parallel():
     # one sequence (no data parallel), activations far above the weights: cp 2 halves the blocks' share at no
     # recompute and no bubble; a pipeline of one micro-batch would idle half the time
@@ -295,17 +340,23 @@ def test_advise_cli_proposes_context_parallel_for_a_long_sequence(capsys):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_the_probe_reads_grouped_query_kv_heads_and_sees_eager_attention(impl):
+def test_the_probe_reads_grouped_query_kv_heads_and_sees_eager_attention_through_the_interface(impl):
     from models import causal_lm
 
     torch.manual_seed(0)
     module = causal_lm("llama", attn_implementation=impl)()  # 4 query heads, 2 k/v heads of 8: K, V 16 B a token
     batch = (torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16)))
     prof = profile_lightning_module(module, batch)
-    if impl == "eager":  # no SDPA call to route: no context-parallel candidate
-        assert not prof.sdpa_blocks
-        assert {c.layout.context_parallel_size for c in advise(prof, 2, 2**30, 2).candidates} == {1}
+    if impl == "eager":  # no SDPA call for the ring to route: Ulysses serves it through the attention interface
+        assert not prof.sdpa_blocks and prof.context_methods == ("ulysses",)
+        # per sample: q and the output 16 × 4 × 8 × 4 B, K and V 16 × 2 × 8 × 4 B
+        assert prof.block_interface_calls == (1, 1)
+        assert prof.block_attention_io_bytes == (2 * 16 * 4 * 8 * 4 + 2 * 16 * 2 * 8 * 4,) * 2
+        assert {(c.layout.context_parallel_size, c.layout.context_parallel_method)
+                for c in advise(prof, 2, 2**30, 2).candidates} == {(1, "ring"), (2, "ulysses")}
         return
+    assert prof.block_interface_calls == (1, 1)  # sdpa through the interface too: its bytes counted once
+    assert prof.block_attention_io_bytes == (2 * 16 * 4 * 8 * 4 + 2 * 16 * 2 * 8 * 4,) * 2
     assert prof.block_kv_bytes == (2 * 16 * 2 * 8 * 4,) * 2 and prof.block_attention_bytes == (16 * 4 * 8 * 4,) * 2
     assert {c.layout.context_parallel_size for c in advise(prof, 2, 2**30, 1).candidates} == {1, 2}
 
