@@ -14,7 +14,9 @@ from test_experts_strategy import DATA, STEPS, _fit, assert_matches, hybrid, pla
 
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("family,optimizer,zero", [("mixtral", "adamw", 0), ("mixtral", "sgd", 0),
-                                                   ("list_blocks", "sgd", 0), ("mixtral", "adamw", 1)])
+                                                   ("list_blocks", "sgd", 0), ("mixtral", "adamw", 1),
+                                                   pytest.param("qwen2_moe", "adamw", 0, marks=pytest.mark.slow),
+                                                   pytest.param("deepseek_v3", "adamw", 0, marks=pytest.mark.slow)])
 def test_pp2_ep2_matches_the_data_parallel_pipeline(tmp_path, family, optimizer, zero):
     """pp 2 x dp 2 with ep 2 (4 ranks): each stage's blocks' experts divided over its two replicas ([Note: expert
     parallelism inside pipeline stages]) equal the same pipeline with ep 1 (whole experts, gradients averaged over
@@ -24,7 +26,8 @@ def test_pp2_ep2_matches_the_data_parallel_pipeline(tmp_path, family, optimizer,
     zero_stage=1 the dense optimizer state is sharded over dp, each stage's experts' over their holders."""
     from lightning_par.topology import Topology
 
-    factory = functools.partial(MoEModule, family, optimizer)
+    # DeepSeek-V3's first layer is dense (first_k_dense_replace=1): with 3 layers each stage holds one MoE layer
+    factory = functools.partial(MoEModule, family, optimizer, **({"layers": 3} if family == "deepseek_v3" else {}))
     loader = DataLoader(DATA.train_set, batch_size=2)
     pp = dict(pipeline_parallel_size=2, microbatches=2, blocks="model.layers" if family == "list_blocks" else None)
     ref = fit_and_record(seeded(factory), loader, str(tmp_path / "p"), devices=4, max_steps=STEPS,

@@ -184,8 +184,8 @@ def test_tp2_alone_divides_experts_and_matches_one_device(tmp_path):
     pytest.param("deepseek_v3", "adamw", marks=pytest.mark.slow),
 ])
 def test_ep2_by_tp2_matches_data_parallel(tmp_path, family, optimizer):
-    """dp 2 x tp 2 with ep 2 (4 ranks): dense layers tensor-parallel, experts
-    divided over the two replicas; each family of the exactness matrix over 8 AdamW steps, plain SGD once."""
+    """dp 2 x tp 2 with ep 2 (4 ranks): dense layers tensor-parallel, experts divided over the two replicas; each
+    family of the exactness matrix over 8 AdamW steps, plain SGD once."""
     factory = functools.partial(MoEModule, family, optimizer)
     ref = ddp_reference(factory, tmp_path, 2)
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "e"),
