@@ -1,0 +1,95 @@
+"""Any-layout checkpoints of an expert-parallel fit ([Note: expert tensors as DTensors] in
+lightning_par/experts/apply.py): the one file written under ep 2 (tiny Mixtral, fused experts) resumes on one
+device, under ep 4 and under tp 2, each training on as the same layout's reference resumed from the same file, and
+the converter writes it back in the Hugging Face layout (fused expert tensors under their own names)."""
+import functools
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from experts_models import MoEModule
+from harness import TIMEOUT_S, fit_and_record, fit_whole_then_resumed, reference_loader, seeded
+from lightning.pytorch.strategies import DDPStrategy
+from test_experts_strategy import DATA, HoldsExperts, hybrid
+
+FACTORY = functools.partial(MoEModule, "mixtral", "adamw")
+
+
+def _fit(tmp, name, strategy, *, devices=2, loader=None, **kw):
+    return fit_and_record(seeded(FACTORY), loader or DataLoader(DATA.train_set, batch_size=2), str(tmp / name),
+                          strategy=strategy, devices=devices, **kw)
+
+
+class ReplicasInTurn(Sampler):
+    """One process's micro-batches in the order two data-parallel replicas take theirs (Lightning's
+    ``DistributedSampler(shuffle=True, seed=0)`` on each): replica 0's step-k batch, then replica 1's. With
+    ``accumulate_grad_batches=2`` one device then steps on the mean of the replicas' gradients, each loss (the
+    router's auxiliary loss too) computed on one replica's tokens, as under data parallelism."""
+
+    def __init__(self, dataset, batch_size: int):
+        self.dataset, self.batch_size = dataset, batch_size
+        # replica 0's sampler: Lightning sets the epoch of a batch sampler's ``sampler`` at every epoch's start
+        self.sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=0)
+
+    def _replica(self, rank: int) -> list[int]:
+        sampler = DistributedSampler(self.dataset, num_replicas=2, rank=rank, shuffle=True, seed=0)
+        sampler.set_epoch(self.sampler.epoch)
+        return list(sampler)
+
+    def __iter__(self):
+        a, b, n = self._replica(0), self._replica(1), self.batch_size
+        for k in range(0, len(a), n):
+            yield a[k:k + n]
+            yield b[k:k + n]
+
+    def __len__(self):
+        return 2 * len(self._replica(0)) // self.batch_size
+
+
+def _assert_params(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys() and got
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, atol=2e-4, rtol=0, msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_checkpoint_under_ep2_resumes_on_one_device_and_under_tp2(tmp_path):
+    """One device resumed from the ep-2 file (micro-batches of the two replicas in turn, accumulated) trains on as
+    ep 2 resumed from it does: the replicas' mean losses and the parameters within 2e-4 over 8 AdamW steps. tp 2
+    (each rank 2 of the 4 experts) resumed from it trains on as one device resumed from it on the same batches."""
+    whole, resumed, path = fit_whole_then_resumed(_fit, tmp_path, lambda: hybrid(expert_parallel_size=2))
+    steps = len(whole[0]["losses"])
+    one = _fit(tmp_path, "one", "auto", devices=1, max_steps=-1, max_epochs=2, ckpt_path=path,
+               accumulate_grad_batches=2,
+               loader=DataLoader(DATA.train_set, batch_sampler=ReplicasInTurn(DATA.train_set, 2)))[0]
+    assert one["global_step"] == steps and len(one["losses"]) == steps  # 8 steps of 2 micro-batches each
+    pairs = torch.tensor(one["losses"]).reshape(-1, 2).sum(1)  # each recorded loss is Lightning's loss / 2
+    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), pairs, atol=2e-4, rtol=0)
+    _assert_params(resumed[0]["params"], one["params"], "ep 2 against one device:")
+
+    loader = reference_loader(DATA.train_set, 2)  # one replica: one device's batches are tp 2's
+    ref = _fit(tmp_path, "one_tp", "auto", devices=1, max_steps=-1, max_epochs=2, ckpt_path=path, loader=loader)[0]
+    tp = _fit(tmp_path, "tp", hybrid(tensor_parallel_size=2), max_steps=-1, max_epochs=2, ckpt_path=path,
+              loader=DataLoader(DATA.train_set, batch_size=2), callbacks=[HoldsExperts(2)])
+    assert len(tp) == 2 and len(ref["losses"]) == len(DATA.train_set) // 2 > 0
+    for rec in tp:
+        torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), atol=2e-4, rtol=0)
+        _assert_params(rec["params"], ref["params"], "tp 2 against one device:")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_checkpoint_under_ep2_resumes_under_ep4(tmp_path):
+    """The ep-2 file resumed on 4 ranks under ep 4 (each rank 1 of the 4 experts) trains on as Lightning's DDP on
+    the same 4 ranks resumed from it: the replicas' mean losses and the parameters within 2e-4."""
+    _, _, path = fit_whole_then_resumed(_fit, tmp_path, lambda: hybrid(expert_parallel_size=2))
+    ddp = _fit(tmp_path, "ddp", DDPStrategy(start_method="fork"), devices=4, max_steps=-1, max_epochs=2,
+               ckpt_path=path)
+    ep4 = _fit(tmp_path, "ep4", hybrid(expert_parallel_size=4), devices=4, max_steps=-1, max_epochs=2,
+               ckpt_path=path, callbacks=[HoldsExperts(4)])
+    assert len(ep4) == len(ddp) == 4
+    mean = torch.tensor([sum(r["losses"][i] for r in ddp) / 4 for i in range(len(ddp[0]["losses"]))])
+    assert len(mean) > 0
+    for rec in ep4:
+        torch.testing.assert_close(torch.tensor(rec["losses"]), mean, atol=2e-4, rtol=0)
+        _assert_params(rec["params"], ddp[0]["params"], f"ep 4 rank {rec['rank']} against DDP:")
