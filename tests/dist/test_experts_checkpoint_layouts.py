@@ -4,6 +4,7 @@ device, under ep 4 and under tp 2, each training on as the same layout's referen
 the converter writes it back in the Hugging Face layout (fused expert tensors under their own names)."""
 import functools
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
@@ -93,3 +94,55 @@ def test_a_checkpoint_under_ep2_resumes_under_ep4(tmp_path):
     for rec in ep4:
         torch.testing.assert_close(torch.tensor(rec["losses"]), mean, atol=2e-4, rtol=0)
         _assert_params(rec["params"], ddp[0]["params"], f"ep 4 rank {rec['rank']} against DDP:")
+
+
+class SavesItsWeights(pl.Callback):
+    """Rank 0's whole module state (experts gathered) at the end of fit, into ``path``: what a checkpoint holds."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_fit_end(self, trainer, pl_module):
+        from torch.distributed.tensor import DTensor
+
+        state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                 for k, v in pl_module.state_dict().items()}
+        if trainer.global_rank == 0:
+            torch.save(state, self.path)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("family,distributed", [("mixtral", False), ("qwen2_moe", False), ("mixtral", True)])
+def test_the_converter_writes_the_hugging_face_layout_from_an_ep2_checkpoint(tmp_path, family, distributed):
+    """``lightning-par-checkpoint convert <ep-2 checkpoint> model.safetensors --strip-prefix model.`` (one file or
+    a DCP directory): the file holds the Hugging Face model's own names and shapes (the fused expert tensors
+    whole: ``mlp.experts.gate_up_proj [E, 2I, H]``, as transformers 5 holds them) with the trained values, and
+    ``from_pretrained`` beside the model's config loads it to exactly the fitted module's weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from safetensors import safe_open
+
+    from lightning_par.checkpoint.cli import main
+
+    factory = functools.partial(MoEModule, family, "adamw")
+    fitted = str(tmp_path / "fitted.pt")
+    fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "e"), devices=2,
+                   strategy=hybrid(expert_parallel_size=2, save_distributed_checkpoint=distributed), max_steps=4,
+                   enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt")),
+                                                         SavesItsWeights(fitted)])
+    (path,) = (tmp_path / "ckpt").iterdir()
+    assert path.is_dir() == distributed
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert main(["convert", str(path), str(out / "model.safetensors"), "--strip-prefix", "model."]) in (0, None)
+    model = seeded(factory).model  # the fit's initial weights
+    want = torch.load(fitted, weights_only=False)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        written = {k: f.get_tensor(k) for k in f.keys()}
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in model.state_dict().items()}
+    experts = [k for k in written if k.endswith("mlp.experts.gate_up_proj")]
+    assert experts and all(written[k].shape[0] == 4 for k in experts)
+    model.config.save_pretrained(str(out))
+    loaded = type(model).from_pretrained(str(out))
+    for name, t in loaded.state_dict().items():
+        torch.testing.assert_close(t, want["model." + name], atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert not torch.equal(want[f"model.{experts[0]}"], model.state_dict()[experts[0]])  # trained, not the initial weights
