@@ -145,4 +145,4 @@ def test_the_converter_writes_the_hugging_face_layout_from_an_ep2_checkpoint(tmp
     loaded = type(model).from_pretrained(str(out))
     for name, t in loaded.state_dict().items():
         torch.testing.assert_close(t, want["model." + name], atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
-    assert not torch.equal(want[f"model.{experts[0]}"], model.state_dict()[experts[0]])  # trained, not the initial weights
+    assert not torch.equal(want[f"model.{experts[0]}"], model.state_dict()[experts[0]])  # trained weights
