@@ -16,7 +16,9 @@ from test_experts_strategy import DATA, STEPS, _fit, assert_matches, hybrid, pla
 @pytest.mark.parametrize("family,optimizer,zero", [("mixtral", "adamw", 0), ("mixtral", "sgd", 0),
                                                    ("list_blocks", "sgd", 0), ("mixtral", "adamw", 1),
                                                    pytest.param("qwen2_moe", "adamw", 0, marks=pytest.mark.slow),
-                                                   pytest.param("deepseek_v3", "adamw", 0, marks=pytest.mark.slow)])
+                                                   pytest.param("deepseek_v3", "adamw", 0, marks=pytest.mark.slow),
+                                                   pytest.param("qwen2_moe", "sgd", 0, marks=pytest.mark.slow),
+                                                   pytest.param("deepseek_v3", "sgd", 0, marks=pytest.mark.slow)])
 def test_pp2_ep2_matches_the_data_parallel_pipeline(tmp_path, family, optimizer, zero):
     """pp 2 x dp 2 with ep 2 (4 ranks): each stage's blocks' experts divided over its two replicas ([Note: expert
     parallelism inside pipeline stages]) equal the same pipeline with ep 1 (whole experts, gradients averaged over

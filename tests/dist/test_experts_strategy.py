@@ -69,7 +69,9 @@ def assert_matches(ref: dict, got: list[dict], ep: int, *, params_atol=2e-4, ind
 
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("family,optimizer", [("mixtral", "adamw"), ("qwen2_moe", "adamw"), ("deepseek_v3", "adamw"),
-                                              ("mixtral", "sgd"), ("list", "sgd")])
+                                              ("mixtral", "sgd"), ("list", "sgd"),
+                                              pytest.param("qwen2_moe", "sgd", marks=pytest.mark.slow),
+                                              pytest.param("deepseek_v3", "sgd", marks=pytest.mark.slow)])
 def test_ep2_matches_data_parallel(tmp_path, family, optimizer):
     factory = functools.partial(MoEModule, family, optimizer)
     ref = ddp_reference(factory, tmp_path, 2)
@@ -182,6 +184,8 @@ def test_tp2_alone_divides_experts_and_matches_one_device(tmp_path):
     pytest.param("mixtral", "adamw", marks=pytest.mark.slow),
     pytest.param("qwen2_moe", "adamw", marks=pytest.mark.slow),
     pytest.param("deepseek_v3", "adamw", marks=pytest.mark.slow),
+    pytest.param("mixtral", "sgd", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", "sgd", marks=pytest.mark.slow),
 ])
 def test_ep2_by_tp2_matches_data_parallel(tmp_path, family, optimizer):
     """dp 2 x tp 2 with ep 2 (4 ranks): dense layers tensor-parallel, experts divided over the two replicas; each
