@@ -164,18 +164,21 @@ def test_bad_expert_layouts_are_refused_at_setup(factory, kw, message):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_tp2_alone_divides_experts_and_matches_one_device(tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow),
+                                    pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_tp2_alone_divides_experts_and_matches_one_device(tmp_path, family):
     """tensor_parallel_size=2, no ep: each tp rank holds 2 of the 4 experts of every layer (not replicated), the
     dense layers are tensor-parallel as before; 8 AdamW steps equal one device on the same batches."""
-    factory = functools.partial(MoEModule, "mixtral", "adamw")
+    factory = functools.partial(MoEModule, family, "adamw")
     ref = one_process_fit(factory, DATA.train_set, 2, max_steps=STEPS)
     with plan_log(tmp_path / "plan.log") as log:
         got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "t"),
                              strategy=hybrid(tensor_parallel_size=2), devices=2, max_steps=STEPS,
                              callbacks=[HoldsExperts(2)])
     assert_matches(ref, got, 1)  # the records hold the experts whole (gathered DTensors)
-    assert "Expert parallel: tp=2, this rank holds experts [0, 2) of each of 2 MoE layers" in log.read_text()
-    assert "setup check: model.model.layers.0.mlp divided match whole" in log.read_text()  # checked over tp
+    first = 1 if family == "deepseek_v3" else 0  # DeepSeek-V3's first layer is dense (first_k_dense_replace=1)
+    assert f"Expert parallel: tp=2, this rank holds experts [0, 2) of each of {2 - first} MoE layers" in log.read_text()
+    assert f"setup check: model.model.layers.{first}.mlp divided match whole" in log.read_text()  # checked over tp
 
 
 @pytest.mark.timeout(TIMEOUT_S)
