@@ -315,23 +315,31 @@ class ReadsItsShare(pl.Callback):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("family", ["mixtral", "list"])
-def test_meta_build_with_weights_under_ep2_matches_data_parallel(tmp_path, family):
+@pytest.mark.parametrize("family,hub", [("mixtral", False), ("list", False), ("mixtral", True),
+                                        pytest.param("qwen2_moe", True, marks=pytest.mark.slow)])
+def test_meta_build_with_weights_under_ep2_matches_data_parallel(tmp_path, family, hub):
     """A module built on the meta device and given ``weights=`` (the module's own file, fused or per-expert
-    tensors): each rank materializes and reads only its experts (the bytes read from the file are the bytes it
-    holds: the dense entries and half of the experts', counted by the reader) and trains as DDP from the same
-    weights does."""
-    from safetensors.torch import save_file
+    tensors; or, ``hub``, the Hugging Face model's ``save_pretrained`` file, one tensor per expert, read as the
+    fused experts: [Note: per-expert files read as fused experts]): each rank materializes and reads only its
+    experts (the bytes read from the file are the bytes it holds: the dense entries and half of the experts',
+    counted by the reader) and trains as DDP from the same weights does."""
+    from safetensors.torch import load_file, save_file
 
     factory = functools.partial(MoEModule, family, "adamw")
     source = seeded(factory)
     path = str(tmp_path / "model.safetensors")
-    state = {k: v.detach().clone().contiguous() for k, v in source.state_dict().items()}
-    save_file(state, path)
+    if hub:
+        source.model.save_pretrained(str(tmp_path))
+        state = load_file(path)
+        assert ".experts.0." in " ".join(state)  # one tensor per expert
+    else:
+        state = {k: v.detach().clone().contiguous() for k, v in source.state_dict().items()}
+        save_file(state, path)
     file_bytes = sum(v.numel() * v.element_size() for v in state.values())
     file_experts = sum(v.numel() * v.element_size() for k, v in state.items() if ".experts." in k)
     ref = ddp_reference(factory, tmp_path, 2)  # seeded(factory): the same weights as the file
-    trainer = pl.Trainer(**trainer_kwargs(strategy=hybrid(expert_parallel_size=2, weights=path), devices=2,
+    trainer = pl.Trainer(**trainer_kwargs(strategy=hybrid(expert_parallel_size=2, weights=path,
+                                                          weights_prefix="model." if hub else ""), devices=2,
                                           max_steps=STEPS, callbacks=[Recorder(str(tmp_path / "m")),
                                                                       HoldsExperts(2 if family != "list" else 1),
                                                                       ReadsItsShare(str(tmp_path))]))
