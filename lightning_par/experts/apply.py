@@ -46,7 +46,9 @@ tp index, [Note: which ranks hold which experts]), every rank forms every group 
 and the ranks of an expert-parallel group run the same schedule, so their all-to-alls come in the same order in
 forward and backward. The stage's gradients are taken aside by the schedule runner and reduced by
 :class:`lightning_par.pipeline.shared.SharedParameters`: its experts' by :meth:`ExpertParallel.reduce_gradients`
-(over the replica group, / dp x cp), the rest averaged over dp (and cp) as before. A meta-built module is refused.
+(over the replica group, / dp x cp), the rest averaged over dp (and cp) as before. A meta-built module's stage
+divides its blocks' meta experts (found by the stage's block names: every parameter is meta before placement) and
+reads this rank's rows / modules from ``weights=`` at placement, as with one stage.
 """
 from __future__ import annotations
 
@@ -286,13 +288,14 @@ _APPLIED = "_lightning_par_expert_parallel"
 
 def apply_experts(module: nn.Module, topology, rank: int, *, expert_parallel_size: int, experts: Optional[str] = None,
                   timeout: Optional[timedelta] = None, tp_group=None, tp_mesh=None,
-                  pipelined: bool = False) -> Optional[ExpertParallel]:
+                  stage_blocks: Optional[tuple[str, ...]] = None) -> Optional[ExpertParallel]:
     """The parallelize order's expert-parallel step. At ``expert_parallel_size=1``: with tensor parallelism
     (``tp_group``), the fused experts divided over tp (:func:`apply_tensor_experts`), else None. Otherwise this
     rank's groups
     (:func:`~lightning_par.experts.layout.expert_groups`, every rank calls this) and :func:`apply_expert_parallel`
     with the replicas of [Note: the experts' gradients] (dp x cp). A module an earlier run divided keeps its
-    experts (the same ``ep`` only)."""
+    experts (the same ``ep`` only). ``stage_blocks``: a pipeline stage's blocks' dotted names, whose experts it
+    divides ([Note: expert parallelism inside pipeline stages])."""
     from lightning_par.experts.layout import expert_groups
 
     ep = expert_parallel_size
@@ -310,10 +313,11 @@ def apply_experts(module: nn.Module, topology, rank: int, *, expert_parallel_siz
                              f"Use expert_parallel_size={before.ep}, or build the module anew.")
         return before
     found = find_experts(module, experts)  # refused before any group is made: the same on every rank
-    if pipelined:  # this stage's blocks' experts ([Note: expert parallelism inside pipeline stages])
+    if stage_blocks is not None:  # this stage's blocks' experts ([Note: expert parallelism inside pipeline stages])
         from lightning_par.materialize import has_meta
 
-        found = [c for c in found if not has_meta(c.module)]  # another stage's blocks' meta stand-ins stay
+        # in this stage's blocks (a meta-built module's too), or held whole outside the stack
+        found = [c for c in found if any(c.name.startswith(f"{b}.") for b in stage_blocks) or not has_meta(c.module)]
         if found:
             check_expert_layout(found, ep, type(module).__name__, experts)
     else:

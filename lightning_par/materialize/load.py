@@ -49,9 +49,14 @@ def open_module_weights(path, module: nn.Module, *, prefix: str = "",
     """Open ``path`` under the module's names (file names gain ``prefix``) and check it against the module's
     whole state dict (``expected``, by default :func:`~lightning_par.weights.expected_state` of ``module``)
     before anything is read: missing, unexpected and mis-shaped names are one ``ValueError`` listing them."""
-    reader = open_weights(path, prefix=prefix, tied=module_ties(module))
+    from lightning_par.experts.hf_files import fused_view
+
+    expected = expected if expected is not None else expected_state(module)
+    # a Hugging Face file's per-expert tensors read as the module's fused experts ([Note: per-expert files read
+    # as fused experts] in lightning_par/experts/hf_files.py)
+    reader = fused_view(open_weights(path, prefix=prefix, tied=module_ties(module)), expected, module_ties(module))
     try:
-        reader.check(expected if expected is not None else expected_state(module))
+        reader.check(expected)
     except ValueError:
         reader.close()
         raise

@@ -111,11 +111,8 @@ def parallelize_pipeline(module: nn.Module, options: EngineOptions, groups: Grou
         made.summary += f"\n{topo}\n{made.plan.describe(module)}"
     # 6. expert parallel: this stage's blocks' experts ([Note: expert parallelism inside pipeline stages])
     if options.layout.expert_parallel_size > 1:
-        if any(has_meta(stack.container[i]) for _, lo, hi in rt.chunks for i in range(lo, hi)):
-            raise ValueError(f"`expert_parallel_size={options.layout.expert_parallel_size}` with several pipeline "
-                             f"stages and a meta-built {type(module).__name__}: not built yet. Build the module with "
-                             f"its weights, or use one stage (pipeline_parallel_size=1) for the meta build.")
-        made.experts = apply_expert_parallel(module, options.layout, groups, rank, pipelined=True)
+        made.experts = apply_expert_parallel(module, options.layout, groups, rank, stage_blocks=tuple(
+            f"{stack.path}.{i}" for _, lo, hi in rt.chunks for i in range(lo, hi)))
         if made.experts is not None:
             made.summary += f"\n{made.experts.describe()}"
     # 7. setup check

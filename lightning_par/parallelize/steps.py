@@ -178,15 +178,15 @@ def record_setup_inputs(module: nn.Module, plan: Optional[TensorPlan], sample: C
 
 # -- 6. expert parallel ---------------------------------------------------------------------------------------
 def apply_expert_parallel(module: nn.Module, layout: LayoutOptions, groups: Groups, rank: Rank, *,
-                          pipelined: bool = False) -> Any:
+                          stage_blocks: Optional[tuple[str, ...]] = None) -> Any:
     """The routed experts of every MoE layer divided whole: over ``expert_parallel_size`` ranks borrowed from dp × cp
     (tokens sent to their experts by all-to-all), or with tensor parallelism alone over the tp group
     (:func:`lightning_par.experts.apply_experts`); None where nothing is divided. After the tensor plan (which
-    leaves the experts out: :func:`find_tensor_plan`), before the setup check. ``pipelined``: this stage's blocks'
-    experts (a stage without any: None)."""
+    leaves the experts out: :func:`find_tensor_plan`), before the setup check. ``stage_blocks``: a pipeline stage's
+    blocks' names, whose experts it divides (a stage without any: None)."""
     return apply_experts(module, rank.topology, rank.rank, expert_parallel_size=layout.expert_parallel_size,
                          experts=layout.experts, timeout=groups.timeout, tp_group=groups.tp,
-                         tp_mesh=groups.mesh["tp"] if groups.tp is not None else None, pipelined=pipelined)
+                         tp_mesh=groups.mesh["tp"] if groups.tp is not None else None, stage_blocks=stage_blocks)
 
 
 # -- 7. setup check -------------------------------------------------------------------------------------------

@@ -14,7 +14,11 @@ from test_experts_strategy import DATA, STEPS, _fit, assert_matches, hybrid, pla
 
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("family,optimizer,zero", [("mixtral", "adamw", 0), ("mixtral", "sgd", 0),
-                                                   ("list_blocks", "sgd", 0), ("mixtral", "adamw", 1)])
+                                                   ("list_blocks", "sgd", 0), ("mixtral", "adamw", 1),
+                                                   pytest.param("qwen2_moe", "adamw", 0, marks=pytest.mark.slow),
+                                                   pytest.param("deepseek_v3", "adamw", 0, marks=pytest.mark.slow),
+                                                   pytest.param("qwen2_moe", "sgd", 0, marks=pytest.mark.slow),
+                                                   pytest.param("deepseek_v3", "sgd", 0, marks=pytest.mark.slow)])
 def test_pp2_ep2_matches_the_data_parallel_pipeline(tmp_path, family, optimizer, zero):
     """pp 2 x dp 2 with ep 2 (4 ranks): each stage's blocks' experts divided over its two replicas ([Note: expert
     parallelism inside pipeline stages]) equal the same pipeline with ep 1 (whole experts, gradients averaged over
@@ -24,7 +28,8 @@ def test_pp2_ep2_matches_the_data_parallel_pipeline(tmp_path, family, optimizer,
     zero_stage=1 the dense optimizer state is sharded over dp, each stage's experts' over their holders."""
     from lightning_par.topology import Topology
 
-    factory = functools.partial(MoEModule, family, optimizer)
+    # DeepSeek-V3's first layer is dense (first_k_dense_replace=1): with 3 layers each stage holds one MoE layer
+    factory = functools.partial(MoEModule, family, optimizer, **({"layers": 3} if family == "deepseek_v3" else {}))
     loader = DataLoader(DATA.train_set, batch_size=2)
     pp = dict(pipeline_parallel_size=2, microbatches=2, blocks="model.layers" if family == "list_blocks" else None)
     ref = fit_and_record(seeded(factory), loader, str(tmp_path / "p"), devices=4, max_steps=STEPS,
@@ -73,3 +78,47 @@ def test_pp_ep_refuses_an_experts_list_as_the_block_stack():
     block stack: under ep it is refused at setup naming the stack and `blocks=`, on every rank alike."""
     with pytest.raises(Exception, match=r"block stack `model.layers.0.experts` is MoEModule.s routed experts"):
         _fit(hybrid(pipeline_parallel_size=2, microbatches=2, expert_parallel_size=2), MoEModule("list"), devices=4)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("family", ["mixtral", "list_blocks"])
+def test_meta_build_with_weights_under_pp2_ep2_matches_the_pipeline(tmp_path, family):
+    """A module built on the meta device and given ``weights=`` (the module's own file) under pp 2 x ep 2: each
+    rank materializes its stage's block with only its experts (half of its layer's), reads from the file exactly
+    the bytes it holds (the reader's count), and trains as the ep-1 pipeline built with the same weights does
+    (losses, gradients, parameters as in the test above)."""
+    import lightning.pytorch as pl
+    from safetensors.torch import save_file
+
+    from harness import Recorder, trainer_kwargs
+    from lightning_par.topology import Topology
+    from test_experts_strategy import HoldsExperts, ReadsItsShare
+
+    factory = functools.partial(MoEModule, family, "adamw")
+    path = str(tmp_path / "model.safetensors")
+    state = {k: v.detach().clone().contiguous() for k, v in seeded(factory).state_dict().items()}
+    save_file(state, path)
+    file_experts = sum(v.numel() * v.element_size() for k, v in state.items() if ".experts." in k)
+    loader = DataLoader(DATA.train_set, batch_size=2)
+    pp = dict(pipeline_parallel_size=2, microbatches=2, blocks="model.layers" if family == "list_blocks" else None)
+    ref = fit_and_record(seeded(factory), loader, str(tmp_path / "p"), devices=4, max_steps=STEPS,
+                         strategy=hybrid(**pp))
+    trainer = pl.Trainer(**trainer_kwargs(strategy=hybrid(**pp, expert_parallel_size=2, weights=path), devices=4,
+                                          max_steps=STEPS, callbacks=[Recorder(str(tmp_path / "m")),
+                                                                      HoldsExperts(2 if family != "list_blocks"
+                                                                                   else 1),
+                                                                      ReadsItsShare(str(tmp_path))]))
+    torch.manual_seed(5)  # not the file's weights: they must come from the file
+    with trainer.init_module(empty_init=True):
+        module = factory()
+    assert all(p.is_meta for p in module.parameters())
+    trainer.fit(module, loader)
+    got = [torch.load(tmp_path / "m" / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    topo = Topology(data_parallel_size=2, pipeline_parallel_size=2)
+    for r, (want, rec) in enumerate(zip(ref, got)):
+        assert any(".experts." in n for n in rec["grads"][0])
+        assert_matches(want, [rec], 1, index=topo.coordinates(r)["dp"])
+        share = torch.load(tmp_path / f"share{r}.pt", weights_only=False)
+        # one MoE layer a stage, half of its experts a rank: a quarter of the file's expert bytes
+        assert file_experts > 0 and share["experts"] * 4 == file_experts, (share, file_experts)
+        assert share["read"] == share["held"] > share["experts"], share

@@ -69,7 +69,9 @@ def assert_matches(ref: dict, got: list[dict], ep: int, *, params_atol=2e-4, ind
 
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("family,optimizer", [("mixtral", "adamw"), ("qwen2_moe", "adamw"), ("deepseek_v3", "adamw"),
-                                              ("mixtral", "sgd"), ("list", "sgd")])
+                                              ("mixtral", "sgd"), ("list", "sgd"),
+                                              pytest.param("qwen2_moe", "sgd", marks=pytest.mark.slow),
+                                              pytest.param("deepseek_v3", "sgd", marks=pytest.mark.slow)])
 def test_ep2_matches_data_parallel(tmp_path, family, optimizer):
     factory = functools.partial(MoEModule, family, optimizer)
     ref = ddp_reference(factory, tmp_path, 2)
@@ -162,24 +164,36 @@ def test_bad_expert_layouts_are_refused_at_setup(factory, kw, message):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_tp2_alone_divides_experts_and_matches_one_device(tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow),
+                                    pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_tp2_alone_divides_experts_and_matches_one_device(tmp_path, family):
     """tensor_parallel_size=2, no ep: each tp rank holds 2 of the 4 experts of every layer (not replicated), the
     dense layers are tensor-parallel as before; 8 AdamW steps equal one device on the same batches."""
-    factory = functools.partial(MoEModule, "mixtral", "adamw")
+    factory = functools.partial(MoEModule, family, "adamw")
     ref = one_process_fit(factory, DATA.train_set, 2, max_steps=STEPS)
     with plan_log(tmp_path / "plan.log") as log:
         got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "t"),
                              strategy=hybrid(tensor_parallel_size=2), devices=2, max_steps=STEPS,
                              callbacks=[HoldsExperts(2)])
     assert_matches(ref, got, 1)  # the records hold the experts whole (gathered DTensors)
-    assert "Expert parallel: tp=2, this rank holds experts [0, 2) of each of 2 MoE layers" in log.read_text()
-    assert "setup check: model.model.layers.0.mlp divided match whole" in log.read_text()  # checked over tp
+    first = 1 if family == "deepseek_v3" else 0  # DeepSeek-V3's first layer is dense (first_k_dense_replace=1)
+    assert f"Expert parallel: tp=2, this rank holds experts [0, 2) of each of {2 - first} MoE layers" in log.read_text()
+    assert f"setup check: model.model.layers.{first}.mlp divided match whole" in log.read_text()  # checked over tp
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_ep2_by_tp2_matches_data_parallel(tmp_path):
-    """dp 2 x tp 2 with ep 2 (4 ranks): dense layers tensor-parallel, experts divided over the two replicas."""
-    factory = functools.partial(MoEModule, "qwen2_moe", "sgd")
+@pytest.mark.parametrize("family,optimizer", [
+    ("qwen2_moe", "sgd"),
+    pytest.param("mixtral", "adamw", marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", "adamw", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", "adamw", marks=pytest.mark.slow),
+    pytest.param("mixtral", "sgd", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", "sgd", marks=pytest.mark.slow),
+])
+def test_ep2_by_tp2_matches_data_parallel(tmp_path, family, optimizer):
+    """dp 2 x tp 2 with ep 2 (4 ranks): dense layers tensor-parallel, experts divided over the two replicas; each
+    family of the exactness matrix over 8 AdamW steps, plain SGD once."""
+    factory = functools.partial(MoEModule, family, optimizer)
     ref = ddp_reference(factory, tmp_path, 2)
     got = fit_and_record(seeded(factory), DataLoader(DATA.train_set, batch_size=2), str(tmp_path / "e"),
                          strategy=hybrid(expert_parallel_size=2, tensor_parallel_size=2), devices=4,
@@ -301,23 +315,31 @@ class ReadsItsShare(pl.Callback):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("family", ["mixtral", "list"])
-def test_meta_build_with_weights_under_ep2_matches_data_parallel(tmp_path, family):
+@pytest.mark.parametrize("family,hub", [("mixtral", False), ("list", False), ("mixtral", True),
+                                        pytest.param("qwen2_moe", True, marks=pytest.mark.slow)])
+def test_meta_build_with_weights_under_ep2_matches_data_parallel(tmp_path, family, hub):
     """A module built on the meta device and given ``weights=`` (the module's own file, fused or per-expert
-    tensors): each rank materializes and reads only its experts (the bytes read from the file are the bytes it
-    holds: the dense entries and half of the experts', counted by the reader) and trains as DDP from the same
-    weights does."""
-    from safetensors.torch import save_file
+    tensors; or, ``hub``, the Hugging Face model's ``save_pretrained`` file, one tensor per expert, read as the
+    fused experts: [Note: per-expert files read as fused experts]): each rank materializes and reads only its
+    experts (the bytes read from the file are the bytes it holds: the dense entries and half of the experts',
+    counted by the reader) and trains as DDP from the same weights does."""
+    from safetensors.torch import load_file, save_file
 
     factory = functools.partial(MoEModule, family, "adamw")
     source = seeded(factory)
     path = str(tmp_path / "model.safetensors")
-    state = {k: v.detach().clone().contiguous() for k, v in source.state_dict().items()}
-    save_file(state, path)
+    if hub:
+        source.model.save_pretrained(str(tmp_path))
+        state = load_file(path)
+        assert ".experts.0." in " ".join(state)  # one tensor per expert
+    else:
+        state = {k: v.detach().clone().contiguous() for k, v in source.state_dict().items()}
+        save_file(state, path)
     file_bytes = sum(v.numel() * v.element_size() for v in state.values())
     file_experts = sum(v.numel() * v.element_size() for k, v in state.items() if ".experts." in k)
     ref = ddp_reference(factory, tmp_path, 2)  # seeded(factory): the same weights as the file
-    trainer = pl.Trainer(**trainer_kwargs(strategy=hybrid(expert_parallel_size=2, weights=path), devices=2,
+    trainer = pl.Trainer(**trainer_kwargs(strategy=hybrid(expert_parallel_size=2, weights=path,
+                                                          weights_prefix="model." if hub else ""), devices=2,
                                           max_steps=STEPS, callbacks=[Recorder(str(tmp_path / "m")),
                                                                       HoldsExperts(2 if family != "list" else 1),
                                                                       ReadsItsShare(str(tmp_path))]))
