@@ -1,6 +1,7 @@
 """Compiled blocks under every strategy on real gloo ranks (fork): with ``compile={"backend": "aot_eager"}`` (the
 eager kernels, traced) every rank's losses, gradients and parameters equal the same layout's eager run (fp32,
-<= 1e-6), for the reference GPT and a tiny Hugging Face Llama; a module the user compiled (its blocks wrapped in
+<= 1e-6), for the reference GPT and a tiny Hugging Face Llama, one graph serving every block with no graph break
+and no recompile (dynamo's counters); a module the user compiled (its blocks wrapped in
 ``torch.compile``, or ``trainer.fit(torch.compile(module))``) trains sharded as the uncompiled module, with its
 results; checkpoints saved compiled resume eager and the other way round; inductor once, within a tolerance."""
 import os
@@ -14,6 +15,7 @@ from harness import TIMEOUT_S, fit_and_record, seeded
 from models import CausalLM, corpus, gpt_factory, hf_model
 from lightning_par import (DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy,
                            TensorParallelStrategy)
+from lightning_par._compat import compile_counters, reset_compile_counters
 from lightning_par.compile import is_compiled
 from lightning_par.pipeline.ghost import Ghost
 
@@ -65,6 +67,8 @@ class Layout(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         from torch.distributed.tensor import DTensor
 
+        reset_compile_counters()  # blocks compile lazily: in the steps that follow
+
         local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731
         held = [p for p in pl_module.parameters() if not p.is_meta]
         stack = pl_module.model.model.layers if hasattr(pl_module, "model") else pl_module.blocks
@@ -73,6 +77,9 @@ class Layout(pl.Callback):
                     "compiled": [is_compiled(b) for b in stack if not isinstance(b, Ghost)],
                     "names": [n for n, _ in pl_module.named_parameters()]},
                    os.path.join(self.out_dir, f"layout{trainer.global_rank}.pt"))
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(compile_counters(), os.path.join(self.out_dir, f"counts{trainer.global_rank}.pt"))
 
 
 def layouts(out_dir: str, ranks: int) -> list[dict]:
@@ -149,6 +156,11 @@ def test_aot_eager_compiled_run_equals_the_eager_run(tmp_path, model, layout):
     got = fit(tmp_path, model, layout, AOT)
     assert_equal_runs(expected, got)
     assert_compiled_as_eager(tmp_path, model, layout, f"{layout}-{AOT}-None", LAYOUTS[layout][2])
+    # one graph serves every block of each rank, whole (no graph break: a tensor plan's regions neither) and
+    # traced once (no guard of one block fails on the next: no recompile)
+    for rank in range(LAYOUTS[layout][2]):
+        counts = torch.load(tmp_path / f"{layout}-{AOT}-None" / f"counts{rank}.pt")
+        assert (counts["graphs"], counts["graph_breaks"], counts["recompiles"]) == (1, 0, 0), (rank, counts)
 
 
 USER = [("gpt", "dp2", "blocks"), ("gpt", "dp2", "module"), ("gpt", "pp2_1f1b", "blocks"),
