@@ -30,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-LAYOUTS = {"dp2": ("DataParallelStrategy", {}), "ddp2": ("ddp", {}), "tp2": ("TensorParallelStrategy", {"tensor_parallel_size": 2}),
+LAYOUTS = {"dp2": ("DataParallelStrategy", {}), "ddp2": ("ddp", {}),
+           "tp2": ("TensorParallelStrategy", {"tensor_parallel_size": 2}),
            "pp2": ("PipelineParallelStrategy", {"pipeline_parallel_size": 2, "microbatches": 4})}
 
 
@@ -128,9 +129,9 @@ def main(argv=None) -> int:
             for c in order:
                 ranks = run(layout, c, args)
                 results.setdefault((layout, c is not False), []).append(ranks)
+                low, high = min(r["min_s"] for r in ranks) * 1e3, max(r["max_s"] for r in ranks) * 1e3
                 print(f"round {rnd + 1} {layout} compile={c!r}: step {max(r['step_s'] for r in ranks) * 1e3:.1f} ms "
-                      f"(min-max {min(r['min_s'] for r in ranks) * 1e3:.0f}-{max(r['max_s'] for r in ranks) * 1e3:.0f}), "
-                      f"first {max(r['first_s'] for r in ranks):.2f} s", flush=True)
+                      f"(min-max {low:.0f}-{high:.0f}), first {max(r['first_s'] for r in ranks):.2f} s", flush=True)
     print(f"\nGPT {args.layers} blocks, width {args.width}, seq {args.seq}, batch {args.batch}, {args.steps} steps "
           f"({args.warmup} of warm-up left out), fp32, 2 CPU processes; compile={compiled!r}; the slowest rank's "
           f"median step each round (ratio: of the medians over rounds)")
@@ -156,7 +157,8 @@ def main(argv=None) -> int:
         fmt = lambda xs: "/".join(f"{x:.0f}" for x in xs)  # noqa: E731
         print(f"{layout:8s} {fmt(row['eager_ms']):>16s} {fmt(row['compiled_ms']):>16s} {ratio:6.3f} "
               f"{row['warmup_eager_s']:6.2f}/{row['warmup_compiled_s']:<7.2f} {row['compile_s']:9.2f} "
-              f"{row['graphs']:6d} {row['graph_breaks']:6d} {row['recompiles']:>5d}/{row['recompiles_after_warmup']:<4d} "
+              f"{row['graphs']:6d} {row['graph_breaks']:6d} "
+              f"{row['recompiles']:>5d}/{row['recompiles_after_warmup']:<4d} "
               f"{row['state_mib_eager']:7.2f}/{row['state_mib_compiled']:.2f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,9 +1,10 @@
 """Compiled blocks under every strategy on real gloo ranks (fork): with ``compile={"backend": "aot_eager"}`` (the
 eager kernels, traced) every rank's losses, gradients and parameters equal the same layout's eager run (fp32,
 <= 1e-6), for the reference GPT and a tiny Hugging Face Llama, one graph serving every block with no graph break
-and no recompile (dynamo's counters); a module the user compiled (its blocks wrapped in
-``torch.compile``, or ``trainer.fit(torch.compile(module))``) trains sharded as the uncompiled module, with its
-results; checkpoints saved compiled resume eager and the other way round; inductor once, within a tolerance."""
+and no recompile (dynamo's counters), and teardown gives the blocks their eager forward back; a module the user
+compiled (its blocks wrapped in ``torch.compile``, or ``trainer.fit(torch.compile(module))``) trains sharded as the
+uncompiled module, with its results; checkpoints saved compiled resume eager and the other way round; inductor
+once, within a tolerance."""
 import os
 
 import lightning.pytorch as pl
@@ -71,7 +72,7 @@ class Layout(pl.Callback):
 
         local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731
         held = [p for p in pl_module.parameters() if not p.is_meta]
-        stack = pl_module.model.model.layers if hasattr(pl_module, "model") else pl_module.blocks
+        stack = _stack(pl_module)
         torch.save({"numel": sum(local(p).numel() for p in held),
                     "dtensor": any(isinstance(p, DTensor) for p in held),
                     "compiled": [is_compiled(b) for b in stack if not isinstance(b, Ghost)],
@@ -80,6 +81,18 @@ class Layout(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         torch.save(compile_counters(), os.path.join(self.out_dir, f"counts{trainer.global_rank}.pt"))
+
+    def on_fit_end(self, trainer, pl_module):  # after the strategy's teardown: which blocks still run compiled
+        torch.save([is_compiled(b) for b in _stack(pl_module) if not isinstance(b, Ghost)],
+                   os.path.join(self.out_dir, f"after{trainer.global_rank}.pt"))
+
+
+def _stack(pl_module):
+    return pl_module.model.model.layers if hasattr(pl_module, "model") else pl_module.blocks
+
+
+def compiled_after_teardown(out_dir, ranks: int) -> list[list[bool]]:
+    return [torch.load(os.path.join(out_dir, f"after{r}.pt")) for r in range(ranks)]
 
 
 def layouts(out_dir: str, ranks: int) -> list[dict]:
@@ -161,6 +174,9 @@ def test_aot_eager_compiled_run_equals_the_eager_run(tmp_path, model, layout):
     for rank in range(LAYOUTS[layout][2]):
         counts = torch.load(tmp_path / f"{layout}-{AOT}-None" / f"counts{rank}.pt")
         assert (counts["graphs"], counts["graph_breaks"], counts["recompiles"]) == (1, 0, 0), (rank, counts)
+    # teardown gives the blocks their eager forward back (a later Trainer applies its own compile setting)
+    after = compiled_after_teardown(str(tmp_path / f"{layout}-{AOT}-None"), LAYOUTS[layout][2])
+    assert all(blocks and not any(blocks) for blocks in after), after
 
 
 USER = [("gpt", "dp2", "blocks"), ("gpt", "dp2", "module"), ("gpt", "pp2_1f1b", "blocks"),
@@ -180,6 +196,9 @@ def test_a_module_the_user_compiled_trains_sharded_as_the_uncompiled_one(tmp_pat
     got = fit(tmp_path, model, layout, user=user)
     assert_equal_runs(expected, got)
     assert_compiled_as_eager(tmp_path, model, layout, f"{layout}-False-{user}", LAYOUTS[layout][2])
+    # the user's compile is theirs: the blocks stay compiled with it after teardown
+    after = compiled_after_teardown(str(tmp_path / f"{layout}-False-{user}"), LAYOUTS[layout][2])
+    assert all(blocks and all(blocks) for blocks in after), after
 
 
 @pytest.mark.timeout(TIMEOUT_S)
