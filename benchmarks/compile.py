@@ -5,6 +5,7 @@ parameters + gradients + optimizer state per rank.
     OMP_NUM_THREADS=1 python benchmarks/compile.py                      # DP2, TP2, PP2 1F1B; eager and compile=True
     OMP_NUM_THREADS=1 python benchmarks/compile.py --layouts dp2 --rounds 3 --compile aot_eager
     OMP_NUM_THREADS=1 python benchmarks/compile.py --layouts dp2,ddp2 --rounds 3   # beside Lightning's DDPStrategy
+    OMP_NUM_THREADS=1 python benchmarks/compile.py --layouts dp2,ddp2,tp2,pp2 --rounds 3 --record  # into the docs
 
 Each run is a Lightning fit of the reference GPT (``--layers`` blocks of width ``--width``, sequences of ``--seq``
 tokens, global batch ``--batch``, ``--steps`` AdamW steps, fp32) on 2 CPU processes (fork, gloo); the rounds
@@ -14,7 +15,11 @@ the same computation as ``dp2`` with ``compile=True``. The first ``--warmup`` st
 (the first holds dynamo's tracing and inductor's compile, the next ones the backward's compile and the allocator's
 warm-up); the step time is the median of the rest, the slowest rank's, with their min-max. ``compile s`` is what
 dynamo reports spent compiling (forward frames and backward graphs); ``recompiles`` counts frames compiled again
-because a guard failed, during warm-up / after it (a steady run compiles nothing after warm-up: 0).
+because a guard failed, during warm-up / after it (a steady run compiles nothing after warm-up: 0). ``ratio`` is
+compiled over eager of the medians over rounds, and its spread the lowest and highest ratio within one round (the
+two runs of a round are neighbours in time); with ``dp2`` and ``ddp2`` both run, our ``compile=True`` is also set
+beside Lightning's DDPStrategy with hand-compiled blocks, round by round. ``--record`` writes the table into
+docs/performance.md ([Note: a generated performance page] in lightning_par.performance).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the step time")
     p.add_argument("--json", default=None)
+    p.add_argument("--record", action="store_true", help="also write the table into docs/performance.md")
     return p.parse_args(argv)
 
 
@@ -135,31 +141,55 @@ def main(argv=None) -> int:
     print(f"\nGPT {args.layers} blocks, width {args.width}, seq {args.seq}, batch {args.batch}, {args.steps} steps "
           f"({args.warmup} of warm-up left out), fp32, 2 CPU processes; compile={compiled!r}; the slowest rank's "
           f"median step each round (ratio: of the medians over rounds)")
-    print(f"{'layout':8s} {'eager ms':>16s} {'compiled ms':>16s} {'ratio':>6s} {'warm-up e/c s':>14s} "
-          f"{'compile s':>9s} {'graphs':>6s} {'breaks':>6s} {'recompiles':>10s} {'p+g+o MiB e/c':>15s}")
-    rows = []
+    header = ["layout", "eager ms (rounds)", "compiled ms (rounds)", "ratio (round min-max)", "warm-up s e/c",
+              "compile s", "graphs", "breaks", "recompiles (after warm-up)", "p+g+o MiB a rank e/c"]
+    print(" | ".join(header))
+    rows, table = [], []
+    fmt = lambda xs: "/".join(f"{x:.0f}" for x in xs)  # noqa: E731
+    step = lambda runs: [max(r["step_s"] for r in ranks) for ranks in runs]  # noqa: E731
     for layout in args.layouts.split(","):
         e, c = results[(layout, False)], results[(layout, True)]
-        step = lambda runs: [max(r["step_s"] for r in ranks) for ranks in runs]  # noqa: E731
         warm = lambda runs: statistics.median(max(r["warmup_s"] for r in ranks) for ranks in runs)  # noqa: E731
         es, cs = step(e), step(c)
         ratio = statistics.median(cs) / statistics.median(es)
+        per_round = [b / a for a, b in zip(es, cs)]
         mib = lambda runs: max(r["state_bytes"] for r in runs[0]) / 2**20  # noqa: E731
         last = c[-1]
         row = {"layout": layout, "eager_ms": [x * 1e3 for x in es], "compiled_ms": [x * 1e3 for x in cs],
-               "ratio": ratio, "warmup_eager_s": warm(e), "warmup_compiled_s": warm(c),
+               "ratio": ratio, "ratio_min": min(per_round), "ratio_max": max(per_round),
+               "warmup_eager_s": warm(e), "warmup_compiled_s": warm(c),
                "compile_s": max(r["compile_s"] for r in last), "graphs": max(r["graphs"] for r in last),
                "frames": max(r["frames"] for r in last), "graph_breaks": max(r["graph_breaks"] for r in last),
                "recompiles": max(r["recompiles"] for ranks in c for r in ranks),
                "recompiles_after_warmup": max(r["recompiles_after_warmup"] for ranks in c for r in ranks),
                "state_mib_eager": mib(e), "state_mib_compiled": mib(c)}
         rows.append(row)
-        fmt = lambda xs: "/".join(f"{x:.0f}" for x in xs)  # noqa: E731
-        print(f"{layout:8s} {fmt(row['eager_ms']):>16s} {fmt(row['compiled_ms']):>16s} {ratio:6.3f} "
-              f"{row['warmup_eager_s']:6.2f}/{row['warmup_compiled_s']:<7.2f} {row['compile_s']:9.2f} "
-              f"{row['graphs']:6d} {row['graph_breaks']:6d} "
-              f"{row['recompiles']:>5d}/{row['recompiles_after_warmup']:<4d} "
-              f"{row['state_mib_eager']:7.2f}/{row['state_mib_compiled']:.2f}")
+        table.append([layout, fmt(row["eager_ms"]), fmt(row["compiled_ms"]),
+                      f"{ratio:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})",
+                      f"{row['warmup_eager_s']:.2f}/{row['warmup_compiled_s']:.2f}", f"{row['compile_s']:.2f}",
+                      row["graphs"], row["graph_breaks"], f"{row['recompiles']} ({row['recompiles_after_warmup']})",
+                      f"{row['state_mib_eager']:.2f}/{row['state_mib_compiled']:.2f}"])
+        print(" | ".join(str(v) for v in table[-1]))
+    tables = [(f"GPT {args.layers} blocks, width {args.width}, seq {args.seq}, batch {args.batch}, {args.steps} steps "
+               f"({args.warmup} of warm-up left out), fp32, 2 CPU processes, compile={compiled!r}; ddp2: Lightning's "
+               f"DDPStrategy, its blocks compiled by hand", header, table)]
+    if (("dp2", True) in results) and (("ddp2", True) in results):  # the same computation: ours against Lightning's
+        ours, theirs = step(results[("dp2", True)]), step(results[("ddp2", True)])
+        per_round = [a / b for a, b in zip(ours, theirs)]
+        ratio = statistics.median(ours) / statistics.median(theirs)
+        beside = [["dp2 compile=True / ddp2 hand-compiled", fmt(x * 1e3 for x in ours), fmt(x * 1e3 for x in theirs),
+                   f"{ratio:.3f} ({min(per_round):.3f}-{max(per_round):.3f})"]]
+        print(f"\nours compiled {fmt(x * 1e3 for x in ours)} ms, Lightning DDP hand-compiled "
+              f"{fmt(x * 1e3 for x in theirs)} ms: {beside[0][3]}")
+        tables.append(("Our compiled DP beside Lightning's DDP with hand-compiled blocks (the same computation)",
+                       ["", "ours ms (rounds)", "Lightning ms (rounds)", "ratio (round min-max)"], beside))
+    if args.record:  # [Note: a generated performance page] in lightning_par.performance
+        from lightning_par.performance import record
+
+        record("benchmark compile", title="Compiled blocks against eager, per layout",
+               command="OMP_NUM_THREADS=1 python benchmarks/compile.py " + " ".join(sys.argv[1:] if argv is None
+                                                                                    else argv),
+               tables=tables)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
