@@ -6,13 +6,17 @@ compiled (its blocks wrapped in ``torch.compile``, or ``trainer.fit(torch.compil
 uncompiled module, with its results; checkpoints saved compiled resume eager and the other way round; inductor
 once, within a tolerance."""
 import os
+import re
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader
+import torch.nn.functional as F
+from torch import nn
+from torch.multiprocessing import ProcessRaisedException
+from torch.utils.data import DataLoader, TensorDataset
 
-from harness import TIMEOUT_S, fit_and_record, seeded
+from harness import TIMEOUT_S, fit_and_record, seeded, trainer_kwargs
 from models import CausalLM, corpus, gpt_factory, hf_model
 from lightning_par import (DataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy,
                            TensorParallelStrategy)
@@ -115,8 +119,8 @@ def fit(tmp_path, model: str, layout: str, compile=False, *, user=None, tag="", 
     elif user == "module":
         module = torch.compile(module, **user_kw)
     return fit_and_record(module, DataLoader(DATA.train_set, batch_size=8), str(out), strategy=strategy,
-                          devices=devices, max_steps=kw.pop("max_steps", STEPS), callbacks=[Layout(str(out)), *kw.pop("callbacks", ())],
-                          **kw)
+                          devices=devices, max_steps=kw.pop("max_steps", STEPS),
+                          callbacks=[Layout(str(out)), *kw.pop("callbacks", ())], **kw)
 
 
 def eager(tmp_path, model: str, layout: str) -> list[dict]:
@@ -210,6 +214,56 @@ def test_inductor_under_data_parallel_within_float_reassociation(tmp_path):
     got = fit(tmp_path, "gpt", "dp2", True)
     assert_equal_runs(expected, got, atol=1e-5, rtol=1e-4)
     assert_compiled_as_eager(tmp_path, "gpt", "dp2", "dp2-True-None", 2)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("layout", ["tp2", pytest.param("pp2_1f1b", marks=pytest.mark.slow)])
+def test_inductor_under_tensor_and_pipeline_parallel_within_float_reassociation(tmp_path, layout):
+    """compile=True (inductor) where the graph is traced on DTensor blocks (TP2: the regions' DTensor code traced
+    away, [Note: a region in a compiled block]) and on a pipeline stage's blocks: the same bound as on DP2 (a few
+    ulps, 2^-23 relative, per fused op; under 1e-4 relative / 1e-5 absolute over 2 AdamW steps)."""
+    expected = eager(tmp_path, "gpt", layout)
+    got = fit(tmp_path, "gpt", layout, True)
+    assert_equal_runs(expected, got, atol=1e-5, rtol=1e-4)
+    assert_compiled_as_eager(tmp_path, "gpt", layout, f"{layout}-True-None", 2)
+
+
+class NoStack(pl.LightningModule):
+    """A regression with no repeated block stack."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("case", ["keyword", "user", "user_cp"])
+def test_what_cannot_be_compiled_is_refused_at_setup_on_every_rank(case):
+    """``compile=True``, or the user's ``torch.compile(module)``, on a module with no block stack: every rank
+    refuses at setup naming ``blocks=`` and the strategy (never silently eager); the user's compile with context
+    parallel (not composed yet): refused naming it. Under fork the rank's ValueError reaches the caller inside
+    torch's ProcessRaisedException, whose message is the rank's traceback."""
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    if case == "user_cp":
+        module, data = torch.compile(seeded(gpt), backend="aot_eager"), DATA.train_set
+        strategy = HybridParallelStrategy(context_parallel_size=2, start_method="fork", timeout=60)
+        match = re.escape("GPT was compiled with torch.compile, which is not composed with context parallel yet")
+    else:
+        module = NoStack() if case == "keyword" else torch.compile(NoStack(), backend="aot_eager")
+        strategy = DataParallelStrategy(compile=case == "keyword", start_method="fork", timeout=60)
+        what = "compile=True" if case == "keyword" else "torch.compile (the module's"
+        named = re.escape("`blocks='...'` (DataParallelStrategy's option")
+        match = f"(?s)ValueError: `{re.escape(what)}.*compiles the blocks of a repeated block stack.*{named}"
+    trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=2, max_steps=1))
+    with pytest.raises(ProcessRaisedException, match=match):
+        trainer.fit(module, DataLoader(data, batch_size=4))
 
 
 class SaveAtEnd(pl.Callback):
