@@ -244,14 +244,21 @@ class NoStack(pl.LightningModule):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("case", ["keyword", "user", "user_cp"])
+@pytest.mark.parametrize("case", ["keyword", "user", "user_cp", "experts_tp"])
 def test_what_cannot_be_compiled_is_refused_at_setup_on_every_rank(case):
     """``compile=True``, or the user's ``torch.compile(module)``, on a module with no block stack: every rank
     refuses at setup naming ``blocks=`` and the strategy (never silently eager); the user's compile with context
-    parallel (not composed yet): refused naming it. Under fork the rank's ValueError reaches the caller inside
-    torch's ProcessRaisedException, whose message is the rank's traceback."""
+    parallel, and compile where tensor parallelism divides a module's routed experts (not composed yet): refused
+    naming it. Under fork the rank's ValueError reaches the caller inside torch's ProcessRaisedException, whose
+    message is the rank's traceback."""
     data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
-    if case == "user_cp":
+    if case == "experts_tp":
+        from experts_models import MoEModule
+
+        module, data = MoEModule("mixtral"), DATA.train_set
+        strategy = HybridParallelStrategy(tensor_parallel_size=2, compile=AOT, start_method="fork", timeout=60)
+        match = "routed experts are divided over the tensor-parallel ranks, which compile does not compose with"
+    elif case == "user_cp":
         module, data = torch.compile(seeded(gpt), backend="aot_eager"), DATA.train_set
         strategy = HybridParallelStrategy(context_parallel_size=2, start_method="fork", timeout=60)
         match = re.escape("GPT was compiled with torch.compile, which is not composed with context parallel yet")

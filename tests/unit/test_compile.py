@@ -52,12 +52,13 @@ def test_bad_values_are_refused_at_construction_naming_them(value, match):
 
 
 @pytest.mark.parametrize("kw,named", [({"context_parallel_size": 2}, "context_parallel_size=2"),
+                                      ({"expert_parallel_size": 2}, "expert_parallel_size=2"),
                                       ({"sync": "diloco"}, "sync='diloco'"),
                                       ({"fault_tolerance": "torchft"}, "fault_tolerance='torchft'")])
 def test_what_compile_does_not_compose_with_is_refused_by_name(kw, named):
     with pytest.raises(ValueError, match=f"`compile=True` is not composed with `{named}`"):
         HybridParallelStrategy(compile=True, **kw)
-    if "context_parallel_size" not in kw:
+    if not set(kw) & {"context_parallel_size", "expert_parallel_size"}:  # keywords of the hybrid only
         with pytest.raises(ValueError, match=f"is not composed with `{named}`"):
             DataParallelStrategy(compile="aot_eager", **kw)
 
