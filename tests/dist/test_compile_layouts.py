@@ -331,9 +331,11 @@ def test_meta_build_with_weights_trains_compiled(tmp_path, layout):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_bf16_mixed_compiled_equals_eager(tmp_path):
-    """bf16-mixed on TP2: aot_eager traces under autocast and casts where eager casts, the same bf16 kernels on
-    the same values, so the runs agree as fp32 ones do (<= 1e-6)."""
-    expected = fit(tmp_path, "gpt", "tp2", tag="-bf16", precision="bf16-mixed")
-    got = fit(tmp_path, "gpt", "tp2", AOT, tag="-bf16", precision="bf16-mixed")
+@pytest.mark.parametrize("layout", ["tp2", "dp2_zero3"])
+def test_bf16_mixed_compiled_equals_eager(tmp_path, layout):
+    """bf16-mixed on TP2 (autocast) and on ZeRO-3 (FSDP2's dtype policy: bf16 parameters gathered, fp32 gradient
+    reduction): aot_eager traces under the same casts, the same bf16 kernels on the same values, so the runs agree
+    as fp32 ones do (<= 1e-6)."""
+    expected = fit(tmp_path, "gpt", layout, tag="-bf16", precision="bf16-mixed")
+    got = fit(tmp_path, "gpt", layout, AOT, tag="-bf16", precision="bf16-mixed")
     assert_equal_runs(expected, got)
