@@ -281,24 +281,49 @@ class SaveAtEnd(pl.Callback):
         trainer.save_checkpoint(self.path)
 
 
+def assert_same_values(got, expected, where="") -> None:
+    """Nested dicts / lists of tensors and plain values: the same structure, every tensor equal."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, expected), where
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict) and list(got) == list(expected), where
+        for k in expected:
+            assert_same_values(got[k], expected[k], f"{where}/{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(expected), where
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same_values(g, e, f"{where}/{i}")
+    else:
+        assert got == expected, where
+
+
+CHECKPOINT_LAYOUTS = ["pp2_1f1b", "dp2", "dp2_zero3", "dp2_tp2", "tp2"]
+CHECKPOINT_SLOW = {"tp2", "dp2", "dp2_tp2"}
+
+
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("layout", ["pp2_1f1b", pytest.param("tp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", [pytest.param(l, marks=[pytest.mark.slow] if l in CHECKPOINT_SLOW else [])
+                                    for l in CHECKPOINT_LAYOUTS])
 def test_checkpoints_saved_compiled_resume_eager_and_back(tmp_path, layout):
-    """A checkpoint saved compiled equals one saved eager (names and values) and loads into a plain module;
-    resuming it eager trains as resuming the eager one compiled."""
+    """A checkpoint saved compiled equals one saved eager (names and values of the parameters and of the optimizer
+    state) and loads into a plain module; resuming it eager trains as resuming the eager one compiled. Under
+    pipeline, tensor, data parallel (ZeRO 0 and 3: FSDP2's sharded state consolidated) and hybrid (DP2 x TP2)."""
     settings = {"eager": False, "compiled": AOT}
     saved = {name: str(tmp_path / f"{name}.ckpt") for name in settings}
     for name, path in saved.items():
         fit(tmp_path, "gpt", layout, settings[name], tag="-save", callbacks=[SaveAtEnd(path)])
-    plain, compiled = (torch.load(saved[name], weights_only=True)["state_dict"] for name in ("eager", "compiled"))
-    assert list(compiled) == list(plain) == list(seeded(gpt).state_dict())
-    for name in plain:
-        assert torch.equal(compiled[name], plain[name]), name
+    plain, compiled = (torch.load(saved[name], weights_only=True) for name in ("eager", "compiled"))
+    assert list(compiled["state_dict"]) == list(plain["state_dict"]) == list(seeded(gpt).state_dict())
+    for name in plain["state_dict"]:
+        assert torch.equal(compiled["state_dict"][name], plain["state_dict"][name]), name
+    assert plain["optimizer_states"] and plain["optimizer_states"][0]["state"]  # AdamW's moments, after 2 steps
+    assert_same_values(compiled["optimizer_states"], plain["optimizer_states"], "optimizer_states")
     from lightning_par.models import GPT
 
     GPT.load_from_checkpoint(saved["compiled"])  # strict: the module's own names
     resumed_eager = fit(tmp_path, "gpt", layout, False, tag="-resume", max_steps=3, ckpt_path=saved["compiled"])
     resumed_compiled = fit(tmp_path, "gpt", layout, AOT, tag="-resume", max_steps=3, ckpt_path=saved["eager"])
+    assert [r["global_step"] for r in resumed_eager] == [3] * LAYOUTS[layout][2]
     assert_equal_runs(resumed_eager, resumed_compiled, steps=1)
 
 
