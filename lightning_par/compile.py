@@ -32,6 +32,17 @@ are torch's own (``distribute_module``) and are traced with it. The ends (embedd
 ``training_step`` and ``self.log``) stay eager: they run once a step, not once a block, and logging under compile
 is where Lightning's users meet breakage.
 
+[Note: a region in a compiled block]
+A tensor plan's region (:class:`~lightning_par.tensor.parallelize.PrepareBlockInput`, the attention or the MLP of a
+block) runs its code under DTensor's implicit replication and a torch function mode that splits attention masks by
+head. Entered in the region's hooks, inside the compiled forward, the first is a graph break (dynamo cannot trace
+the dispatcher's flag), two per region, so a block's graph falls into pieces. A block that holds a region therefore
+runs its compiled forward inside both, entered eagerly around the compiled frame, and the hooks, seeing
+``torch.compiler.is_compiling()``, enter nothing: dynamo traces the block's regions with the flag set and the mode
+on its stack, and the graph it makes runs plain tensors (the DTensor code is traced away), whatever the flag.
+Around a whole block rather than a region, both change nothing: code outside the regions meets no DTensor, and the
+mode only acts on attention whose query is head-split.
+
 [Note: the order]
 torchtitan's: after the tensor plan, context parallel and activation checkpointing are applied, before FSDP2 or
 DDP wrap the module. The tensor plan first, so the graph is traced on the DTensor blocks; FSDP2 last, so its
@@ -62,6 +73,7 @@ from lightning_par._compat import (compile_backends, compile_modes, is_optimized
                                    user_compiler)
 from lightning_par.pipeline.discovery import find_blocks, other_stacks
 from lightning_par.pipeline.ghost import Ghost
+from lightning_par.tensor.parallelize import holds_region
 
 Value = Union[bool, str, Mapping[str, Any]]
 Compiler = Callable[[Callable], Callable]  # a function -> its compiled version
@@ -216,11 +228,25 @@ def apply_compile(module: nn.Module, compiler: Optional[Compiler], *, blocks: Op
             cls = type(block)
             if cls not in by_class:
                 by_class[cls] = compiler(cls.forward)
-            block.forward = types.MethodType(by_class[cls], block)
+            if holds_region(block):  # [Note: a region in a compiled block]
+                block.forward = types.MethodType(_in_region_context(by_class[cls]), block)
+            else:
+                block.forward = types.MethodType(by_class[cls], block)
             setattr(block, _COMPILED, True)
             done._undos.append(lambda block=block: uncompile_block(block))
             done.blocks.append(f"{path}.{i}" if path else str(i))
     return done
+
+
+def _in_region_context(compiled: Callable) -> Callable:
+    """``compiled`` called under the tensor regions' context, entered eagerly around the compiled frame."""
+    from lightning_par.tensor.parallelize import region_context
+
+    def forward(self, *args, **kwargs):
+        with region_context():
+            return compiled(self, *args, **kwargs)
+
+    return forward
 
 
 def uncompile_block(block: nn.Module) -> None:

@@ -413,4 +413,4 @@ from lightning_par._compat.attention import (  # noqa: E402, F401  (context para
 from lightning_par._compat.checkpointing import composable_checkpoint, is_checkpointed  # noqa: E402, F401
 from lightning_par._compat.compile import (  # noqa: E402, F401  (compile)
     compile_backends, compile_counters, compile_modes, is_optimized_module, optimized_original,
-    reset_compile_counters, user_compiler)
+    register_shared_forward_hooks, reset_compile_counters, user_compiler)

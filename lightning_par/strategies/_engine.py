@@ -133,6 +133,13 @@ class Engine(PeriodicSyncHooks):
         self.compiled = apply_compile(module, self.options.stack, self.rank_values(), blocks=blocks,
                                       user=self.user_compile)
 
+    def uncompile_blocks(self) -> None:
+        """At teardown: the blocks ``compile`` compiled run their eager forward again (a later Trainer applies its own
+        setting); blocks compiled with the user's own ``torch.compile`` stay compiled with it."""
+        if self.compiled is not None and self.options.stack.compile is not False:
+            self.compiled.undo()
+        self.compiled = None
+
     def uncheckpoint_blocks(self) -> None:
         if self.checkpointed is not None:
             self.checkpointed.undo()
@@ -208,6 +215,7 @@ class Engine(PeriodicSyncHooks):
     def teardown(self) -> None:
         self.stop_periodic_sync()
         self.uncheckpoint_blocks()
+        self.uncompile_blocks()
         self.host.lightning_teardown()
 
 

@@ -133,6 +133,7 @@ class ReplicaEngine(Engine):
 
     def teardown(self) -> None:
         self.uncheckpoint_blocks()
+        self.uncompile_blocks()
         self.stop_periodic_sync()
         if self.steps is None:
             return self.host.lightning_teardown()

@@ -118,6 +118,7 @@ class SpmdEngine(Engine):
             self.context.remove()
             self.context = None
         self.uncheckpoint_blocks()
+        self.uncompile_blocks()
         if self.steps is not None:
             self.steps.close()
             self.steps = None

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from lightning_par._compat import implicit_replication
+from lightning_par._compat import implicit_replication, register_shared_forward_hooks
 from lightning_par.tensor.attention import SplitAttentionMasks
 from lightning_par.tensor.fused import FusedColwiseParallel, register_fused_rules
 from lightning_par.tensor.plan import BLOCK, FUSED, LAST_BLOCK, PREPARE, VOCAB_EMBEDDING, VOCAB_HEAD, TensorPlan, under
@@ -64,23 +64,43 @@ class PrepareBlockInput(ParallelStyle):
                     (k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
                 kwargs = {k: (_enter(v, device_mesh, layout) if k == key else _replicate(v, device_mesh))
                           for k, v in kwargs.items()}
-            # tensors the module creates itself count as replicated; attention masks follow the heads' split
-            context = contextlib.ExitStack()
-            context.enter_context(implicit_replication())
-            context.enter_context(SplitAttentionMasks())
+            # tensors the module creates itself count as replicated; attention masks follow the heads' split.
+            # Traced inside a compiled block, the block's eager call holds them ([Note: a region in a compiled block])
+            context = None if torch.compiler.is_compiling() else region_context()
+            if context is not None:
+                context.__enter__()
             calls.append((nested, context))
             return args, kwargs
 
         def post(mod, args, kwargs, out):  # always called, also when the forward raises: the context is left
             nested, context = calls.pop()
-            context.close()
+            if context is not None:
+                context.__exit__(None, None, None)
             # under sequence parallelism the output stays a sequence-sharded DTensor for the residual stream
             return out if keep_dtensor or nested else to_plain(out)
 
-        # as a wrapper of forward would: after the module's other pre-hooks, before its other forward hooks
-        module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True)
+        # as a wrapper of forward would: after the module's other pre-hooks, before its other forward hooks; under
+        # hook ids every region shares, so that one compiled graph serves every block ([Note: a region in a
+        # compiled block] in lightning_par.compile)
+        register_shared_forward_hooks(module, "tensor-region", pre, post)
+        setattr(module, REGION, True)
         return module
+
+
+REGION = "_lightning_par_tensor_region"  # the mark of a module PrepareBlockInput made a region
+
+
+@contextlib.contextmanager
+def region_context():
+    """What a region's code runs under: implicit replication (tensors the module creates itself count as
+    replicated) and :class:`~.attention.SplitAttentionMasks`."""
+    with implicit_replication(), SplitAttentionMasks():
+        yield
+
+
+def holds_region(module: nn.Module) -> bool:
+    """Whether a region of a tensor plan lies in ``module`` (it, or a module below it)."""
+    return any(vars(m).get(REGION, False) for m in module.modules())
 
 
 class ReplicatedIsland(ParallelStyle):

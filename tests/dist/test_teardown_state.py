@@ -1,7 +1,8 @@
 """A layout strategy leaves nothing behind in the objects the user or Lightning own: the precision plugin and its
 scaler come back as they were (the layout's subclass copies are taken out at teardown, [Note: precision
 subclasses]), and no global state stays behind: DTensor's sharding tables and dispatcher flag, torch's global
-module hooks, the trainer's flags and the module's attributes are as before the fit, no patch of
+module hooks, the trainer's flags and the module's attributes are as before the fit (its blocks' forward the
+class's again after ``compile=``), no patch of
 lightning_par.patches is still installed, the optimizer keeps its own ``step`` and no step hook, and nothing of
 the package (a cache, a registry) holds the module: a second Trainer of the same module finds out from the
 module itself that it is parallelized already."""
@@ -37,12 +38,15 @@ BODY = textwrap.dedent("""
     make = {"tensor": lambda: TensorParallelStrategy(tensor_parallel_size=1, timeout=60),
             "pipeline": lambda: PipelineParallelStrategy(pipeline_parallel_size=1, microbatches=2, timeout=60),
             "hybrid": lambda: HybridParallelStrategy(timeout=60),
-            "data": lambda: DataParallelStrategy(timeout=60)}[sys.argv[1]]
+            "data": lambda: DataParallelStrategy(timeout=60),
+            "data_compiled": lambda: DataParallelStrategy(compile="aot_eager", timeout=60),
+            "tensor_compiled": lambda: TensorParallelStrategy(tensor_parallel_size=1, compile="aot_eager", timeout=60),
+            }[sys.argv[1]]
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)""")
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("kind", ["tensor", "pipeline", "hybrid", "data"])
+@pytest.mark.parametrize("kind", ["tensor", "pipeline", "hybrid", "data", "data_compiled", "tensor_compiled"])
 def test_precision_plugin_and_scaler_come_back_unchanged(kind, tmp_path):
     log = tmp_path / "child.log"
     child = multiprocessing.get_context("fork").Process(target=_run_checks, args=(kind, str(log)))
