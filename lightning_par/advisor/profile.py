@@ -252,24 +252,12 @@ def _interface_probe(module, query, key, value, attention_mask, **kwargs):
 
 def _route_interface(stack: ExitStack, blocks: list[nn.Module], ledger) -> None:
     """Point the blocks' Hugging Face attention modules at :func:`_interface_probe` until ``stack`` closes."""
-    from lightning_par._compat import attn_implementation, hf_register_attention, hf_set_attention_implementation
-    from lightning_par.context.probe import hf_attention_modules
+    from lightning_par.context.probe import hf_attention_configs, hf_attention_through
 
-    configs = {id(c): c for b in blocks for n in hf_attention_modules(b) if (c := b.get_submodule(n).config)}
-    if not configs:
-        return
-    hf_register_attention(_INTERFACE, _interface_probe)
-    originals = {key: attn_implementation(config) for key, config in configs.items()}
-    for config in configs.values():
-        hf_set_attention_implementation(config, _INTERFACE)
-    _LEDGERS.append((ledger, originals))
-
-    def restore():
-        _LEDGERS.remove((ledger, originals))
-        for key, config in configs.items():
-            hf_set_attention_implementation(config, originals[key])
-
-    stack.callback(restore)
+    configs = hf_attention_configs(blocks)
+    if configs:
+        _LEDGERS.append((ledger, stack.enter_context(hf_attention_through(configs, _INTERFACE, _interface_probe))))
+        stack.callback(_LEDGERS.pop)
 
 
 def _sync(device: torch.device) -> None:

@@ -113,8 +113,9 @@ class LossCheck:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal up to the reassociation of one sum over the tokens in the tensors' format: ``n·eps`` relative, n the
-    group's pieces (each rank's sum is the same numbers added in another order), with a floor of 64 eps."""
+    """Equal up to the reassociation of the step's sums over the tokens: the pieces add the same float32 terms in
+    another order (each rank's partial sum, then the group's), which moves a sum by a few ulps of its magnitude;
+    64 float32 eps, relative and absolute, holds that with room for the means and logs derived from it."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     if a.shape != b.shape:
         return False

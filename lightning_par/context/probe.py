@@ -23,6 +23,7 @@ The run leaves the module as it found it (its buffers restored, the random state
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -95,6 +96,28 @@ def hf_attention_modules(block: nn.Module) -> dict:
     return found
 
 
+def hf_attention_configs(blocks) -> dict:
+    """``{id(config): config}`` of the Hugging Face attention modules inside ``blocks``
+    (:func:`hf_attention_modules`)."""
+    return {id(c): c for b in blocks for n in hf_attention_modules(b) if (c := b.get_submodule(n).config) is not None}
+
+
+@contextlib.contextmanager
+def hf_attention_through(configs: dict, name: str, fn: Callable):
+    """While entered, the Hugging Face attention ``configs`` (:func:`hf_attention_configs`) name ``fn``, registered
+    in the attention interface as ``name``; yields ``{id(config): its own implementation}``, which ``fn`` calls
+    through (``hf_attention_function``). Restored on exit."""
+    hf_register_attention(name, fn)
+    originals = {key: attn_implementation(config) for key, config in configs.items()}
+    for config in configs.values():
+        hf_set_attention_implementation(config, name)
+    try:
+        yield originals
+    finally:
+        for key, config in configs.items():
+            hf_set_attention_implementation(config, originals[key])
+
+
 def probe_first_block(module: nn.Module, run: Callable[[], object], *, blocks: str | None = None,
                       seq_dim: int = 1) -> BlockSeen:
     """Run ``run`` (the module on one sample) up to the end of the stack's first block and record it ([Note: the
@@ -105,17 +128,15 @@ def probe_first_block(module: nn.Module, run: Callable[[], object], *, blocks: s
                      hf_attention=hf_attention_modules(block))
     hname = hidden_name(block)
     counter = _CountSdpa()
-    configs = {id(c): c for c in (block.get_submodule(n).config for n in seen.hf_attention)}
-    originals = {}
+    configs = hf_attention_configs([block])
+    routed = contextlib.ExitStack()  # the block's attention modules through _hf_probe, from its start on
 
     def pre(_, args, kwargs):
         hidden = args[0] if args else kwargs.get(hname)
         seen.hidden_shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else None
-        _register()
-        for key, config in configs.items():
-            originals[key] = attn_implementation(config)
-            hf_set_attention_implementation(config, _PROBE)
-        _PROBING.append((seen, originals))
+        if configs:
+            _PROBING.append((seen, routed.enter_context(hf_attention_through(configs, _PROBE, _hf_probe))))
+            routed.callback(_PROBING.pop)
         counter.__enter__()
 
     def post(*_):
@@ -132,11 +153,7 @@ def probe_first_block(module: nn.Module, run: Callable[[], object], *, blocks: s
     finally:
         for h in handles:
             h.remove()
-        if _PROBING and _PROBING[-1][0] is seen:
-            _PROBING.pop()
-        for key, config in configs.items():
-            if key in originals:
-                hf_set_attention_implementation(config, originals[key])
+        routed.close()
     return seen
 
 
@@ -150,15 +167,6 @@ def _hf_probe(module, query, key, value, attention_mask, **kwargs):
     fn = hf_attention_function(module, originals[id(module.config)])
     return fn(module, query, key, value, attention_mask, **kwargs)
 
-
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if not _registered:
-        hf_register_attention(_PROBE, _hf_probe)
-        _registered = True
 
 
 def check_context_parallel(module: nn.Module, run: Callable[[], object] | None, *, method: str,
@@ -190,4 +198,5 @@ def check_context_parallel(module: nn.Module, run: Callable[[], object] | None, 
     raise ValueError(f"Context parallelism (context_parallel_method={method!r}) cannot serve {what}: {why}. {fix}.")
 
 
-__all__ = ["BlockSeen", "check_context_parallel", "hf_attention_modules", "probe_first_block"]
+__all__ = ["BlockSeen", "check_context_parallel", "hf_attention_configs", "hf_attention_modules",
+           "hf_attention_through", "probe_first_block"]

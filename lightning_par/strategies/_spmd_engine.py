@@ -76,12 +76,15 @@ class SpmdEngine(Engine):
         fresh = not self._parallelized_before(module) and before is None
         self.uncheckpoint_blocks()
         fitting = trainer.state.fn == TrainerFn.FITTING
+
+        def sample():  # the step of this trainer's stage (fitting: the training step) on one micro-batch
+            return sample_step(s, module, 1)
+
         made = parallelize_spmd(module, self.options, self.groups, self.rank_values(), place=self.host.place_share,
-                                open_weights=self.host.open_weights, fresh=fresh,
-                                sample=lambda: sample_step(s, module, 1), user_compile=self.user_compile,
-                                train_sample=(lambda: sample_step(s, module, 1)) if fitting else None,
+                                open_weights=self.host.open_weights, fresh=fresh, sample=sample,
+                                user_compile=self.user_compile, train_sample=sample if fitting else None,
                                 before_experts=(self.host.record_one_device_order  # [Note: recording one device's
-                                                if trainer.state.fn == TrainerFn.FITTING else None))  # order]
+                                                if fitting else None))  # order]
         self.checkpointed, self.context, self.compiled = made.checkpointed, made.context, made.compiled
         if fresh:
             self.plan, self.planned, self.experts = made.plan, module, made.experts
